@@ -1,0 +1,142 @@
+"""Paged attention plugged into transformers' attention interface.
+
+A batch runs as one packed sequence ``[1, num_tokens]``. Each attention layer first writes the
+batch's new K/V into its cache slots, then attends: prefill per sequence (causal, over cached
+prefix + new tokens), decode as one batched call over K/V gathered through the block tables.
+The batch's metadata reaches the layers through a per-forward context, because transformers
+calls the attention function with the model's own arguments only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTN_IMPLEMENTATION = "distserve_paged"
+
+
+@dataclass
+class PrefillSeqMeta:
+    """Where one sequence of a prefill batch sits in the packed tokens and the cache."""
+
+    query_start: int
+    query_len: int
+    context_len: int  # cached prefix + new tokens
+    kv_slots: torch.Tensor | None  # cache slots of all context tokens; None when nothing is cached
+
+
+@dataclass
+class AttentionMetadata:
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    prefill_seqs: list[PrefillSeqMeta] | None = None
+    decode_kv_slots: torch.Tensor | None = None  # [batch, max_context] slot of each context token
+    decode_mask: torch.Tensor | None = None  # [batch, 1, 1, max_context] valid context positions
+    decode_positions: torch.Tensor | None = None  # [batch] position of each query token
+
+
+@dataclass
+class ForwardContext:
+    metadata: AttentionMetadata
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v) of [slots, kv_heads, head_dim]
+
+
+_context: ForwardContext | None = None
+
+
+@contextlib.contextmanager
+def forward_context(context: ForwardContext) -> Iterator[None]:
+    global _context
+    previous, _context = _context, context
+    try:
+        yield
+    finally:
+        _context = previous
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query ``[1, heads, tokens, dim]``, key/value ``[1, kv_heads, tokens, dim]`` -> ``[1, tokens, heads, dim]``."""
+    if _context is None:
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention called outside a distserve forward pass")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("attention logit soft-capping is not supported by distserve's paged attention")
+    meta = _context.metadata
+    k_cache, v_cache = _context.kv_caches[module.layer_idx]
+    new_k = key[0].transpose(0, 1)  # [tokens, kv_heads, dim]
+    new_v = value[0].transpose(0, 1)
+    k_cache.index_copy_(0, meta.slot_mapping, new_k)
+    v_cache.index_copy_(0, meta.slot_mapping, new_v)
+    gqa = query.shape[1] != key.shape[1]
+    if meta.is_prefill:
+        out = _prefill_attention(query[0], key[0], value[0], k_cache, v_cache, meta, scaling, sliding_window, gqa)
+    else:
+        out = _decode_attention(query[0], k_cache, v_cache, meta, scaling, sliding_window, gqa)
+    return out.unsqueeze(0), None
+
+
+def _prefill_attention(q, k, v, k_cache, v_cache, meta, scaling, sliding_window, gqa) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole context. Returns ``[tokens, heads, dim]``."""
+    out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
+    for s in meta.prefill_seqs:
+        end = s.query_start + s.query_len
+        qs = q[:, s.query_start : end]
+        if s.kv_slots is None:  # no cached prefix: the fresh K/V are the whole context
+            ks, vs = k[:, s.query_start : end], v[:, s.query_start : end]
+        else:
+            ks = k_cache[s.kv_slots].transpose(0, 1)
+            vs = v_cache[s.kv_slots].transpose(0, 1)
+        if sliding_window is None and s.context_len == s.query_len:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa)
+        else:
+            mask = _causal_mask(s.query_len, s.context_len, sliding_window, q.device)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        out[s.query_start : end] = o.transpose(0, 1)
+    return out
+
+
+def _decode_attention(q, k_cache, v_cache, meta, scaling, sliding_window, gqa) -> torch.Tensor:
+    """One query token per sequence over its cached context. Returns ``[batch, heads, dim]``."""
+    qs = q.transpose(0, 1).unsqueeze(2)  # [batch, heads, 1, dim]
+    ks = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [batch, kv_heads, ctx, dim]
+    vs = v_cache[meta.decode_kv_slots].transpose(1, 2)
+    mask = meta.decode_mask
+    if sliding_window is not None:
+        ctx = torch.arange(ks.shape[2], device=q.device)
+        mask = mask & (ctx > meta.decode_positions[:, None] - sliding_window)[:, None, None, :]
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return o.squeeze(2)
+
+
+def _causal_mask(query_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor:
+    """``[query_len, context_len]``: query i sits at position ``context_len - query_len + i``."""
+    q_pos = torch.arange(context_len - query_len, context_len, device=device)[:, None]
+    k_pos = torch.arange(context_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The paged attention function builds its own masks from the forward context."""
+    return None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

@@ -1,0 +1,132 @@
+"""Engine configuration: dataclasses that map one-to-one onto YAML sections and CLI flags.
+
+Every field is a config key (``section.field`` in YAML) and a CLI flag (``--field-name``);
+field names are unique across sections so the flat flag namespace stays unambiguous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+LOAD_FORMATS = ("auto", "dummy")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+SCHEDULERS = ("colocated", "prefill", "decode")
+POLICIES = ("fcfs", "sjf", "priority")
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass
+class ModelConfig:
+    model: str = _opt("tiny-llama", "local Hugging Face model directory, built-in tiny model or preset name")
+    tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's own)")
+    load_format: str = _opt("auto", "'auto' loads safetensors weights, 'dummy' random weights", LOAD_FORMATS)
+    dtype: str = _opt("auto", "weight and KV dtype ('auto': float32 on CPU, the config's on CUDA)", DTYPES)
+    device: str = _opt("auto", "'auto' picks cuda when available", DEVICES)
+    seed: int = _opt(0, "seed for dummy weights and unseeded sampling")
+    max_model_len: int | None = _opt(None, "context length limit (default: the model's)")
+
+    def __post_init__(self) -> None:
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("device", self.device, DEVICES)
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = _opt(16, "tokens per KV block")
+    num_kv_blocks: int | None = _opt(None, "KV blocks per instance (default: sized from memory)")
+    kv_cache_memory_fraction: float = _opt(
+        0.9, "share of free device memory the KV cache may take when num_kv_blocks is unset"
+    )
+    enable_prefix_caching: bool = _opt(True, "share KV blocks of identical prompt prefixes")
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+
+
+@dataclass
+class SchedulerConfig:
+    scheduler: str = _opt("colocated", "which phases this instance runs", SCHEDULERS)
+    policy: str = _opt("fcfs", "prefill queue order", POLICIES)
+    max_num_batched_tokens: int = _opt(4096, "prefill token budget per batch (DistServe's L_m)")
+    max_num_seqs: int = _opt(256, "most sequences running at once")
+    sjf_aging_tokens: float = _opt(
+        64.0, "SJF aging: a waiting prompt counts this many tokens shorter per prefill step it waits"
+    )
+
+    def __post_init__(self) -> None:
+        _check_choice("scheduler", self.scheduler, SCHEDULERS)
+        _check_choice("policy", self.policy, POLICIES)
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.sjf_aging_tokens < 0:
+            raise ValueError(f"sjf_aging_tokens must be >= 0, got {self.sjf_aging_tokens}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_flat(cls, **options: Any) -> EngineConfig:
+        """Build from flat keyword options (``block_size=8``), as the CLI and ``LLM(...)`` pass them."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in options.items():
+            section = FIELD_SECTION.get(key)
+            if section is None:
+                raise ValueError(f"unknown engine option '{key}'; known options: {', '.join(sorted(FIELD_SECTION))}")
+            sections[section][key] = value
+        return cls(**{name: SECTIONS[name](**values) for name, values in sections.items()})
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
+        """Read ``model:``, ``cache:`` and ``scheduler:`` sections; ``overrides`` (flat keys) win."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)})")
+        flat: dict[str, Any] = {}
+        for section, values in data.items():
+            if section not in SECTIONS:
+                raise ValueError(f"{path}: unknown section '{section}'; expected one of {', '.join(SECTIONS)}")
+            for key, value in (values or {}).items():
+                if FIELD_SECTION.get(key) != section:
+                    raise ValueError(f"{path}: '{key}' is not a key of section '{section}'")
+                flat[key] = value
+        flat.update(overrides)
+        return cls.from_flat(**flat)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+FIELD_SECTION: dict[str, str] = {
+    f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+}
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got '{value}'")

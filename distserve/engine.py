@@ -1,0 +1,189 @@
+"""The engine core of one instance: validate and queue requests, then step the scheduler, the
+model runner, the sampler and the output processing, one batch at a time."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from distserve.block_manager import BlockManager
+from distserve.colocated_scheduler import ColocatedScheduler
+from distserve.config import EngineConfig
+from distserve.detokenizer import Detokenizer, find_stop_string
+from distserve.kv_cache import KVCache, KVCacheShape, determine_num_blocks
+from distserve.metrics import StepRecord, StepStats, StepTimer
+from distserve.model_loader import load_model, load_tokenizer, resolve_model
+from distserve.model_runner import ModelRunner
+from distserve.outputs import RequestOutput
+from distserve.sampler import Sampler
+from distserve.sampling_params import SamplingParams
+from distserve.sequence import Sequence, SequenceStatus
+from placement.model_presets import model_shape
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, max_step_records: int = 0) -> None:
+        if config.scheduler.scheduler != "colocated":
+            raise ValueError(
+                f"an in-process engine runs both phases: scheduler '{config.scheduler.scheduler}' "
+                "needs a disaggregated cluster"
+            )
+        self.config = config
+        resolved = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(resolved)
+        model = load_model(resolved, config.model.load_format, config.model.seed)
+        self.max_model_len = resolved.max_model_len
+        self.vocab_size = resolved.hf_config.vocab_size
+        self.device = resolved.device
+
+        shape = model_shape(resolved.hf_config.to_dict())
+        kv_shape = KVCacheShape(
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, config.cache.block_size, resolved.dtype
+        )
+        max_tokens = config.scheduler.max_num_seqs * self.max_model_len
+        num_blocks = determine_num_blocks(config.cache, kv_shape, resolved.device, max_tokens)
+        self.kv_cache = KVCache(kv_shape, num_blocks, resolved.device)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.scheduler = ColocatedScheduler(config.scheduler, self.block_manager)
+        self.model_runner = ModelRunner(model, self.kv_cache, config.cache.block_size)
+        self.sampler = Sampler(config.model.seed)
+        self.detokenizer = Detokenizer(self.tokenizer)
+        self.eos_token_ids = self._eos_token_ids(model)
+        self.requests: dict[str, Sequence] = {}
+        self.stats = StepStats(max_step_records)
+
+    def _eos_token_ids(self, model: torch.nn.Module) -> frozenset[int]:
+        ids = set()
+        for value in (getattr(model.generation_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(value)
+        return frozenset(ids)
+
+    # Requests -----------------------------------------------------------------------------
+
+    def make_sequence(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Sequence:
+        """Validate a request and build its sequence; raises ValueError saying what to fix."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt) if prompt else []
+        else:
+            text, token_ids = None, list(prompt)
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if not token_ids:
+            raise ValueError("the prompt is empty: pass at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but the model's context is {self.max_model_len}: "
+                f"shorten it to at most {self.max_model_len - 1} tokens"
+            )
+        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
+            raise ValueError(
+                f"the request may grow to {longest} tokens, more than the KV cache's "
+                f"{self.block_manager.num_blocks * self.block_manager.block_size}: lower max_tokens "
+                "or give the cache more blocks"
+            )
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        return Sequence(token_ids, params, request_id=request_id, prompt=text, priority=priority)
+
+    def add_sequence(self, seq: Sequence) -> None:
+        if seq.request_id in self.requests:
+            raise ValueError(f"request id '{seq.request_id}' is already in use")
+        self.detokenizer.start(seq)
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> str:
+        seq = self.make_sequence(prompt, params, request_id, priority)
+        self.add_sequence(seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks; None if it is not running here."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, "abort")
+        return self._output(seq, 0, "")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # Stepping -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns an output for every sequence that advanced."""
+        timer = StepTimer()
+        batch = self.scheduler.schedule()
+        timer.lap("schedule")
+        if not batch.seqs:
+            return []
+        runner = self.model_runner
+        prepare = runner.prepare_prefill if batch.is_prefill else runner.prepare_decode
+        input_ids, positions, meta, logit_rows = prepare(batch.seqs)
+        timer.lap("prepare")
+        logits = runner.forward(input_ids, positions, meta, logit_rows)
+        if self.stats.records.maxlen and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        timer.lap("forward")
+        tokens = self.sampler(logits, [s.sampling_params for s in batch.seqs], [s.num_output_tokens for s in batch.seqs])
+        timer.lap("sample")
+        outputs = [self._append_token(seq, token) for seq, token in zip(batch.seqs, tokens)]
+        timer.lap("postprocess")
+        self.stats.add(StepRecord(batch.is_prefill, len(batch.seqs), len(input_ids), timer.seconds))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.append_token(token)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        delta = self.detokenizer.step(seq)
+        params = seq.sampling_params
+        reason = None
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = "stop"
+        elif params.stop:
+            text_before = len(seq.output_text) - len(delta)
+            if find_stop_string(seq, delta) is not None:
+                reason, delta = "stop", seq.output_text[text_before:]
+        if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq, 1, delta)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.finish(seq)
+        del self.requests[seq.request_id]
+
+    def _output(self, seq: Sequence, num_new: int, delta: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            text=seq.output_text,
+            new_token_ids=seq.token_ids[len(seq.token_ids) - num_new :] if num_new else [],
+            new_text=delta,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+        )

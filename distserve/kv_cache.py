@@ -1,0 +1,80 @@
+"""The paged KV cache tensor of one worker and how many blocks it gets."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from distserve.config import CacheConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element
+
+
+class KVCache:
+    """One tensor ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]``.
+
+    Block ``b`` owns slots ``b * block_size ... (b + 1) * block_size - 1``; a flat slot axis lets
+    attention write new K/V with one ``index_copy_`` and gather context with one index.
+    """
+
+    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device) -> None:
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.tensor = torch.zeros(
+            shape.num_layers,
+            2,
+            num_blocks * shape.block_size,
+            shape.num_kv_heads,
+            shape.head_dim,
+            dtype=shape.dtype,
+            device=device,
+        )
+        self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(shape.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+def free_device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def determine_num_blocks(
+    cache_config: CacheConfig, shape: KVCacheShape, device: torch.device, max_useful_tokens: int
+) -> int:
+    """Blocks from the config, or a share of free memory capped at what the engine can ever fill."""
+    if cache_config.num_kv_blocks is not None:
+        return cache_config.num_kv_blocks
+    budget = int(free_device_memory(device) * cache_config.kv_cache_memory_fraction)
+    from_memory = budget // shape.bytes_per_block
+    useful = -(-max_useful_tokens // shape.block_size)
+    num_blocks = min(from_memory, useful)
+    if num_blocks < 1:
+        raise ValueError(
+            f"no memory left for the KV cache ({budget} bytes for blocks of {shape.bytes_per_block} bytes): "
+            "lower the model size or set num_kv_blocks"
+        )
+    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, shape.block_size,
+                num_blocks * shape.bytes_per_block / 2**20)
+    return num_blocks
