@@ -57,9 +57,7 @@ class CacheConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
-            raise ValueError(
-                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
-            )
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
 
 
 @dataclass
@@ -122,9 +120,7 @@ class EngineConfig:
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
-FIELD_SECTION: dict[str, str] = {
-    f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
-}
+FIELD_SECTION: dict[str, str] = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

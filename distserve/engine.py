@@ -109,7 +109,11 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
         seq = self.make_sequence(prompt, params, request_id, priority)
         self.add_sequence(seq)
@@ -143,7 +147,9 @@ class LLMEngine:
         if self.stats.records.maxlen and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         timer.lap("forward")
-        tokens = self.sampler(logits, [s.sampling_params for s in batch.seqs], [s.num_output_tokens for s in batch.seqs])
+        tokens = self.sampler(
+            logits, [s.sampling_params for s in batch.seqs], [s.num_output_tokens for s in batch.seqs]
+        )
         timer.lap("sample")
         outputs = [self._append_token(seq, token) for seq, token in zip(batch.seqs, tokens)]
         timer.lap("postprocess")

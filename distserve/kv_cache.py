@@ -75,6 +75,10 @@ def determine_num_blocks(
             f"no memory left for the KV cache ({budget} bytes for blocks of {shape.bytes_per_block} bytes): "
             "lower the model size or set num_kv_blocks"
         )
-    logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, shape.block_size,
-                num_blocks * shape.bytes_per_block / 2**20)
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%.1f MiB)",
+        num_blocks,
+        shape.block_size,
+        num_blocks * shape.bytes_per_block / 2**20,
+    )
     return num_blocks

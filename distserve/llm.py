@@ -1,7 +1,7 @@
 """Offline API: one colocated engine in this process, no Ray.
 
-    from distserve import LLM, SamplingParams
-    outputs = LLM("tiny-llama").generate(["Hello"], SamplingParams(max_tokens=8))
+from distserve import LLM, SamplingParams
+outputs = LLM("tiny-llama").generate(["Hello"], SamplingParams(max_tokens=8))
 """
 
 from __future__ import annotations

@@ -62,9 +62,7 @@ def resolve_model(config: ModelConfig) -> ResolvedModel:
         hf_config = AutoConfig.from_pretrained(model_dir)
     elif config.model.lower() in MODEL_PRESETS:
         if config.load_format != "dummy":
-            raise ValueError(
-                f"'{config.model}' is a preset (shapes only, no weights here): add --load-format dummy"
-            )
+            raise ValueError(f"'{config.model}' is a preset (shapes only, no weights here): add --load-format dummy")
         model_dir = None
         facts = dict(MODEL_PRESETS[config.model.lower()])
         hf_config = AutoConfig.for_model(facts.pop("model_type"), **facts)
@@ -78,9 +76,7 @@ def resolve_model(config: ModelConfig) -> ResolvedModel:
     dtype = _resolve_dtype(config.dtype, hf_config, device)
     context = hf_config.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > context:
-        raise ValueError(
-            f"max_model_len {config.max_model_len} exceeds the model's context of {context} positions"
-        )
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {context} positions")
     return ResolvedModel(hf_config, model_dir, tokenizer_dir, dtype, device, config.max_model_len or context)
 
 

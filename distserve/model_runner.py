@@ -20,7 +20,9 @@ class ModelRunner:
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare_prefill(
+        self, seqs: list[Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Pack the uncomputed tokens of each sequence; returns ids, positions, metadata, logit rows."""
         bs = self.block_size
         input_ids: list[int] = []
@@ -65,7 +67,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logit_rows: torch.Tensor | None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        logit_rows: torch.Tensor | None,
     ) -> torch.Tensor:
         """Logits ``[batch, vocab]`` of the rows in ``logit_rows`` (all rows when None)."""
         with forward_context(ForwardContext(meta, self.kv_cache.layers)):

@@ -7,6 +7,7 @@ directory (config.json, model.safetensors, tokenizer files), so it loads like an
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
@@ -47,6 +48,7 @@ def _corpus(num_lines: int = 4000) -> Iterator[str]:
         yield " ".join(words) + rng.choice(_PUNCT)
 
 
+@functools.cache
 def train_tokenizer():
     """A byte-level BPE tokenizer (``PreTrainedTokenizerFast``) with bos/eos/pad tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -77,17 +79,45 @@ def _family_configs(tokenizer) -> dict[str, dict]:
     # A wide init makes the logits peaked, so greedy choices are not decided by rounding noise.
     common = {**ids, "initializer_range": 0.15, "tie_word_embeddings": False}
     return {
-        "tiny-llama": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                       "max_position_embeddings": MAX_POSITIONS, **common},
-        "tiny-qwen2": {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
-                       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
-                       "max_position_embeddings": MAX_POSITIONS, **common},
-        "tiny-opt": {"model_type": "opt", "hidden_size": 64, "ffn_dim": 128, "word_embed_proj_dim": 64,
-                     "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "max_position_embeddings": MAX_POSITIONS, **common, "init_std": 0.15},
-        "tiny-gpt2": {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4,
-                      "n_positions": MAX_POSITIONS, **common},
+        "tiny-llama": {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": MAX_POSITIONS,
+            **common,
+        },
+        "tiny-qwen2": {
+            "model_type": "qwen2",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": MAX_POSITIONS,
+            **common,
+        },
+        "tiny-opt": {
+            "model_type": "opt",
+            "hidden_size": 64,
+            "ffn_dim": 128,
+            "word_embed_proj_dim": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "max_position_embeddings": MAX_POSITIONS,
+            **common,
+            "init_std": 0.15,
+        },
+        "tiny-gpt2": {
+            "model_type": "gpt2",
+            "n_embd": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_positions": MAX_POSITIONS,
+            **common,
+        },
     }
 
 

@@ -1,0 +1,51 @@
+import os
+import random
+
+import pytest
+import torch
+
+from distserve.tiny_models import TINY_MODELS, ensure_tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _model_cache(tmp_path_factory):
+    """Tiny models are made once per test session, in a directory of the session's own."""
+    if "DISTSERVE_CACHE_DIR" not in os.environ:
+        os.environ["DISTSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("distserve-cache"))
+
+
+@pytest.fixture(scope="session")
+def reference_model():
+    """transformers' own model (its default attention) for a tiny family, loaded once."""
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+
+    def get(name: str):
+        if name not in models:
+            models[name] = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(name)).eval()
+        return models[name]
+
+    return get
+
+
+def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of ``model.generate`` for one prompt, without padding."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def assert_all_blocks_free(llm) -> None:
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not llm.engine.requests
+
+
+FAMILIES = TINY_MODELS

@@ -1,0 +1,104 @@
+"""The command line, YAML config, model presets and dummy loading."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from distserve import LLM, SamplingParams
+from distserve.cli import main
+from distserve.config import SECTIONS, EngineConfig, ModelConfig
+from distserve.model_loader import resolve_model
+from placement import MODEL_PRESETS, model_shape
+
+
+def test_generate_streams_the_greedy_text(capsys):
+    assert main(["generate", "--model", "tiny-opt", "--max-tokens", "10", "--temperature", "0", "The cache block"]) == 0
+    printed = capsys.readouterr().out
+    expected = LLM("tiny-opt").generate("The cache block", SamplingParams(max_tokens=10, temperature=0))[0]
+    assert printed == expected.text + "\n"
+
+
+def test_generate_with_a_config_file(tmp_path, capsys):
+    config = tmp_path / "engine.yaml"
+    config.write_text("model:\n  model: tiny-qwen2\ncache:\n  block_size: 4\n  num_kv_blocks: 64\n")
+    assert main(["generate", "--config", str(config), "--max-tokens", "3", "--temperature", "0", "a", "b"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- ") == 2
+
+
+def test_cli_errors_exit_2_with_a_sentence(capsys):
+    assert main(["generate", "--model", "nope", "x"]) == 2
+    assert "distserve: error: unknown model 'nope'" in capsys.readouterr().err
+    assert main(["generate", "--top-p", "2", "x"]) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_console_script_runs():
+    result = subprocess.run(
+        [sys.executable, "-m", "distserve.cli", "generate", "--max-tokens", "4", "hello"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+
+
+def test_make_model_writes_a_hugging_face_directory(tmp_path, capsys):
+    out = tmp_path / "llama"
+    assert main(["make-model", "tiny-llama", "--out", str(out)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert model.config.model_type == "llama" and len(tokenizer) == model.config.vocab_size
+    # Deterministic: the same recipe gives the same weights as the cached copy.
+    cached = LLM("tiny-llama").engine.model_runner.model
+    assert torch.equal(model.lm_head.weight, cached.lm_head.weight)
+
+
+def test_every_flag_is_a_config_key_and_back(tmp_path):
+    keys = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+    assert len(keys) == len(set(keys))
+    config = EngineConfig.from_flat(model="tiny-gpt2", block_size=8, policy="sjf", enable_prefix_caching=False)
+    path = tmp_path / "c.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(config.to_dict()))
+    assert EngineConfig.from_yaml(path) == config
+    assert EngineConfig.from_yaml(path, block_size=32).cache.block_size == 32
+    path.write_text("cache:\n  policy: sjf\n")
+    with pytest.raises(ValueError, match="'policy' is not a key of section 'cache'"):
+        EngineConfig.from_yaml(path)
+
+
+@pytest.mark.parametrize(
+    "name, billions",
+    [
+        ("llama-2-7b", 6.74),
+        ("llama-2-13b", 13.0),
+        ("llama-2-70b", 69.0),
+        ("llama-3-8b", 8.03),
+        ("mistral-7b", 7.24),
+        ("qwen2.5-7b", 7.6),
+        ("opt-13b", 12.9),
+        ("opt-66b", 66.0),
+        ("opt-175b", 175.0),
+    ],
+)
+def test_presets_have_the_published_sizes(name, billions):
+    assert model_shape(MODEL_PRESETS[name]).num_params / 1e9 == pytest.approx(billions, rel=0.03)
+    resolved = resolve_model(ModelConfig(model=name, load_format="dummy"))
+    assert resolved.hf_config.model_type == MODEL_PRESETS[name]["model_type"]
+    assert resolved.max_model_len == MODEL_PRESETS[name]["max_position_embeddings"]
+
+
+def test_dummy_weights_have_the_real_shape_and_serve():
+    real = LLM("tiny-llama").engine.model_runner.model
+    dummy_llm = LLM("tiny-llama", load_format="dummy", seed=3)
+    dummy = dummy_llm.engine.model_runner.model
+    assert {k: v.shape for k, v in real.state_dict().items()} == {k: v.shape for k, v in dummy.state_dict().items()}
+    assert not torch.equal(real.lm_head.weight, dummy.lm_head.weight)
+    assert len(dummy_llm.generate("x", SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids) == 5

@@ -1,0 +1,35 @@
+"""The engine on CUDA: exact in float32, serving in bfloat16. Skipped without a GPU."""
+
+import pytest
+import torch
+from conftest import FAMILIES, assert_all_blocks_free, random_prompts, reference_greedy
+
+from distserve import LLM, SamplingParams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+LENGTHS = [1, 9, 33, 64, 120, 200, 17, 80]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_greedy_equals_transformers_on_cuda(family, reference_model):
+    model = reference_model(family).to("cuda")
+    llm = LLM(family, device="cuda", dtype="float32", block_size=8, num_kv_blocks=40)
+    prompts = random_prompts(LENGTHS, model.config.vocab_size)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == reference_greedy(model, prompt, 24)
+    assert_all_blocks_free(llm)
+    model.to("cpu")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_serves_and_frees_every_block(family):
+    llm = LLM(family, device="cuda", dtype="bfloat16")
+    prompts = random_prompts(LENGTHS, 1024)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert all(len(o.token_ids) == 16 for o in outputs)
+    assert_all_blocks_free(llm)

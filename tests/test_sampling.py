@@ -1,0 +1,136 @@
+"""Sampling and stopping: seeds, greedy equivalents, top-k/top-p, stop strings and tokens, EOS."""
+
+import pytest
+import torch
+from conftest import assert_all_blocks_free, random_prompts
+
+from distserve import LLM, SamplingParams
+from distserve.sampler import Sampler
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([5, 40, 90, 17], 1024, seed=7)
+
+
+def _tokens(llm, prompts, params):
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm, prompts):
+    params = [SamplingParams(max_tokens=20, temperature=1.0, seed=100 + i) for i in range(len(prompts))]
+    together = _tokens(llm, prompts, params)
+    alone = [_tokens(llm, [p], sp)[0] for p, sp in zip(prompts, params)]
+    assert together == alone
+    assert together == _tokens(llm, prompts, params)
+    other_seed = _tokens(llm, prompts, [SamplingParams(max_tokens=20, temperature=1.0, seed=1)] * len(prompts))
+    assert other_seed != together
+    assert_all_blocks_free(llm)
+
+
+def test_seeded_sampling_survives_preemption(prompts):
+    params = [SamplingParams(max_tokens=30, temperature=0.8, seed=i) for i in range(len(prompts))]
+    roomy = LLM("tiny-llama", block_size=4)
+    tight = LLM("tiny-llama", block_size=4, num_kv_blocks=32)
+    assert _tokens(roomy, prompts, params) == _tokens(tight, prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=1)])
+def test_greedy_equivalents(llm, prompts, params):
+    params.max_tokens = 15
+    greedy = _tokens(llm, prompts, SamplingParams(max_tokens=15, temperature=0.0))
+    assert _tokens(llm, prompts, params) == greedy
+
+
+def test_unseeded_sampling_differs_from_greedy(llm, prompts):
+    sampled = _tokens(llm, prompts, SamplingParams(max_tokens=15, temperature=1.5))
+    assert sampled != _tokens(llm, prompts, SamplingParams(max_tokens=15, temperature=0.0))
+
+
+def test_top_k_and_top_p_keep_only_the_allowed_tokens():
+    sampler = Sampler(seed=0)
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(400, 1)
+    top_k = sampler(logits, [SamplingParams(temperature=1.0, top_k=2)] * 400, list(range(400)))
+    assert set(top_k) == {0, 1}
+    probs = logits[0].softmax(-1)  # 0.64, 0.24, 0.09, ...: top_p=0.8 keeps the first two
+    assert probs[0] < 0.8 < probs[:2].sum()
+    top_p = sampler(logits, [SamplingParams(temperature=1.0, top_p=0.8)] * 400, list(range(400)))
+    assert set(top_p) == {0, 1}
+    tiny_p = sampler(logits, [SamplingParams(temperature=1.0, top_p=0.01)] * 50, list(range(50)))
+    assert set(tiny_p) == {0}
+    full = sampler(logits, [SamplingParams(temperature=1.0)] * 400, list(range(400)))
+    assert set(full) == {0, 1, 2, 3, 4}
+
+
+def test_sampling_follows_the_distribution():
+    sampler = Sampler(seed=0)
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).repeat(4000, 1)
+    picks = torch.tensor(sampler(logits, [SamplingParams(temperature=1.0)] * 4000, [0] * 4000))
+    freq = torch.bincount(picks, minlength=3).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_stop_token_ids_and_max_tokens(llm, prompts):
+    greedy = _tokens(llm, prompts[:1], SamplingParams(max_tokens=20, temperature=0.0))[0]
+    stop_at = greedy[6]
+    first = greedy.index(stop_at)
+    out = llm.generate(prompts[:1], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop"
+    out = llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert out.token_ids == greedy[:3] and out.finish_reason == "length"
+
+
+def test_eos_stops_unless_ignored(llm, prompts):
+    eos = llm.tokenizer.eos_token_id
+    greedy = _tokens(llm, prompts[:1], SamplingParams(max_tokens=20, temperature=0.0))[0]
+    # Make the model's own 4th greedy token count as EOS by treating it as a stop token of the engine.
+    engine = llm.engine
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = frozenset({greedy[3]})
+    try:
+        stopped = llm.generate(prompts[:1], SamplingParams(max_tokens=20, temperature=0.0))[0]
+        ignored = llm.generate(prompts[:1], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    finally:
+        engine.eos_token_ids = saved
+    assert stopped.token_ids == greedy[: greedy.index(greedy[3]) + 1]
+    assert stopped.finish_reason == "stop"
+    assert ignored.token_ids == greedy and ignored.finish_reason == "length"
+    assert eos in saved
+
+
+def test_stop_strings_cut_the_text(llm):
+    prompt = "The cache block"
+    full = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0))[0]
+    visible = full.text.replace("\ufffd", "")
+    stop = visible[5:8]
+    assert len(stop) == 3 and stop in full.text
+    cut = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    kept = llm.generate(
+        prompt, SamplingParams(max_tokens=30, temperature=0.0, stop=stop, include_stop_str_in_output=True)
+    )[0]
+    assert kept.text == full.text[: full.text.index(stop) + len(stop)]
+    assert len(cut.token_ids) < len(full.token_ids)
+    assert_all_blocks_free(llm)
+
+
+def test_streamed_text_adds_up(llm):
+    engine = llm.engine
+    engine.add_request("Hello world, the server", SamplingParams(max_tokens=25, temperature=0.0), "stream")
+    pieces, tokens = [], []
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            pieces.append(out.new_text)
+            tokens.extend(out.new_token_ids)
+            final = out
+    assert "".join(pieces) == final.text
+    assert tokens == final.token_ids
+    assert final.text == llm.tokenizer.decode(final.token_ids, skip_special_tokens=True)

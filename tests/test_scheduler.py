@@ -1,0 +1,96 @@
+"""Prefill policies (FCFS order, SJF with aging, priority) and the token budget."""
+
+import pytest
+
+from distserve.block_manager import BlockManager
+from distserve.config import SchedulerConfig
+from distserve.prefill_scheduler import PrefillScheduler
+from distserve.sampling_params import SamplingParams
+from distserve.sequence import Sequence
+
+
+def _scheduler(**options) -> PrefillScheduler:
+    return PrefillScheduler(SchedulerConfig(**options), BlockManager(4096, 16, enable_prefix_caching=False))
+
+
+def _seq(n: int, priority: int = 0) -> Sequence:
+    return Sequence(list(range(1, n + 1)), SamplingParams(), priority=priority)
+
+
+def _run_step(sched: PrefillScheduler) -> list[Sequence]:
+    batch = sched.schedule(max_seqs=256)
+    for seq in batch:  # the batch is done at once: give the blocks back
+        sched.block_manager.free(seq)
+    return batch
+
+
+def test_fcfs_keeps_arrival_order():
+    sched = _scheduler(policy="fcfs", max_num_batched_tokens=100)
+    seqs = [_seq(n) for n in (90, 10, 50, 5, 70, 30)]
+    for s in seqs:
+        sched.add(s)
+    order = []
+    while len(sched):
+        order += _run_step(sched)
+    assert order == seqs
+
+
+def test_budget_caps_a_batch_but_an_oversized_prompt_runs_alone():
+    sched = _scheduler(max_num_batched_tokens=100)
+    for n in (40, 40, 40, 300, 10):
+        sched.add(_seq(n))
+    assert [s.num_tokens for s in _run_step(sched)] == [40, 40]
+    assert [s.num_tokens for s in _run_step(sched)] == [40]
+    assert [s.num_tokens for s in _run_step(sched)] == [300]
+    assert [s.num_tokens for s in _run_step(sched)] == [10]
+
+
+def test_priority_policy_orders_by_priority_then_arrival():
+    sched = _scheduler(policy="priority", max_num_batched_tokens=10)
+    seqs = [_seq(5, priority=p) for p in (2, 0, 1, 0)]
+    for s in seqs:
+        sched.add(s)
+    order = []
+    while len(sched):
+        order += _run_step(sched)
+    assert order == [seqs[1], seqs[3], seqs[2], seqs[0]]
+
+
+def _steps_until_long_prompt_runs(aging: float, limit: int = 60) -> int | None:
+    """A 400-token prompt waits while every step brings four 20-token prompts."""
+    sched = _scheduler(policy="sjf", max_num_batched_tokens=100, sjf_aging_tokens=aging)
+    long = _seq(400)
+    sched.add(long)
+    for step in range(1, limit + 1):
+        for _ in range(4):
+            sched.add(_seq(20))
+        if long in _run_step(sched):
+            return step
+    return None
+
+
+def test_sjf_runs_short_prompts_first():
+    sched = _scheduler(policy="sjf", max_num_batched_tokens=1000)
+    for n in (300, 20, 100):
+        sched.add(_seq(n))
+    assert [s.num_tokens for s in _run_step(sched)] == [20, 100, 300]
+
+
+@pytest.mark.parametrize("aging", [16.0, 64.0])
+def test_sjf_aging_bounds_the_wait_of_a_long_prompt(aging):
+    # It overtakes the new 20-token arrivals once 400 - aging * steps < 20.
+    bound = int((400 - 20) // aging) + 2
+    steps = _steps_until_long_prompt_runs(aging)
+    assert steps is not None and steps <= bound
+
+
+def test_sjf_without_aging_starves_the_long_prompt():
+    assert _steps_until_long_prompt_runs(0.0) is None
+
+
+def test_resumed_sequences_go_first():
+    sched = _scheduler(policy="sjf")
+    waiting, preempted = _seq(5), _seq(50)
+    sched.add(waiting)
+    sched.resume(preempted)
+    assert _run_step(sched)[0] is preempted
