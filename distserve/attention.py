@@ -28,23 +28,54 @@ class PrefillSeqMeta:
     query_start: int
     query_len: int
     context_len: int  # cached prefix + new tokens
-    kv_slots: torch.Tensor | None  # cache slots of all context tokens; None when nothing is cached
+    block_ids: torch.Tensor | None  # the sequence's blocks when part of its context is cached, else None
 
 
 @dataclass
 class AttentionMetadata:
     is_prefill: bool
+    block_size: int
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     prefill_seqs: list[PrefillSeqMeta] | None = None
-    decode_kv_slots: torch.Tensor | None = None  # [batch, max_context] slot of each context token
-    decode_mask: torch.Tensor | None = None  # [batch, 1, 1, max_context] valid context positions
+    decode_block_tables: torch.Tensor | None = None  # [batch, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None = None  # [batch, 1, 1, max_blocks * block_size] valid context positions
     decode_positions: torch.Tensor | None = None  # [batch] position of each query token
+
+
+class GatherBuffers:
+    """Reused destinations for K/V gathered block by block.
+
+    A decode step gathers the whole batch's context once per layer; allocating those many-MiB
+    tensors afresh costs page faults that take longer than the copy itself.
+    """
+
+    def __init__(self) -> None:
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def gather(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``block_ids`` (any shape), as ``[*block_ids.shape, block_size, kv_heads, dim]``."""
+        row = block_size * k_cache.shape[1] * k_cache.shape[2]
+        n = block_ids.numel()
+        if self._k is None or self._k.numel() < n * row or self._k.dtype != k_cache.dtype:
+            self._k = torch.empty(n * row, dtype=k_cache.dtype, device=k_cache.device)
+            self._v = torch.empty_like(self._k)
+        shape = (*block_ids.shape, block_size, *k_cache.shape[1:])
+        out = []
+        for cache, buffer in ((k_cache, self._k), (v_cache, self._v)):
+            dest = buffer[: n * row].view(n, row)
+            torch.index_select(cache.view(-1, row), 0, block_ids.reshape(-1), out=dest)
+            out.append(dest.view(shape))
+        return out[0], out[1]
 
 
 @dataclass
 class ForwardContext:
     metadata: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v) of [slots, kv_heads, head_dim]
+    buffers: GatherBuffers
 
 
 _context: ForwardContext | None = None
@@ -84,23 +115,25 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, new_v)
     gqa = query.shape[1] != key.shape[1]
     if meta.is_prefill:
-        out = _prefill_attention(query[0], key[0], value[0], k_cache, v_cache, meta, scaling, sliding_window, gqa)
+        out = _prefill_attention(query[0], key[0], value[0], k_cache, v_cache, scaling, sliding_window, gqa)
     else:
-        out = _decode_attention(query[0], k_cache, v_cache, meta, scaling, sliding_window, gqa)
+        out = _decode_attention(query[0], k_cache, v_cache, scaling, sliding_window, gqa)
     return out.unsqueeze(0), None
 
 
-def _prefill_attention(q, k, v, k_cache, v_cache, meta, scaling, sliding_window, gqa) -> torch.Tensor:
+def _prefill_attention(q, k, v, k_cache, v_cache, scaling, sliding_window, gqa) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole context. Returns ``[tokens, heads, dim]``."""
+    meta = _context.metadata
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
     for s in meta.prefill_seqs:
         end = s.query_start + s.query_len
         qs = q[:, s.query_start : end]
-        if s.kv_slots is None:  # no cached prefix: the fresh K/V are the whole context
+        if s.block_ids is None:  # no cached prefix: the fresh K/V are the whole context
             ks, vs = k[:, s.query_start : end], v[:, s.query_start : end]
         else:
-            ks = k_cache[s.kv_slots].transpose(0, 1)
-            vs = v_cache[s.kv_slots].transpose(0, 1)
+            ks, vs = _context.buffers.gather(k_cache, v_cache, s.block_ids, meta.block_size)
+            ks = ks.flatten(0, 1)[: s.context_len].transpose(0, 1)
+            vs = vs.flatten(0, 1)[: s.context_len].transpose(0, 1)
         if sliding_window is None and s.context_len == s.query_len:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:
@@ -110,11 +143,13 @@ def _prefill_attention(q, k, v, k_cache, v_cache, meta, scaling, sliding_window,
     return out
 
 
-def _decode_attention(q, k_cache, v_cache, meta, scaling, sliding_window, gqa) -> torch.Tensor:
+def _decode_attention(q, k_cache, v_cache, scaling, sliding_window, gqa) -> torch.Tensor:
     """One query token per sequence over its cached context. Returns ``[batch, heads, dim]``."""
+    meta = _context.metadata
     qs = q.transpose(0, 1).unsqueeze(2)  # [batch, heads, 1, dim]
-    ks = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [batch, kv_heads, ctx, dim]
-    vs = v_cache[meta.decode_kv_slots].transpose(1, 2)
+    ks, vs = _context.buffers.gather(k_cache, v_cache, meta.decode_block_tables, meta.block_size)
+    ks = ks.flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, ctx, dim]
+    vs = vs.flatten(1, 2).transpose(1, 2)
     mask = meta.decode_mask
     if sliding_window is not None:
         ctx = torch.arange(ks.shape[2], device=q.device)

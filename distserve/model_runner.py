@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from distserve.attention import AttentionMetadata, ForwardContext, PrefillSeqMeta, forward_context
+from distserve.attention import AttentionMetadata, ForwardContext, GatherBuffers, PrefillSeqMeta, forward_context
 from distserve.kv_cache import KVCache
 from distserve.sequence import Sequence
 
@@ -16,6 +16,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.tensor.device
+        self.buffers = GatherBuffers()
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -39,10 +40,12 @@ class ModelRunner:
             slots = blocks[positions // bs] * bs + positions % bs
             slot_chunks.append(slots[start:])
             position_chunks.append(positions[start:])
-            metas.append(PrefillSeqMeta(query_start, end - start, end, slots if start > 0 else None))
+            metas.append(PrefillSeqMeta(query_start, end - start, end, blocks if start > 0 else None))
             query_start += end - start
             last_rows.append(query_start - 1)
-        meta = AttentionMetadata(is_prefill=True, slot_mapping=torch.cat(slot_chunks), prefill_seqs=metas)
+        meta = AttentionMetadata(
+            is_prefill=True, block_size=bs, slot_mapping=torch.cat(slot_chunks), prefill_seqs=metas
+        )
         return self._tensor(input_ids), torch.cat(position_chunks), meta, self._tensor(last_rows)
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
@@ -54,12 +57,12 @@ class ModelRunner:
         tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
         positions_t = self._tensor(positions)
         grid = torch.arange(width * bs, device=self.device)
-        kv_slots = tables[:, grid // bs] * bs + grid % bs
         mask = (grid[None, :] <= positions_t[:, None])[:, None, None, :]
         meta = AttentionMetadata(
             is_prefill=False,
+            block_size=bs,
             slot_mapping=self._tensor(slots),
-            decode_kv_slots=kv_slots,
+            decode_block_tables=tables,
             decode_mask=mask,
             decode_positions=positions_t,
         )
@@ -74,7 +77,7 @@ class ModelRunner:
         logit_rows: torch.Tensor | None,
     ) -> torch.Tensor:
         """Logits ``[batch, vocab]`` of the rows in ``logit_rows`` (all rows when None)."""
-        with forward_context(ForwardContext(meta, self.kv_cache.layers)):
+        with forward_context(ForwardContext(meta, self.kv_cache.layers, self.buffers)):
             out = self.model(
                 input_ids=input_ids[None],
                 position_ids=positions[None],
