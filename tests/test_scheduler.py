@@ -94,3 +94,28 @@ def test_resumed_sequences_go_first():
     sched.add(waiting)
     sched.resume(preempted)
     assert _run_step(sched)[0] is preempted
+
+
+@pytest.mark.parametrize("aging, finishes", [(32.0, True), (0.0, False)])
+def test_long_request_finishes_under_a_stream_of_short_ones(aging, finishes):
+    """Through the engine: two 8-token prompts arrive every step; a 200-token prompt waits."""
+    from distserve.config import EngineConfig
+    from distserve.engine import LLMEngine
+
+    config = EngineConfig.from_flat(
+        model="tiny-llama", policy="sjf", sjf_aging_tokens=aging, max_num_batched_tokens=64
+    )
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.add_request(list(range(3, 203)), params, request_id="long")
+    finished_at = None
+    for step in range(1, 31):
+        for i in range(2):
+            engine.add_request(list(range(10, 18)), params, request_id=f"short-{step}-{i}")
+        if any(out.request_id == "long" and out.finished for out in engine.step()):
+            finished_at = step
+            break
+    if finishes:  # it overtakes the new arrivals once 200 - 32 * steps < 8
+        assert finished_at is not None and finished_at <= (200 - 8) // 32 + 2
+    else:
+        assert finished_at is None
