@@ -102,9 +102,7 @@ def test_long_request_finishes_under_a_stream_of_short_ones(aging, finishes):
     from distserve.config import EngineConfig
     from distserve.engine import LLMEngine
 
-    config = EngineConfig.from_flat(
-        model="tiny-llama", policy="sjf", sjf_aging_tokens=aging, max_num_batched_tokens=64
-    )
+    config = EngineConfig.from_flat(model="tiny-llama", policy="sjf", sjf_aging_tokens=aging, max_num_batched_tokens=64)
     engine = LLMEngine(config)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     engine.add_request(list(range(3, 203)), params, request_id="long")
