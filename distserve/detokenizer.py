@@ -27,8 +27,9 @@ class Detokenizer:
         ids = seq.token_ids
         prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
         full = self.tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if full.endswith("\ufffd"):  # an incomplete character: wait for the tokens that finish it
             return ""
+        # Advance even when nothing printable came (special or unknown ids), so the window stays short.
         delta = full[len(prefix) :]
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
         seq.output_text += delta
