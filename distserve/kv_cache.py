@@ -12,6 +12,9 @@ from distserve.config import CacheConfig
 
 logger = logging.getLogger(__name__)
 
+# On CPU the "free memory" is the whole machine's, shared with everything else: cap the default.
+CPU_KV_CACHE_LIMIT_BYTES = 4 * 2**30
+
 
 @dataclass(frozen=True)
 class KVCacheShape:
@@ -67,6 +70,8 @@ def determine_num_blocks(
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
     budget = int(free_device_memory(device) * cache_config.kv_cache_memory_fraction)
+    if device.type == "cpu":
+        budget = min(budget, CPU_KV_CACHE_LIMIT_BYTES)
     from_memory = budget // shape.bytes_per_block
     useful = -(-max_useful_tokens // shape.block_size)
     num_blocks = min(from_memory, useful)

@@ -102,3 +102,17 @@ def test_dummy_weights_have_the_real_shape_and_serve():
     assert {k: v.shape for k, v in real.state_dict().items()} == {k: v.shape for k, v in dummy.state_dict().items()}
     assert not torch.equal(real.lm_head.weight, dummy.lm_head.weight)
     assert len(dummy_llm.generate("x", SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids) == 5
+
+
+def test_kv_cache_sizing():
+    from distserve.config import CacheConfig
+    from distserve.kv_cache import CPU_KV_CACHE_LIMIT_BYTES, KVCacheShape, determine_num_blocks
+
+    shape = KVCacheShape(num_layers=32, num_kv_heads=32, head_dim=128, block_size=16, dtype=torch.float16)
+    cpu = torch.device("cpu")
+    assert determine_num_blocks(CacheConfig(num_kv_blocks=7), shape, cpu, 10**9) == 7
+    # Capped by what the engine can fill ...
+    assert determine_num_blocks(CacheConfig(), shape, cpu, 100) == 7
+    # ... and on CPU by the limit, whatever the machine has free.
+    assert determine_num_blocks(CacheConfig(), shape, cpu, 10**9) * shape.bytes_per_block <= CPU_KV_CACHE_LIMIT_BYTES
+    assert shape.bytes_per_block == 32 * 2 * 16 * 32 * 128 * 2
