@@ -51,10 +51,6 @@ class KVCache:
         )
         self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(shape.num_layers)]
 
-    @property
-    def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
 
 def free_device_memory(device: torch.device) -> int:
     if device.type == "cuda":

@@ -89,7 +89,8 @@ def test_every_flag_is_a_config_key_and_back(tmp_path):
     ],
 )
 def test_presets_have_the_published_sizes(name, billions):
-    assert model_shape(MODEL_PRESETS[name]).num_params / 1e9 == pytest.approx(billions, rel=0.03)
+    shape = model_shape(MODEL_PRESETS[name])
+    assert shape.num_params / 1e9 == pytest.approx(billions, rel=0.03)
     resolved = resolve_model(ModelConfig(model=name, load_format="dummy"))
     assert resolved.hf_config.model_type == MODEL_PRESETS[name]["model_type"]
     assert resolved.max_model_len == MODEL_PRESETS[name]["max_position_embeddings"]
@@ -116,3 +117,5 @@ def test_kv_cache_sizing():
     # ... and on CPU by the limit, whatever the machine has free.
     assert determine_num_blocks(CacheConfig(), shape, cpu, 10**9) * shape.bytes_per_block <= CPU_KV_CACHE_LIMIT_BYTES
     assert shape.bytes_per_block == 32 * 2 * 16 * 32 * 128 * 2
+    # Llama-2-7B in fp16 keeps half a MiB of KV per token.
+    assert model_shape(MODEL_PRESETS["llama-2-7b"]).kv_bytes_per_token(2) == 2**19
