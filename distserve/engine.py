@@ -97,8 +97,6 @@ class LLMEngine:
                 f"{self.block_manager.num_blocks * self.block_manager.block_size}: lower max_tokens "
                 "or give the cache more blocks"
             )
-        if request_id is not None and request_id in self.requests:
-            raise ValueError(f"request id '{request_id}' is already in use")
         return Sequence(token_ids, params, request_id=request_id, prompt=text, priority=priority)
 
     def add_sequence(self, seq: Sequence) -> None:
