@@ -74,7 +74,7 @@ class GatherBuffers:
 @dataclass
 class ForwardContext:
     metadata: AttentionMetadata
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k, v) of [slots, kv_heads, head_dim]
+    kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer index -> (k, v) of [slots, kv_heads, head_dim]
     buffers: GatherBuffers
 
 

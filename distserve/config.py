@@ -18,6 +18,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SCHEDULERS = ("colocated", "prefill", "decode")
 POLICIES = ("fcfs", "sjf", "priority")
+PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -82,10 +83,34 @@ class SchedulerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = _opt(1, "tensor parallel ranks per pipeline stage")
+    pipeline_parallel_size: int = _opt(1, "pipeline stages (contiguous slices of the decoder layers)")
+    placement_strategy: str = _opt(
+        "STRICT_PACK", "Ray placement group strategy for an instance's workers", PLACEMENT_STRATEGIES
+    )
+    worker_cpus: float = _opt(0.05, "CPUs each worker reserves in its placement bundle (small: Ray only books it)")
+
+    def __post_init__(self) -> None:
+        _check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}")
+        if self.worker_cpus <= 0:
+            raise ValueError(f"worker_cpus must be positive (Ray rejects empty bundles), got {self.worker_cpus}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_flat(cls, **options: Any) -> EngineConfig:
@@ -100,7 +125,7 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
-        """Read ``model:``, ``cache:`` and ``scheduler:`` sections; ``overrides`` (flat keys) win."""
+        """Read the ``model:``, ``cache:``, ``scheduler:`` and ``parallel:`` sections; ``overrides`` (flat keys) win."""
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)})")
@@ -119,7 +144,12 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+}
 FIELD_SECTION: dict[str, str] = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
 
 

@@ -5,27 +5,27 @@ from __future__ import annotations
 
 import logging
 
-import torch
+from transformers import GenerationConfig
 
 from distserve.block_manager import BlockManager
 from distserve.colocated_scheduler import ColocatedScheduler
 from distserve.config import EngineConfig
 from distserve.detokenizer import Detokenizer, find_stop_string
-from distserve.kv_cache import KVCache, KVCacheShape, determine_num_blocks
+from distserve.executor import make_executor
 from distserve.metrics import StepRecord, StepStats, StepTimer
-from distserve.model_loader import load_model, load_tokenizer, resolve_model
-from distserve.model_runner import ModelRunner
+from distserve.model_loader import ResolvedModel, load_tokenizer, resolve_model
+from distserve.model_runner import BatchInput
 from distserve.outputs import RequestOutput
-from distserve.sampler import Sampler
 from distserve.sampling_params import SamplingParams
 from distserve.sequence import Sequence, SequenceStatus
-from placement.model_presets import model_shape
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, max_step_records: int = 0) -> None:
+    """Scheduler, block manager and output processing of one instance; the model runs in its executor."""
+
+    def __init__(self, config: EngineConfig, max_step_records: int = 0, name: str = "engine") -> None:
         if config.scheduler.scheduler != "colocated":
             raise ValueError(
                 f"an in-process engine runs both phases: scheduler '{config.scheduler.scheduler}' "
@@ -34,35 +34,33 @@ class LLMEngine:
         self.config = config
         resolved = resolve_model(config.model)
         self.tokenizer = load_tokenizer(resolved)
-        model = load_model(resolved, config.model.load_format, config.model.seed)
         self.max_model_len = resolved.max_model_len
         self.vocab_size = resolved.hf_config.vocab_size
-        self.device = resolved.device
-
-        shape = model_shape(resolved.hf_config.to_dict())
-        kv_shape = KVCacheShape(
-            shape.num_layers, shape.num_kv_heads, shape.head_dim, config.cache.block_size, resolved.dtype
-        )
+        self.eos_token_ids = self._eos_token_ids(resolved)
         max_tokens = config.scheduler.max_num_seqs * self.max_model_len
-        num_blocks = determine_num_blocks(config.cache, kv_shape, resolved.device, max_tokens)
-        self.kv_cache = KVCache(kv_shape, num_blocks, resolved.device)
+        self.executor = make_executor(config, max_tokens, name)
+        num_blocks = self.executor.num_blocks
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = ColocatedScheduler(config.scheduler, self.block_manager)
-        self.model_runner = ModelRunner(model, self.kv_cache, config.cache.block_size)
-        self.sampler = Sampler(config.model.seed)
         self.detokenizer = Detokenizer(self.tokenizer)
-        self.eos_token_ids = self._eos_token_ids(model)
         self.requests: dict[str, Sequence] = {}
         self.stats = StepStats(max_step_records)
 
-    def _eos_token_ids(self, model: torch.nn.Module) -> frozenset[int]:
+    def _eos_token_ids(self, resolved: ResolvedModel) -> frozenset[int]:
+        try:
+            generation_config = GenerationConfig.from_pretrained(resolved.model_dir)
+        except (OSError, TypeError):  # no generation_config.json (or no directory: a preset)
+            generation_config = GenerationConfig.from_model_config(resolved.hf_config)
         ids = set()
-        for value in (getattr(model.generation_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+        for value in (generation_config.eos_token_id, self.tokenizer.eos_token_id):
             if isinstance(value, int):
                 ids.add(value)
             elif value:
                 ids.update(value)
         return frozenset(ids)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     # Requests -----------------------------------------------------------------------------
 
@@ -137,21 +135,16 @@ class LLMEngine:
         timer.lap("schedule")
         if not batch.seqs:
             return []
-        runner = self.model_runner
-        prepare = runner.prepare_prefill if batch.is_prefill else runner.prepare_decode
-        input_ids, positions, meta, logit_rows = prepare(batch.seqs)
-        timer.lap("prepare")
-        logits = runner.forward(input_ids, positions, meta, logit_rows)
-        if self.stats.records.maxlen and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        timer.lap("forward")
-        tokens = self.sampler(
-            logits, [s.sampling_params for s in batch.seqs], [s.num_output_tokens for s in batch.seqs]
-        )
-        timer.lap("sample")
+        model_input = BatchInput.from_sequences(batch.is_prefill, batch.seqs)
+        output = self.executor.execute_model(model_input)
+        timer.lap("execute")
+        # Split the executor's time into the driver rank's phases and the rest (calls, transfers).
+        timer.seconds["dispatch"] = timer.seconds.pop("execute") - sum(output.seconds.values())
+        timer.seconds.update(output.seconds)
+        tokens = output.token_ids
         outputs = [self._append_token(seq, token) for seq, token in zip(batch.seqs, tokens)]
         timer.lap("postprocess")
-        self.stats.add(StepRecord(batch.is_prefill, len(batch.seqs), len(input_ids), timer.seconds))
+        self.stats.add(StepRecord(batch.is_prefill, len(batch.seqs), model_input.num_tokens, timer.seconds))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int) -> RequestOutput:

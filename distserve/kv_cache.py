@@ -31,13 +31,16 @@ class KVCacheShape:
 
 
 class KVCache:
-    """One tensor ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]``.
+    """One tensor ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]`` of a worker's own layers and heads.
 
     Block ``b`` owns slots ``b * block_size ... (b + 1) * block_size - 1``; a flat slot axis lets
-    attention write new K/V with one ``index_copy_`` and gather context with one index.
+    attention write new K/V with one ``index_copy_`` and gather context with one index. Block ids
+    are the instance's: every rank holds the same blocks, each for its layers and KV heads.
     """
 
-    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device, layer_ids: range) -> None:
+        if len(layer_ids) != shape.num_layers:
+            raise ValueError(f"{len(layer_ids)} layer ids for a cache of {shape.num_layers} layers")
         self.shape = shape
         self.num_blocks = num_blocks
         self.tensor = torch.zeros(
@@ -49,7 +52,8 @@ class KVCache:
             dtype=shape.dtype,
             device=device,
         )
-        self.layers = [(self.tensor[i, 0], self.tensor[i, 1]) for i in range(shape.num_layers)]
+        # Keyed by the model's layer index, which pipeline stages keep from the full model.
+        self.layers = {layer: (self.tensor[i, 0], self.tensor[i, 1]) for i, layer in enumerate(layer_ids)}
 
 
 def free_device_memory(device: torch.device) -> int:
@@ -60,14 +64,21 @@ def free_device_memory(device: torch.device) -> int:
 
 
 def determine_num_blocks(
-    cache_config: CacheConfig, shape: KVCacheShape, device: torch.device, max_useful_tokens: int
+    cache_config: CacheConfig,
+    shape: KVCacheShape,
+    device: torch.device,
+    max_useful_tokens: int,
+    num_cpu_workers: int = 1,
 ) -> int:
-    """Blocks from the config, or a share of free memory capped at what the engine can ever fill."""
+    """Blocks from the config, or a share of free memory capped at what the engine can ever fill.
+
+    On CPU the workers of an instance share the machine's memory: each takes its part of the budget.
+    """
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
     budget = int(free_device_memory(device) * cache_config.kv_cache_memory_fraction)
     if device.type == "cpu":
-        budget = min(budget, CPU_KV_CACHE_LIMIT_BYTES)
+        budget = min(budget, CPU_KV_CACHE_LIMIT_BYTES) // num_cpu_workers
     from_memory = budget // shape.bytes_per_block
     useful = -(-max_useful_tokens // shape.block_size)
     num_blocks = min(from_memory, useful)

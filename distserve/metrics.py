@@ -1,4 +1,5 @@
-"""Where an engine step's time goes: schedule, prepare inputs, forward, sample, postprocess."""
+"""Where an engine step's time goes: schedule, prepare inputs, forward, sample (on the driver
+rank), dispatch (calls to the workers and back) and postprocess."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
+PHASES = ("schedule", "prepare", "forward", "sample", "dispatch", "postprocess")
 
 
 @dataclass

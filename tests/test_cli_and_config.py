@@ -55,7 +55,7 @@ def test_make_model_writes_a_hugging_face_directory(tmp_path, capsys):
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert model.config.model_type == "llama" and len(tokenizer) == model.config.vocab_size
     # Deterministic: the same recipe gives the same weights as the cached copy.
-    cached = LLM("tiny-llama").engine.model_runner.model
+    cached = LLM("tiny-llama").engine.executor.worker.model
     assert torch.equal(model.lm_head.weight, cached.lm_head.weight)
 
 
@@ -97,9 +97,9 @@ def test_presets_have_the_published_sizes(name, billions):
 
 
 def test_dummy_weights_have_the_real_shape_and_serve():
-    real = LLM("tiny-llama").engine.model_runner.model
+    real = LLM("tiny-llama").engine.executor.worker.model
     dummy_llm = LLM("tiny-llama", load_format="dummy", seed=3)
-    dummy = dummy_llm.engine.model_runner.model
+    dummy = dummy_llm.engine.executor.worker.model
     assert {k: v.shape for k, v in real.state_dict().items()} == {k: v.shape for k, v in dummy.state_dict().items()}
     assert not torch.equal(real.lm_head.weight, dummy.lm_head.weight)
     assert len(dummy_llm.generate("x", SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids) == 5

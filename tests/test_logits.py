@@ -5,6 +5,7 @@ import torch
 from conftest import FAMILIES, random_prompts
 
 from distserve import LLM, SamplingParams
+from distserve.model_runner import BatchInput
 from distserve.sequence import Sequence
 from distserve.tiny_models import ensure_tiny_model
 
@@ -17,12 +18,13 @@ def _engine_logits(llm: LLM, prompts: list[list[int]]) -> tuple[torch.Tensor, to
     seqs = [Sequence(p, SamplingParams()) for p in prompts]
     for seq in seqs:
         engine.block_manager.allocate(seq)
-    runner = engine.model_runner
-    prefill = runner.forward(*runner.prepare_prefill(seqs)).float()
+    runner = engine.executor.worker.model_runner
+    prefill = runner.forward(*runner.prepare(BatchInput.from_sequences(True, seqs))).float()
     for seq in seqs:
         seq.append_token(5)
+        seq.num_computed_tokens = seq.num_tokens - 1
         engine.block_manager.append_slot(seq)
-    decode = runner.forward(*runner.prepare_decode(seqs)).float()
+    decode = runner.forward(*runner.prepare(BatchInput.from_sequences(False, seqs))).float()
     for seq in seqs:
         engine.block_manager.free(seq)
     return prefill, decode

@@ -1,0 +1,163 @@
+"""Executors run a batch on an instance's workers: in this process for one rank, or on Ray actors,
+one per rank, kept together by a placement group.
+
+A worker that dies or raises fails the whole instance at once: the other ranks may be waiting in
+a collective for it, so they are killed rather than left to hang, and the caller gets an
+``InstanceFailure`` naming the rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Protocol
+
+from distserve.config import EngineConfig
+from distserve.model_runner import BatchInput
+from distserve.worker import ModelOutput, Worker
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120.0
+HEALTH_TIMEOUT_S = 30.0
+
+
+class InstanceFailure(RuntimeError):
+    """A worker of the instance died or failed; the instance cannot serve any more."""
+
+
+class Executor(Protocol):
+    num_blocks: int
+
+    def execute_model(self, batch: BatchInput) -> ModelOutput: ...
+
+    def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def make_executor(config: EngineConfig, max_useful_tokens: int, name: str = "engine") -> Executor:
+    if config.parallel.world_size == 1:
+        return UniprocExecutor(config, max_useful_tokens)
+    return RayExecutor(config, max_useful_tokens, name)
+
+
+class UniprocExecutor:
+    """A single rank in the calling process: no Ray, no process group."""
+
+    def __init__(self, config: EngineConfig, max_useful_tokens: int) -> None:
+        self.worker = Worker(config)
+        self.worker.init_model()
+        self.num_blocks = self.worker.determine_num_blocks(max_useful_tokens)
+        self.worker.init_kv_cache(self.num_blocks)
+
+    def execute_model(self, batch: BatchInput) -> ModelOutput:
+        return self.worker.execute_model(batch)
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+class RayExecutor:
+    """One Ray actor per rank, in a placement group with one bundle per rank."""
+
+    def __init__(self, config: EngineConfig, max_useful_tokens: int, name: str) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not ray.is_initialized():
+            ray.init()
+        self.name = name
+        parallel = config.parallel
+        device = config.model.device
+        if device == "auto":
+            device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
+        gpus = 1 if device == "cuda" else 0
+        bundle = {"CPU": parallel.worker_cpus, **({"GPU": gpus} if gpus else {})}
+        self.placement_group = placement_group([bundle] * parallel.world_size, strategy=parallel.placement_strategy)
+        self.workers: list[Any] = []
+        try:
+            ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+            if not ready:
+                raise InstanceFailure(
+                    f"{name}: Ray could not place {parallel.world_size} workers of {bundle} "
+                    f"({parallel.placement_strategy}) within {PLACEMENT_TIMEOUT_S:.0f} s; "
+                    f"the cluster has {ray.available_resources()} available"
+                )
+            remote_worker = ray.remote(Worker)
+            self.workers = [
+                remote_worker.options(
+                    num_cpus=parallel.worker_cpus,
+                    num_gpus=gpus,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank),
+                ).remote(config, rank)
+                for rank in range(parallel.world_size)
+            ]
+            host, port = self._call([self.workers[0].create_store.remote()])[0]
+            self._call_all("init_model", host, port)
+            self.num_blocks = min(self._call_all("determine_num_blocks", max_useful_tokens))
+            self._call_all("init_kv_cache", self.num_blocks)
+        except BaseException:
+            self.shutdown()
+            raise
+        # The driver rank, TP rank 0 of the last stage, answers with the sampled tokens.
+        self.driver_rank = (parallel.pipeline_parallel_size - 1) * parallel.tensor_parallel_size
+
+    def _call_all(self, method: str, *args) -> list:
+        return self._call([getattr(w, method).remote(*args) for w in self.workers])
+
+    def _call(self, refs: list, timeout: float | None = None) -> list:
+        """Results of one call per worker, failing as soon as any worker fails (not when all return)."""
+        import ray
+
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                self._fail(f"no answer from ranks {sorted(rank_of[r] for r in pending)} within {timeout} s")
+            try:
+                ray.get(ready[0])
+            except Exception as e:  # RayActorError (process died) or RayTaskError (it raised)
+                self._fail(f"worker rank {rank_of[ready[0]]} failed: {e}")
+        return ray.get(refs)
+
+    def _fail(self, reason: str) -> None:
+        logger.error("%s: %s", self.name, reason)
+        self.shutdown()
+        raise InstanceFailure(f"{self.name}: {reason}")
+
+    def execute_model(self, batch: BatchInput) -> ModelOutput:
+        import ray
+
+        if not self.workers:
+            raise InstanceFailure(f"{self.name}: the instance has shut down")
+        batch_ref = ray.put(batch)  # serialized once, read by every rank from the object store
+        return self._call_all("execute_model", batch_ref)[self.driver_rank]
+
+    def check_health(self) -> None:
+        if not self.workers:
+            raise InstanceFailure(f"{self.name}: the instance has shut down")
+        self._call([w.ping.remote() for w in self.workers], timeout=HEALTH_TIMEOUT_S)
+
+    def worker_pids(self) -> list[int]:
+        return self._call_all("ping")
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        workers, self.workers = self.workers, []
+        for worker in workers:
+            ray.kill(worker)
+        if getattr(self, "placement_group", None) is not None:
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
