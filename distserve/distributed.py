@@ -62,7 +62,9 @@ class ParallelRank:
 def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     """Contiguous decoder layers of a stage; the first ``num_layers % pp_size`` stages get one more."""
     if num_layers < pp_size:
-        raise ValueError(f"{pp_size} pipeline stages need at least {pp_size} decoder layers, the model has {num_layers}")
+        raise ValueError(
+            f"{pp_size} pipeline stages need at least {pp_size} decoder layers, the model has {num_layers}"
+        )
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return range(start, start + base + (pp_rank < extra))
@@ -80,9 +82,7 @@ def node_ip() -> str:
 
 def create_store(world_size: int) -> dist.TCPStore:
     """The instance's rendezvous store on a port the OS picks, so instances never collide."""
-    return dist.TCPStore(
-        node_ip(), 0, world_size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
-    )
+    return dist.TCPStore(node_ip(), 0, world_size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
 
 
 def init_process_group(

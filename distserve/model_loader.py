@@ -218,7 +218,9 @@ class _Checkpoint(_WeightSource):
             index = (slice(None),) * shard.dim + (slice(shard.start, shard.end),)
             tensor = handle.get_slice(key)[index]
         if tensor.shape != out.shape:
-            raise ValueError(f"{key}: the checkpoint's shape {tuple(tensor.shape)} is not the model's {tuple(out.shape)}")
+            raise ValueError(
+                f"{key}: the checkpoint's shape {tuple(tensor.shape)} is not the model's {tuple(out.shape)}"
+            )
         out.copy_(tensor)
 
 
@@ -242,7 +244,9 @@ class _DummyWeights(_WeightSource):
         if shard is not None:
             full_shape[shard.dim] = shard.full_size
         generator = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = torch.empty(full_shape, dtype=torch.float32, device=self.device).normal_(0.0, self.std, generator=generator)
+        full = torch.empty(full_shape, dtype=torch.float32, device=self.device).normal_(
+            0.0, self.std, generator=generator
+        )
         out.copy_(shard.take(full) if shard else full)
 
 

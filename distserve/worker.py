@@ -54,7 +54,13 @@ class Worker:
         resolved = resolve_model(self.config.model)
         self.dtype = resolve_dtype(self.config.model.dtype, resolved.hf_config, self.device)
         model, stage = load_model(
-            resolved, self.device, self.dtype, self.config.model.load_format, self.config.model.seed, self.rank, tp_group
+            resolved,
+            self.device,
+            self.dtype,
+            self.config.model.load_format,
+            self.config.model.seed,
+            self.rank,
+            tp_group,
         )
         shape = model_shape(resolved.hf_config.to_dict())
         self.layers = stage_layers(shape.num_layers, self.rank.pp_size, self.rank.pp_rank)
