@@ -70,16 +70,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = _sampling_params(args)
     engine = LLMEngine(_engine_config(args))
-    for i, prompt in enumerate(args.prompts):
-        engine.add_request(prompt, params, request_id=str(i))
-    stream = len(args.prompts) == 1
-    texts: dict[str, str] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if stream:
-                print(out.new_text, end="", flush=True)
-            if out.finished:
-                texts[out.request_id] = out.text
+    try:
+        for i, prompt in enumerate(args.prompts):
+            engine.add_request(prompt, params, request_id=str(i))
+        stream = len(args.prompts) == 1
+        texts: dict[str, str] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if stream:
+                    print(out.new_text, end="", flush=True)
+                if out.finished:
+                    texts[out.request_id] = out.text
+    finally:
+        engine.shutdown()
     if stream:
         print()
     else:

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distserve.config import ParallelConfig
+from distserve.tensor_parallel import check_tensor_parallel
+
 # A collective that waits longer than this has lost a peer; the executor notices dead workers
 # much sooner through Ray, this only bounds a hang that Ray cannot see.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
@@ -68,6 +71,12 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return range(start, start + base + (pp_rank < extra))
+
+
+def check_parallel_config(hf_config, parallel: ParallelConfig) -> None:
+    """Raise ValueError when the model cannot run at these degrees, before any worker starts."""
+    check_tensor_parallel(hf_config, parallel.tensor_parallel_size)
+    stage_layers(hf_config.get_text_config().num_hidden_layers, parallel.pipeline_parallel_size, 0)
 
 
 def node_ip() -> str:

@@ -11,6 +11,7 @@ from distserve.block_manager import BlockManager
 from distserve.colocated_scheduler import ColocatedScheduler
 from distserve.config import EngineConfig
 from distserve.detokenizer import Detokenizer, find_stop_string
+from distserve.distributed import check_parallel_config
 from distserve.executor import make_executor
 from distserve.metrics import StepRecord, StepStats, StepTimer
 from distserve.model_loader import ResolvedModel, load_tokenizer, resolve_model
@@ -33,6 +34,7 @@ class LLMEngine:
             )
         self.config = config
         resolved = resolve_model(config.model)
+        check_parallel_config(resolved.hf_config, config.parallel)
         self.tokenizer = load_tokenizer(resolved)
         self.max_model_len = resolved.max_model_len
         self.vocab_size = resolved.hf_config.vocab_size

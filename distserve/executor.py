@@ -37,6 +37,15 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
+def cluster_device(config: EngineConfig) -> str:
+    """The device workers will use: 'auto' means CUDA when the Ray cluster has GPUs."""
+    import ray
+
+    if config.model.device != "auto":
+        return config.model.device
+    return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+
+
 def make_executor(config: EngineConfig, max_useful_tokens: int, name: str = "engine") -> Executor:
     if config.parallel.world_size == 1:
         return UniprocExecutor(config, max_useful_tokens)
@@ -74,9 +83,7 @@ class RayExecutor:
             ray.init()
         self.name = name
         parallel = config.parallel
-        device = config.model.device
-        if device == "auto":
-            device = "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
+        device = cluster_device(config)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
         gpus = 1 if device == "cuda" else 0
         bundle = {"CPU": parallel.worker_cpus, **({"GPU": gpus} if gpus else {})}

@@ -28,6 +28,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker actors (an engine of one rank has none)."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: str | list[int] | Seq[str | list[int]],

@@ -91,18 +91,36 @@ class GatheredColumnLinear(nn.Linear):
         return torch.cat(parts, dim=-1)
 
 
-def tp_plan(model: nn.Module) -> dict[str, str]:
-    """Module-name patterns of the whole model and their styles."""
-    config = model.config
-    if getattr(config, "base_model_tp_plan", None):
-        return dict(model.tp_plan)  # transformers merged the config's plan with the model's (LM head, embeddings)
-    own = OWN_TP_PLANS.get(config.model_type)
-    if not own:
+def check_tensor_parallel(hf_config, tp_size: int) -> None:
+    """Raise ValueError, naming the family, when ``tp_size`` ranks cannot shard this model."""
+    config = hf_config.get_text_config()
+    if tp_size == 1:
+        return
+    if not getattr(config, "base_model_tp_plan", None) and config.model_type not in OWN_TP_PLANS:
         raise ValueError(
             f"tensor parallelism is not available for model family '{config.model_type}': its config has no "
             "base_model_tp_plan and distserve has no plan of its own for it; use tensor_parallel_size 1 "
             "(pipeline parallelism works for any family)"
         )
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    if num_heads % tp_size:
+        raise ValueError(
+            f"{config.model_type} has {num_heads} attention heads, which {tp_size} tensor parallel ranks cannot share"
+        )
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(
+            f"{config.model_type} has {num_kv_heads} KV heads: {tp_size} tensor parallel ranks need a divisor "
+            "or a multiple of it"
+        )
+
+
+def tp_plan(model: nn.Module) -> dict[str, str]:
+    """Module-name patterns of the whole model and their styles."""
+    config = model.config
+    if getattr(config, "base_model_tp_plan", None):
+        return dict(model.tp_plan)  # transformers merged the config's plan with the model's (LM head, embeddings)
+    own = OWN_TP_PLANS[config.model_type]
     return {**{f"{model.base_model_prefix}.{key}": style for key, style in own.items()}, **OWN_MODEL_PLAN}
 
 
@@ -130,18 +148,10 @@ def _head_dim(parent: nn.Module) -> int | None:
 
 def shard_model(model: nn.Module, tp_size: int, tp_rank: int, group) -> dict[str, Shard]:
     """Replace the plan's linears by this rank's shards (still on meta); returns each sharded parameter's slice."""
+    check_tensor_parallel(model.config, tp_size)
     config = model.config.get_text_config()
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    if num_heads % tp_size:
-        raise ValueError(
-            f"{config.model_type} has {num_heads} attention heads, which {tp_size} tensor parallel ranks cannot share"
-        )
-    if num_kv_heads % tp_size and tp_size % num_kv_heads:
-        raise ValueError(
-            f"{config.model_type} has {num_kv_heads} KV heads: {tp_size} tensor parallel ranks need a divisor "
-            "or a multiple of it"
-        )
     plan = [(_pattern(key), style) for key, style in tp_plan(model).items()]
     shards: dict[str, Shard] = {}
     attention_modules: set[nn.Module] = set()

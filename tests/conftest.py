@@ -49,3 +49,13 @@ def assert_all_blocks_free(llm) -> None:
 
 
 FAMILIES = TINY_MODELS
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster for the tests that run instances as actors, started once."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

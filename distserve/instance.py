@@ -1,0 +1,200 @@
+"""An instance: one TP x PP group that behaves like one engine, as a Ray actor.
+
+The actor owns the engine (scheduler, block manager, output processing) and drives the
+executor's workers from its own step loop thread, so callers are never on the per-step path:
+they queue requests and long-poll for outputs. A rank of one runs the model in the actor itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from distserve.config import EngineConfig
+from distserve.distributed import check_parallel_config
+from distserve.engine import LLMEngine
+from distserve.executor import InstanceFailure, cluster_device
+from distserve.model_loader import resolve_model
+from distserve.outputs import RequestOutput
+from distserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_HEALTH_CHECK_S = 1.0  # an idle instance pings its workers this often, so a death is seen without traffic
+MAX_CONCURRENT_CALLS = 16  # threads serving actor calls: long polls must not block submissions
+
+
+@dataclass
+class InstanceInfo:
+    name: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    num_blocks: int
+    num_free_blocks: int
+    num_waiting: int
+    num_running: int
+    num_preemptions: int
+    failure: str | None
+
+
+class Instance:
+    def __init__(self, config: EngineConfig, name: str) -> None:
+        self.name = name
+        self.engine = LLMEngine(config, name=name)
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._lock = threading.Lock()
+        self._outputs_ready = threading.Condition(self._lock)
+        self._outputs: list[RequestOutput] = []
+        self._active: set[str] = set()  # request ids queued or running, guarded by _lock
+        self._failure: str | None = None
+        self._stopping = False
+        self._loop = threading.Thread(target=self._run, name=f"{name}-step-loop", daemon=True)
+        self._loop.start()
+
+    # Calls from the cluster -------------------------------------------------------------------
+
+    def ready(self) -> str:
+        return self.name
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validate and queue a request; raises ValueError for a bad one, InstanceFailure when down."""
+        seq = self.engine.make_sequence(prompt, params, request_id, priority)
+        with self._lock:
+            self._raise_if_failed()
+            if seq.request_id in self._active:
+                raise ValueError(f"request id '{seq.request_id}' is already in use")
+            self._active.add(seq.request_id)
+        self._send("add", seq)
+        return seq.request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request and free its blocks; its last output says ``finish_reason="abort"``."""
+        self._send("abort", request_id)
+
+    def get_outputs(self, timeout: float = 1.0) -> list[RequestOutput]:
+        """Outputs since the last call, waiting up to ``timeout`` seconds for the first one."""
+        with self._outputs_ready:
+            self._outputs_ready.wait_for(lambda: self._outputs or self._failure, timeout)
+            if not self._outputs:
+                self._raise_if_failed()
+            outputs, self._outputs = self._outputs, []
+            return outputs
+
+    def info(self) -> InstanceInfo:
+        engine = self.engine
+        parallel = engine.config.parallel
+        return InstanceInfo(
+            name=self.name,
+            tensor_parallel_size=parallel.tensor_parallel_size,
+            pipeline_parallel_size=parallel.pipeline_parallel_size,
+            num_blocks=engine.block_manager.num_blocks,
+            num_free_blocks=engine.block_manager.num_free_blocks,
+            num_waiting=len(engine.scheduler.prefill),
+            num_running=len(engine.scheduler.decode),
+            num_preemptions=engine.scheduler.num_preemptions,
+            failure=self._failure,
+        )
+
+    def worker_pids(self) -> list[int]:
+        return self.engine.executor.worker_pids()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+        self._loop.join(timeout=30)
+        self.engine.shutdown()
+
+    # The step loop ---------------------------------------------------------------------------
+
+    def _send(self, kind: str, payload: Any) -> None:
+        self._inbox.put((kind, payload))
+        self._wakeup.set()
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise InstanceFailure(self._failure)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                self._wakeup.clear()
+                self._take_inbox()
+                if not engine.has_unfinished_requests():
+                    if not self._wakeup.wait(IDLE_HEALTH_CHECK_S):  # a quiet second: are the workers alive?
+                        engine.executor.check_health()
+                    continue
+                self._publish(engine.step())
+        except InstanceFailure as e:
+            self._fail(str(e))
+        except Exception as e:  # a bug, not a worker death: fail loudly rather than hang callers
+            logger.exception("%s: step loop failed", self.name)
+            self._fail(f"{self.name}: step loop failed: {e!r}")
+
+    def _take_inbox(self) -> None:
+        outputs = []
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                self.engine.add_sequence(payload)
+            elif (output := self.engine.abort_request(payload)) is not None:
+                outputs.append(output)
+        self._publish(outputs)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        with self._outputs_ready:
+            self._outputs.extend(outputs)
+            self._active.difference_update(o.request_id for o in outputs if o.finished)
+            self._outputs_ready.notify_all()
+
+    def _fail(self, reason: str) -> None:
+        logger.error("%s", reason)
+        with self._outputs_ready:
+            self._failure = reason
+            self._outputs_ready.notify_all()
+
+
+def launch_instance(config: EngineConfig, name: str) -> Any:
+    """Start an instance actor named ``name`` and wait until its model is loaded; returns the handle.
+
+    Raises ValueError for a bad configuration or a name in use, InstanceFailure when a worker fails.
+    """
+    check_parallel_config(resolve_model(config.model).hf_config, config.parallel)
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=cluster_device(config)))
+    # A single rank runs in the instance actor, which then needs the GPU; otherwise its workers do.
+    gpus = 1 if config.parallel.world_size == 1 and config.model.device == "cuda" else 0
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        pass
+    else:
+        raise ValueError(f"an actor named '{name}' already exists in this Ray cluster: instance names must be unique")
+    handle = (
+        ray.remote(Instance)
+        .options(name=name, num_cpus=0, num_gpus=gpus, max_concurrency=MAX_CONCURRENT_CALLS)
+        .remote(config, name)
+    )
+    try:
+        ray.get(handle.ready.remote())
+    except ray.exceptions.RayActorError as e:
+        ray.kill(handle)
+        raise InstanceFailure(f"{name}: the instance failed to start: {e}") from None
+    return handle

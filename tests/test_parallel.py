@@ -1,0 +1,188 @@
+"""Instances as Ray actors with tensor and pipeline parallelism over gloo, on CPU."""
+
+import os
+import signal
+import time
+
+import pytest
+from conftest import random_prompts, reference_greedy
+
+from distserve import LLM, EngineConfig, SamplingParams
+from distserve.distributed import ParallelRank, stage_layers
+from distserve.executor import InstanceFailure
+from distserve.instance import launch_instance
+from distserve.tensor_parallel import _split
+
+LENGTHS = [1, 7, 16, 33, 64, 101, 150, 200]
+MAX_TOKENS = [12, 30, 5, 40, 17, 25, 9, 33]
+DEADLINE_S = 180
+
+
+def _launch(ray, family: str, tp: int, pp: int, name: str, **options):
+    config = EngineConfig.from_flat(model=family, tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
+    return launch_instance(config, name)
+
+
+def _submit(ray, handle, prompts, max_tokens, **params) -> list[str]:
+    """Queue greedy requests, with ids unique across instances."""
+    name = ray.get(handle.ready.remote())
+    return [
+        ray.get(handle.add_request.remote(p, SamplingParams(max_tokens=n, temperature=0.0, **params), f"{name}-{i}"))
+        for i, (p, n) in enumerate(zip(prompts, max_tokens))
+    ]
+
+
+def _collect(ray, handles_and_ids) -> dict[str, list[int]]:
+    """Final token ids of every request, polling each instance until all have finished."""
+    wanted = {rid for _, ids in handles_and_ids for rid in ids}
+    done: dict[str, list[int]] = {}
+    deadline = time.monotonic() + DEADLINE_S
+    while len(done) < len(wanted):
+        assert time.monotonic() < deadline, f"{len(wanted) - len(done)} requests unfinished after {DEADLINE_S} s"
+        for handle, _ in handles_and_ids:
+            for out in ray.get(handle.get_outputs.remote(0.2)):
+                if out.finished:
+                    done[out.request_id] = out.token_ids
+    return done
+
+
+def _stop(ray, handle) -> None:
+    ray.get(handle.shutdown.remote())
+    ray.kill(handle)
+
+
+def _assert_blocks_free(ray, handle) -> None:
+    info = ray.get(handle.info.remote())
+    assert info.num_free_blocks == info.num_blocks
+    assert info.num_waiting == info.num_running == 0
+
+
+@pytest.mark.parametrize(
+    "family, tp, pp",
+    [("tiny-llama", 2, 1), ("tiny-qwen2", 1, 2), ("tiny-qwen2", 2, 2), ("tiny-opt", 2, 1)],
+    ids=["llama-tp2", "qwen2-pp2", "qwen2-tp2xpp2", "opt-tp2"],
+)
+def test_parallel_instance_greedy_equals_transformers(ray_cluster, reference_model, family, tp, pp):
+    """Mixed lengths in a KV pool that forces preemption; tiny-qwen2 has one KV head, replicated at TP=2."""
+    ray = ray_cluster
+    model = reference_model(family)
+    handle = _launch(ray, family, tp, pp, f"{family}-tp{tp}-pp{pp}", block_size=8, num_kv_blocks=30)
+    try:
+        prompts = random_prompts(LENGTHS, model.config.vocab_size, seed=3)
+        ids = _submit(ray, handle, prompts, MAX_TOKENS)
+        outputs = _collect(ray, [(handle, ids)])
+        for rid, prompt, n in zip(ids, prompts, MAX_TOKENS):
+            assert outputs[rid] == reference_greedy(model, prompt, n), f"prompt of {len(prompt)} tokens"
+        info = ray.get(handle.info.remote())
+        assert (info.tensor_parallel_size, info.pipeline_parallel_size) == (tp, pp)
+        assert info.num_preemptions > 0
+        _assert_blocks_free(ray, handle)
+    finally:
+        _stop(ray, handle)
+
+
+def test_two_instances_at_once(ray_cluster, reference_model):
+    """A TP=2 and a TP=1 instance in one Ray cluster, serving at the same time."""
+    ray = ray_cluster
+    llama, qwen = reference_model("tiny-llama"), reference_model("tiny-qwen2")
+    a = _launch(ray, "tiny-llama", 2, 1, "two-a")
+    b = _launch(ray, "tiny-qwen2", 1, 1, "two-b")
+    try:
+        prompts_a = random_prompts(LENGTHS[:5], 1024, seed=4)
+        prompts_b = random_prompts(LENGTHS[3:], 1024, seed=5)
+        ids_a = _submit(ray, a, prompts_a, MAX_TOKENS[:5])
+        ids_b = _submit(ray, b, prompts_b, MAX_TOKENS[3:])
+        outputs = _collect(ray, [(a, ids_a), (b, ids_b)])
+        for model, ids, prompts, lengths in (
+            (llama, ids_a, prompts_a, MAX_TOKENS[:5]),
+            (qwen, ids_b, prompts_b, MAX_TOKENS[3:]),
+        ):
+            for rid, prompt, n in zip(ids, prompts, lengths):
+                assert outputs[rid] == reference_greedy(model, prompt, n)
+        _assert_blocks_free(ray, a)
+        _assert_blocks_free(ray, b)
+        with pytest.raises(ValueError, match="already exists"):
+            _launch(ray, "tiny-llama", 1, 1, "two-a")
+    finally:
+        _stop(ray, a)
+        _stop(ray, b)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("busy", [True, False], ids=["while-decoding", "while-idle"])
+def test_dead_worker_fails_the_instance_promptly(ray_cluster, busy):
+    ray = ray_cluster
+    handle = _launch(ray, "tiny-llama", 2, 1, f"dies-{busy}")
+    try:
+        pids = ray.get(handle.worker_pids.remote())
+        if busy:
+            _submit(ray, handle, random_prompts([50, 60], 1024), [1000, 1000], ignore_eos=True)
+            while not ray.get(handle.get_outputs.remote(5.0)):
+                pass
+        os.kill(pids[1], signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(InstanceFailure, match="worker rank 1"):
+            while time.monotonic() - killed < 30:
+                ray.get(handle.get_outputs.remote(1.0))
+        assert time.monotonic() - killed < 10
+        assert "rank 1" in ray.get(handle.info.remote()).failure
+        # The surviving rank, possibly blocked in a collective, is stopped rather than left to hang.
+        while _alive(pids[0]) and time.monotonic() - killed < 10:
+            time.sleep(0.1)
+        assert not _alive(pids[0])
+        with pytest.raises(InstanceFailure):
+            ray.get(handle.add_request.remote([1, 2, 3], SamplingParams()))
+    finally:
+        ray.kill(handle)
+
+
+def test_offline_llm_with_dummy_weights_is_the_same_model_at_any_layout(ray_cluster):
+    """Dummy weights are drawn per full tensor, so TP=2 serves exactly the TP=1 model."""
+    prompts = random_prompts([5, 40, 90], 1024, seed=6)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    single = LLM("tiny-llama", load_format="dummy", seed=7).generate(prompts, params)
+    sharded_llm = LLM("tiny-llama", load_format="dummy", seed=7, tensor_parallel_size=2)
+    try:
+        sharded = sharded_llm.generate(prompts, params)
+    finally:
+        sharded_llm.shutdown()
+    assert [o.token_ids for o in sharded] == [o.token_ids for o in single]
+
+
+@pytest.mark.parametrize(
+    "family, tp, pp, message",
+    [
+        ("tiny-gpt2", 2, 1, "not available for model family 'gpt2'"),
+        ("tiny-llama", 3, 1, "4 attention heads, which 3 tensor parallel ranks cannot share"),
+        ("tiny-qwen2", 1, 3, "3 pipeline stages need at least 3 decoder layers"),
+    ],
+)
+def test_unsupported_layouts_are_refused_before_any_worker_starts(family, tp, pp, message):
+    config = EngineConfig.from_flat(model=family, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    with pytest.raises(ValueError, match=message):
+        launch_instance(config, "never-started")
+    with pytest.raises(ValueError, match=message):
+        LLM(config=config)
+
+
+def test_rank_layout():
+    ranks = [ParallelRank(tp_size=2, pp_size=2, rank=r) for r in range(4)]
+    assert [(r.pp_rank, r.tp_rank) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [r.is_driver for r in ranks] == [False, False, True, False]
+    assert ranks[1].peer_in_stage(1) == 3
+    assert [stage_layers(10, 3, s) for s in range(3)] == [range(0, 4), range(4, 7), range(7, 10)]
+
+
+def test_head_split():
+    # 8 query heads over 4 ranks: 2 each; 2 KV heads over 4 ranks: ranks 0-1 share head 0, ranks 2-3 head 1.
+    assert [_split(8, 4, r, "q", replicable=True) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [_split(2, 4, r, "kv", replicable=True) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    with pytest.raises(ValueError, match="cannot be split"):
+        _split(6, 4, 0, "mlp", replicable=False)
