@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
+import os
 from typing import Any, Protocol
 
 from distserve.config import EngineConfig
@@ -33,6 +33,8 @@ class Executor(Protocol):
     def execute_model(self, batch: BatchInput) -> ModelOutput: ...
 
     def check_health(self) -> None: ...
+
+    def worker_pids(self) -> list[int]: ...
 
     def shutdown(self) -> None: ...
 
@@ -66,6 +68,9 @@ class UniprocExecutor:
 
     def check_health(self) -> None:
         pass
+
+    def worker_pids(self) -> list[int]:
+        return [os.getpid()]
 
     def shutdown(self) -> None:
         pass
@@ -120,22 +125,22 @@ class RayExecutor:
         return self._call([getattr(w, method).remote(*args) for w in self.workers])
 
     def _call(self, refs: list, timeout: float | None = None) -> list:
-        """Results of one call per worker, failing as soon as any worker fails (not when all return)."""
+        """Results of one call per worker. Ray raises as soon as any worker dies or fails, even while
+        the others still wait in a collective for it."""
         import ray
 
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        pending = list(refs)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-            if not ready:
-                self._fail(f"no answer from ranks {sorted(rank_of[r] for r in pending)} within {timeout} s")
-            try:
-                ray.get(ready[0])
-            except Exception as e:  # RayActorError (process died) or RayTaskError (it raised)
-                self._fail(f"worker rank {rank_of[ready[0]]} failed: {e}")
-        return ray.get(refs)
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            self._fail(f"no answer from the workers within {timeout} s")
+        except Exception:  # RayActorError (a process died) or RayTaskError (a worker raised)
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception as e:
+                    self._fail(f"worker rank {refs.index(ref)} failed: {e}")
+            raise
 
     def _fail(self, reason: str) -> None:
         logger.error("%s: %s", self.name, reason)
@@ -143,12 +148,9 @@ class RayExecutor:
         raise InstanceFailure(f"{self.name}: {reason}")
 
     def execute_model(self, batch: BatchInput) -> ModelOutput:
-        import ray
-
         if not self.workers:
             raise InstanceFailure(f"{self.name}: the instance has shut down")
-        batch_ref = ray.put(batch)  # serialized once, read by every rank from the object store
-        return self._call_all("execute_model", batch_ref)[self.driver_rank]
+        return self._call_all("execute_model", batch)[self.driver_rank]
 
     def check_health(self) -> None:
         if not self.workers:

@@ -38,8 +38,9 @@ class Worker:
         self.device = resolve_device(config.model.device)
         self._store: dist.TCPStore | None = None
         if self.device.type == "cpu":
-            # Ray pins actors to one thread; a CPU instance's ranks share the machine's cores instead.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.rank.world_size))
+            # Ray pins actors to one thread. One batch is in flight at a time, so only the TP ranks
+            # of one stage compute at once: they share the machine's cores.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.rank.tp_size))
 
     def create_store(self) -> tuple[str, int]:
         """Rank 0 hosts the instance's rendezvous store; returns its address for the other ranks."""

@@ -186,3 +186,13 @@ def test_head_split():
     assert [_split(2, 4, r, "kv", replicable=True) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     with pytest.raises(ValueError, match="cannot be split"):
         _split(6, 4, 0, "mlp", replicable=False)
+
+
+def test_cli_generate_with_tensor_parallelism(ray_cluster, capsys):
+    from distserve.cli import main
+
+    argv = ["generate", "--model", "tiny-llama", "--temperature", "0", "--max-tokens", "8", "--ignore-eos", "Hello"]
+    assert main(argv) == 0
+    single = capsys.readouterr().out
+    assert main([*argv, "--tensor-parallel-size", "2"]) == 0
+    assert capsys.readouterr().out == single
