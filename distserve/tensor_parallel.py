@@ -21,6 +21,7 @@ from torch import nn
 # relative to the base model, as transformers' own plans are.
 OWN_TP_PLANS: dict[str, dict[str, str]] = {
     "opt": {
+        "decoder.embed_tokens": "embedding_rowwise",
         "decoder.layers.*.self_attn.q_proj": "colwise",
         "decoder.layers.*.self_attn.k_proj": "colwise",
         "decoder.layers.*.self_attn.v_proj": "colwise",

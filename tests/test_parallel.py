@@ -196,3 +196,37 @@ def test_cli_generate_with_tensor_parallelism(ray_cluster, capsys):
     single = capsys.readouterr().out
     assert main([*argv, "--tensor-parallel-size", "2"]) == 0
     assert capsys.readouterr().out == single
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory):
+    """tiny-llama with its LM head tied to the embeddings, as Llama-3.2 and OPT checkpoints are."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from distserve.tiny_models import ensure_tiny_model
+
+    source = ensure_tiny_model("tiny-llama")
+    model = AutoModelForCausalLM.from_pretrained(source, tie_word_embeddings=True)
+    with torch.no_grad():
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    out = tmp_path_factory.mktemp("tied") / "tied-llama"
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_tied_embeddings_load_into_every_shard(ray_cluster, tied_llama, tp, pp):
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tied_llama).eval()
+    assert reference.config.tie_word_embeddings
+    prompts = random_prompts([3, 30, 80], reference.config.vocab_size, seed=8)
+    llm = LLM(str(tied_llama), tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == reference_greedy(reference, prompt, 10)
