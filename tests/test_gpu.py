@@ -33,3 +33,30 @@ def test_bfloat16_serves_and_frees_every_block(family):
     outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert all(len(o.token_ids) == 16 for o in outputs)
     assert_all_blocks_free(llm)
+
+
+def test_instance_actor_on_cuda_equals_transformers(ray_cluster, reference_model):
+    """The instance path (a Ray actor holding the GPU, its step loop, long-polled outputs) on CUDA."""
+    from distserve import EngineConfig
+    from distserve.instance import launch_instance
+
+    ray = ray_cluster
+    model = reference_model("tiny-llama").to("cuda")
+    config = EngineConfig.from_flat(model="tiny-llama", device="cuda", dtype="float32", block_size=8, num_kv_blocks=40)
+    handle = launch_instance(config, "gpu-instance")
+    try:
+        prompts = random_prompts(LENGTHS, model.config.vocab_size)
+        ids = [
+            ray.get(handle.add_request.remote(p, SamplingParams(max_tokens=16, temperature=0.0), f"gpu-{i}"))
+            for i, p in enumerate(prompts)
+        ]
+        done = {}
+        while len(done) < len(ids):
+            done.update({o.request_id: o.token_ids for o in ray.get(handle.get_outputs.remote(5.0)) if o.finished})
+        for rid, prompt in zip(ids, prompts):
+            assert done[rid] == reference_greedy(model, prompt, 16)
+        info = ray.get(handle.info.remote())
+        assert info.num_free_blocks == info.num_blocks
+    finally:
+        ray.kill(handle)
+        model.to("cpu")
