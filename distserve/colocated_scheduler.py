@@ -28,6 +28,14 @@ class ColocatedScheduler:
     def num_preemptions(self) -> int:
         return self.decode.num_preemptions
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.prefill)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.decode)
+
     def has_unfinished(self) -> bool:
         return bool(len(self.prefill) or len(self.decode))
 

@@ -70,6 +70,11 @@ class SchedulerConfig:
     sjf_aging_tokens: float = _opt(
         64.0, "SJF aging: a waiting prompt counts this many tokens shorter per prefill step it waits"
     )
+    kv_hold_fraction: float = _opt(
+        0.5,
+        "prefill instances: share of KV blocks that prefilled requests waiting for decode may hold "
+        "before no new prompt is admitted (back-pressure)",
+    )
 
     def __post_init__(self) -> None:
         _check_choice("scheduler", self.scheduler, SCHEDULERS)
@@ -80,6 +85,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.sjf_aging_tokens < 0:
             raise ValueError(f"sjf_aging_tokens must be >= 0, got {self.sjf_aging_tokens}")
+        if not 0.0 < self.kv_hold_fraction <= 1.0:
+            raise ValueError(f"kv_hold_fraction must be in (0, 1], got {self.kv_hold_fraction}")
 
 
 @dataclass

@@ -14,9 +14,11 @@ from distserve.detokenizer import Detokenizer, find_stop_string
 from distserve.distributed import check_parallel_config
 from distserve.executor import make_executor
 from distserve.metrics import StepRecord, StepStats, StepTimer
+from distserve.migration import PrefilledRequest
 from distserve.model_loader import ResolvedModel, load_tokenizer, resolve_model
 from distserve.model_runner import BatchInput
 from distserve.outputs import RequestOutput
+from distserve.prefill_only_scheduler import PrefillOnlyScheduler
 from distserve.sampling_params import SamplingParams
 from distserve.sequence import Sequence, SequenceStatus
 
@@ -27,12 +29,9 @@ class LLMEngine:
     """Scheduler, block manager and output processing of one instance; the model runs in its executor."""
 
     def __init__(self, config: EngineConfig, max_step_records: int = 0, name: str = "engine") -> None:
-        if config.scheduler.scheduler != "colocated":
-            raise ValueError(
-                f"an in-process engine runs both phases: scheduler '{config.scheduler.scheduler}' "
-                "needs a disaggregated cluster"
-            )
         self.config = config
+        self.name = name
+        self.role = config.scheduler.scheduler
         resolved = resolve_model(config.model)
         check_parallel_config(resolved.hf_config, config.parallel)
         self.tokenizer = load_tokenizer(resolved)
@@ -42,10 +41,18 @@ class LLMEngine:
         max_tokens = config.scheduler.max_num_seqs * self.max_model_len
         self.executor = make_executor(config, max_tokens, name)
         num_blocks = self.executor.num_blocks
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = ColocatedScheduler(config.scheduler, self.block_manager)
+        # A decode instance fills blocks by pulls that finish after allocation: sharing them through
+        # the prefix cache could hand out blocks whose KV has not arrived yet.
+        prefix_caching = config.cache.enable_prefix_caching and self.role != "decode"
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, prefix_caching)
+        self.scheduler: ColocatedScheduler | PrefillOnlyScheduler
+        if self.role == "prefill":
+            self.scheduler = PrefillOnlyScheduler(config.scheduler, self.block_manager)
+        else:  # a decode instance recomputes preempted requests itself, through the same prefill queue
+            self.scheduler = ColocatedScheduler(config.scheduler, self.block_manager)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.requests: dict[str, Sequence] = {}
+        self.admitting: dict[str, Sequence] = {}  # decode: blocks allocated, KV being pulled
         self.stats = StepStats(max_step_records)
 
     def _eos_token_ids(self, resolved: ResolvedModel) -> frozenset[int]:
@@ -128,6 +135,46 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    # Disaggregation ---------------------------------------------------------------------------
+
+    def release_prefilled(self, request_id: str) -> bool:
+        """Prefill: a decode instance has pulled the request's KV; free its blocks."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.status = SequenceStatus.FINISHED
+        self.scheduler.finish(seq)
+        return True
+
+    def admit_prefilled(self, prefilled: PrefilledRequest) -> Sequence | None:
+        """Decode: allocate blocks for a prefilled request, or None while there is no room.
+
+        The request decodes only after ``start_decoding``, once its KV has been pulled into them.
+        """
+        if prefilled.request_id in self.requests:
+            raise ValueError(f"request id '{prefilled.request_id}' is already in use")
+        if len(self.scheduler.decode) + len(self.admitting) >= self.config.scheduler.max_num_seqs:
+            return None
+        prompt_ids = prefilled.token_ids[: prefilled.num_prompt_tokens]
+        seq = Sequence(
+            prompt_ids, prefilled.sampling_params, prefilled.request_id, prefilled.prompt, prefilled.priority
+        )
+        self.detokenizer.start(seq)
+        for token in prefilled.token_ids[prefilled.num_prompt_tokens :]:
+            seq.append_token(token)
+            self.detokenizer.step(seq)  # the prefill instance already sent this text
+        if not self.block_manager.can_allocate(seq):
+            return None
+        self.block_manager.allocate(seq)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.requests[seq.request_id] = seq
+        self.admitting[seq.request_id] = seq
+        return seq
+
+    def start_decoding(self, request_id: str) -> None:
+        """Decode: the request's KV has arrived; it joins the running batch."""
+        self.scheduler.decode.add(self.admitting.pop(request_id))
+
     # Stepping -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -165,12 +212,25 @@ class LLMEngine:
             reason = "length"
         if reason is not None:
             self._finish(seq, reason)
-        return self._output(seq, 1, delta)
+        output = self._output(seq, 1, delta)
+        if reason is None and self.role == "prefill":
+            output.prefilled = PrefilledRequest(
+                seq.request_id,
+                self.name,
+                seq.prompt,
+                list(seq.token_ids),
+                seq.num_prompt_tokens,
+                params,
+                seq.priority,
+                list(seq.block_table),
+            )
+        return output
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.scheduler.finish(seq)
+        self.admitting.pop(seq.request_id, None)
         del self.requests[seq.request_id]
 
     def _output(self, seq: Sequence, num_new: int, delta: str) -> RequestOutput:

@@ -14,6 +14,7 @@ import os
 from typing import Any, Protocol
 
 from distserve.config import EngineConfig
+from distserve.migration import KVEndpoint
 from distserve.model_runner import BatchInput
 from distserve.worker import ModelOutput, Worker
 
@@ -21,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0
 HEALTH_TIMEOUT_S = 30.0
+WORKER_CONCURRENCY = 4  # a step, plus KV transfers and health pings beside it
 
 
 class InstanceFailure(RuntimeError):
@@ -35,6 +37,8 @@ class Executor(Protocol):
     def check_health(self) -> None: ...
 
     def worker_pids(self) -> list[int]: ...
+
+    def kv_endpoints(self, instance: Any) -> list[KVEndpoint]: ...
 
     def shutdown(self) -> None: ...
 
@@ -72,6 +76,10 @@ class UniprocExecutor:
     def worker_pids(self) -> list[int]:
         return [os.getpid()]
 
+    def kv_endpoints(self, instance: Any) -> list[KVEndpoint]:
+        """The only rank runs in the instance actor, which forwards ``kv`` calls to it."""
+        return [KVEndpoint(instance, self.worker.kv_layout)]
+
     def shutdown(self) -> None:
         pass
 
@@ -105,6 +113,7 @@ class RayExecutor:
             remote_worker = ray.remote(Worker)
             self.workers = [
                 remote_worker.options(
+                    max_concurrency=WORKER_CONCURRENCY,
                     num_cpus=parallel.worker_cpus,
                     num_gpus=gpus,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank),
@@ -159,6 +168,10 @@ class RayExecutor:
 
     def worker_pids(self) -> list[int]:
         return self._call_all("ping")
+
+    def kv_endpoints(self, instance: Any) -> list[KVEndpoint]:
+        layouts = self._call_all("kv", "describe")
+        return [KVEndpoint(worker, layout) for worker, layout in zip(self.workers, layouts)]
 
     def shutdown(self) -> None:
         import ray

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from distserve.config import EngineConfig
 from distserve.distributed import check_parallel_config
 from distserve.engine import LLMEngine
 from distserve.executor import InstanceFailure, cluster_device
+from distserve.migration import KVEndpoint, MigrationRecord, Migrator, PrefilledRequest
 from distserve.model_loader import resolve_model
 from distserve.outputs import RequestOutput
 from distserve.sampling_params import SamplingParams
@@ -40,6 +42,8 @@ class InstanceInfo:
     num_waiting: int
     num_running: int
     num_preemptions: int
+    num_held: int  # prefill: prefilled requests waiting for decode to pull their KV
+    num_pending: int  # decode: prefilled requests waiting for blocks or for their KV
     failure: str | None
 
 
@@ -55,6 +59,14 @@ class Instance:
         self._active: set[str] = set()  # request ids queued or running, guarded by _lock
         self._failure: str | None = None
         self._stopping = False
+        # Decode role: requests handed over by prefill, waiting for blocks, then for their KV.
+        self._pending: deque[PrefilledRequest] = deque()
+        self._migrating: set[str] = set()
+        self._cancelled: set[str] = set()  # aborted while their KV was on its way: dropped on arrival
+        self._migrator: Migrator | None = None
+        if self.engine.role == "decode":
+            endpoints = self.engine.executor.kv_endpoints(ray.get_runtime_context().current_actor)
+            self._migrator = Migrator(name, endpoints, config.cache.block_size, self._migrated)
         self._loop = threading.Thread(target=self._run, name=f"{name}-step-loop", daemon=True)
         self._loop.start()
 
@@ -84,6 +96,34 @@ class Instance:
         """Stop a request and free its blocks; its last output says ``finish_reason="abort"``."""
         self._send("abort", request_id)
 
+    def add_prefilled(self, prefilled: PrefilledRequest) -> None:
+        """Decode: take a request over from a prefill instance once its blocks can be allocated."""
+        with self._lock:
+            self._raise_if_failed()
+            if self.engine.role != "decode":
+                raise ValueError(
+                    f"{self.name} is a {self.engine.role} instance: only decode instances take over requests"
+                )
+            if prefilled.request_id in self._active:
+                raise ValueError(f"request id '{prefilled.request_id}' is already in use")
+            self._active.add(prefilled.request_id)
+        self._send("prefilled", prefilled)
+
+    def release(self, request_id: str) -> None:
+        """Prefill: a decode instance has pulled the request's KV; its blocks can go."""
+        self._send("release", request_id)
+
+    def kv(self, method: str, *args):
+        """KV transfer calls to this instance's only rank, which runs in this actor."""
+        return self.engine.executor.worker.kv(method, *args)
+
+    def kv_endpoints(self) -> list[KVEndpoint]:
+        return self.engine.executor.kv_endpoints(ray.get_runtime_context().current_actor)
+
+    def migrations(self) -> dict[str, MigrationRecord]:
+        """Decode: the latest KV pulls, by request id."""
+        return dict(self._migrator.records) if self._migrator else {}
+
     def get_outputs(self, timeout: float = 1.0) -> list[RequestOutput]:
         """Outputs since the last call, waiting up to ``timeout`` seconds for the first one."""
         with self._outputs_ready:
@@ -102,9 +142,11 @@ class Instance:
             pipeline_parallel_size=parallel.pipeline_parallel_size,
             num_blocks=engine.block_manager.num_blocks,
             num_free_blocks=engine.block_manager.num_free_blocks,
-            num_waiting=len(engine.scheduler.prefill),
-            num_running=len(engine.scheduler.decode),
+            num_waiting=engine.scheduler.num_waiting,
+            num_running=engine.scheduler.num_running,
             num_preemptions=engine.scheduler.num_preemptions,
+            num_held=len(getattr(engine.scheduler, "held", ())),
+            num_pending=len(self._pending) + len(engine.admitting),
             failure=self._failure,
         )
 
@@ -115,6 +157,8 @@ class Instance:
         self._stopping = True
         self._wakeup.set()
         self._loop.join(timeout=30)
+        if self._migrator is not None:
+            self._migrator.stop()
         self.engine.shutdown()
 
     # The step loop ---------------------------------------------------------------------------
@@ -133,11 +177,15 @@ class Instance:
             while not self._stopping:
                 self._wakeup.clear()
                 self._take_inbox()
+                self._admit_prefilled()
                 if not engine.has_unfinished_requests():
                     if not self._wakeup.wait(IDLE_HEALTH_CHECK_S):  # a quiet second: are the workers alive?
                         engine.executor.check_health()
                     continue
-                self._publish(engine.step())
+                outputs = engine.step()
+                if not outputs:  # nothing could run (prefill held back): wait for a release
+                    self._wakeup.wait(IDLE_HEALTH_CHECK_S)
+                self._publish(outputs)
         except InstanceFailure as e:
             self._fail(str(e))
         except Exception as e:  # a bug, not a worker death: fail loudly rather than hang callers
@@ -153,9 +201,56 @@ class Instance:
                 break
             if kind == "add":
                 self.engine.add_sequence(payload)
-            elif (output := self.engine.abort_request(payload)) is not None:
-                outputs.append(output)
+            elif kind == "abort":
+                outputs.extend(self._abort(payload))
+            elif kind == "release":
+                self.engine.release_prefilled(payload)
+                self._forget(payload)
+            elif kind == "prefilled":
+                self._pending.append(payload)
+            elif kind == "migrated":
+                outputs.extend(self._start_decoding(*payload))
         self._publish(outputs)
+
+    def _abort(self, request_id: str) -> list[RequestOutput]:
+        if request_id in self._migrating:  # its blocks are being written: drop it when the pull ends
+            self._cancelled.add(request_id)
+            return []
+        for prefilled in self._pending:
+            if prefilled.request_id == request_id:
+                self._pending.remove(prefilled)
+                return [_aborted(prefilled)]
+        output = self.engine.abort_request(request_id)
+        return [output] if output is not None else []
+
+    def _admit_prefilled(self) -> None:
+        """Decode: allocate blocks for waiting handed-over requests, in arrival order, while they fit."""
+        while self._pending:
+            seq = self.engine.admit_prefilled(self._pending[0])
+            if seq is None:
+                return
+            prefilled = self._pending.popleft()
+            self._migrating.add(prefilled.request_id)
+            self._migrator.submit(prefilled, seq.block_table)
+
+    def _migrated(self, request_id: str, error: str | None) -> None:
+        """Called on the migrator's thread; the step loop takes it from there."""
+        self._send("migrated", (request_id, error))
+
+    def _start_decoding(self, request_id: str, error: str | None) -> list[RequestOutput]:
+        self._migrating.discard(request_id)
+        if request_id in self._cancelled or error is not None:
+            self._cancelled.discard(request_id)
+            if error is not None:
+                logger.error("%s: %s: %s", self.name, request_id, error)
+            output = self.engine.abort_request(request_id)
+            return [output] if output is not None else []
+        self.engine.start_decoding(request_id)
+        return []
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._active.discard(request_id)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         if not outputs:
@@ -170,6 +265,22 @@ class Instance:
         with self._outputs_ready:
             self._failure = reason
             self._outputs_ready.notify_all()
+
+
+def _aborted(prefilled: PrefilledRequest) -> RequestOutput:
+    """The final output of a handed-over request aborted before this instance allocated it."""
+    return RequestOutput(
+        request_id=prefilled.request_id,
+        prompt=prefilled.prompt,
+        prompt_token_ids=prefilled.token_ids[: prefilled.num_prompt_tokens],
+        token_ids=prefilled.token_ids[prefilled.num_prompt_tokens :],
+        text="",
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason="abort",
+        num_cached_tokens=0,
+    )
 
 
 def launch_instance(config: EngineConfig, name: str) -> Any:

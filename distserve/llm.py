@@ -22,6 +22,11 @@ class LLM:
             config = EngineConfig.from_flat(model=model, **options)
         elif options:
             raise ValueError("pass either config or keyword options, not both")
+        if config.scheduler.scheduler != "colocated":
+            raise ValueError(
+                f"an offline LLM runs both phases in one engine: scheduler '{config.scheduler.scheduler}' "
+                "needs a disaggregated cluster"
+            )
         self.engine = LLMEngine(config)
 
     @property

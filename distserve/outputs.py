@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distserve.migration import PrefilledRequest
 
 
 @dataclass
@@ -17,3 +21,4 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    prefilled: PrefilledRequest | None = None  # from a prefill instance: what decode needs to take over

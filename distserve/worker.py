@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 
 from distserve.config import EngineConfig
-from distserve.distributed import ParallelRank, create_store, init_process_group, stage_layers
+from distserve.distributed import ParallelRank, create_store, init_process_group
 from distserve.kv_cache import KVCache, KVCacheShape, determine_num_blocks
+from distserve.kv_transfer import KVTransfer, rank_layout
 from distserve.metrics import StepTimer
 from distserve.model_loader import load_model, resolve_device, resolve_dtype, resolve_model
 from distserve.model_runner import BatchInput, ModelRunner
@@ -64,7 +65,8 @@ class Worker:
             tp_group,
         )
         shape = model_shape(resolved.hf_config.to_dict())
-        self.layers = stage_layers(shape.num_layers, self.rank.pp_size, self.rank.pp_rank)
+        self.kv_layout = rank_layout(shape.num_layers, shape.num_kv_heads, self.rank)
+        self.layers = self.kv_layout.layers
         self.hidden_size = resolved.hf_config.get_text_config().hidden_size
         self.kv_shape = KVCacheShape(
             len(self.layers),
@@ -84,6 +86,11 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = KVCache(self.kv_shape, num_blocks, self.device, self.layers)
         self.model_runner = ModelRunner(self.model, self.kv_cache, self.config.cache.block_size, self.stage)
+        self.kv_transfer = KVTransfer(self.kv_cache, self.kv_layout, self.device)
+
+    def kv(self, method: str, *args):
+        """A KV transfer call (``KVTransfer.<method>``); it runs beside the steps, on another thread."""
+        return getattr(self.kv_transfer, method)(*args)
 
     def execute_model(self, batch: BatchInput) -> ModelOutput | None:
         """Run this rank's part of one step; the driver rank returns the sampled tokens."""

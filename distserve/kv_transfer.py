@@ -1,0 +1,138 @@
+"""Moving KV cache contents between the ranks of two instances.
+
+Every rank holds some decoder layers (its pipeline stage) and some KV heads (its tensor parallel
+share, or one replicated head). A transfer plan gives each destination rank the source ranks
+that cover its layers and heads, each (layer, head) from exactly one source. A pair of ranks
+talks over a two-rank communicator of its own (gloo on CPU, NCCL between GPUs), made on demand
+from the source rank's rendezvous store and independent of both instances' own groups, so
+either instance can be replaced without touching the other.
+
+A transfer names the token slots on each side, so blocks are addressed whole but only the
+tokens that hold KV are sent: the bytes moved are exactly layers x 2 x tokens x heads x
+head_dim x dtype size.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from distserve.distributed import COLLECTIVE_TIMEOUT, ParallelRank, create_store, stage_layers
+from distserve.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The part of the model's KV that one rank holds."""
+
+    layers: range  # model layer indices
+    kv_heads: range  # model KV head indices
+
+
+def rank_layout(num_layers: int, num_kv_heads: int, rank: ParallelRank) -> KVLayout:
+    layers = stage_layers(num_layers, rank.pp_size, rank.pp_rank)
+    if num_kv_heads >= rank.tp_size:
+        per_rank = num_kv_heads // rank.tp_size
+        return KVLayout(layers, range(rank.tp_rank * per_rank, (rank.tp_rank + 1) * per_rank))
+    head = rank.tp_rank * num_kv_heads // rank.tp_size  # replicated: the head this rank's queries read
+    return KVLayout(layers, range(head, head + 1))
+
+
+@dataclass(frozen=True)
+class TransferPart:
+    """Source rank ``src`` sends destination rank ``dst`` these layers and KV heads."""
+
+    src: int
+    dst: int
+    layers: range
+    kv_heads: range
+
+
+def _overlap(a: range, b: range) -> range:
+    return range(max(a.start, b.start), min(a.stop, b.stop))
+
+
+def plan_transfer(sources: list[KVLayout], destinations: list[KVLayout]) -> list[TransferPart]:
+    """Parts that give every destination rank all of its layers and heads, each exactly once.
+
+    Replicated heads on the source side appear on several ranks: the lowest rank sends them.
+    """
+    parts = []
+    for dst, want in enumerate(destinations):
+        covered: set[tuple[range, range]] = set()
+        for src, have in enumerate(sources):
+            layers, heads = _overlap(have.layers, want.layers), _overlap(have.kv_heads, want.kv_heads)
+            if len(layers) and len(heads) and (layers, heads) not in covered:
+                covered.add((layers, heads))
+                parts.append(TransferPart(src, dst, layers, heads))
+    return parts
+
+
+class KVTransfer:
+    """One rank's end of its KV communicators: hosts a rendezvous store (as a source), joins
+    pair communicators, and sends or receives the KV of given token slots."""
+
+    def __init__(self, kv_cache: KVCache, layout: KVLayout, device: torch.device) -> None:
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.device = device
+        self._store: dist.TCPStore | None = None
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._setup_lock = threading.Lock()
+
+    def describe(self) -> KVLayout:
+        return self.layout
+
+    def store_address(self) -> tuple[str, int]:
+        """The address of this rank's rendezvous store, opened on first use."""
+        with self._setup_lock:
+            if self._store is None:
+                self._store = create_store(world_size=2)
+            return self._store.host, self._store.port
+
+    def has_channel(self, channel: str) -> bool:
+        return channel in self._groups
+
+    def connect(self, channel: str, is_source: bool, address: tuple[str, int]) -> None:
+        """Join the two-rank communicator ``channel``; both ends call this at the same time."""
+        if is_source:
+            store = self._store
+        else:
+            store = dist.TCPStore(*address, 2, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        prefixed = dist.PrefixStore(f"kv/{channel}", store)
+        rank = 0 if is_source else 1
+        if self.device.type == "cuda":
+            group = dist.ProcessGroupNCCL(prefixed, rank, 2)
+        else:
+            group = dist.ProcessGroupGloo(prefixed, rank, 2, COLLECTIVE_TIMEOUT)
+        self._groups[channel] = group
+        self._locks[channel] = threading.Lock()
+
+    def _index(self, layers: range, heads: range) -> tuple[slice, slice]:
+        local_layers = slice(layers.start - self.layout.layers.start, layers.stop - self.layout.layers.start)
+        local_heads = slice(heads.start - self.layout.kv_heads.start, heads.stop - self.layout.kv_heads.start)
+        return local_layers, local_heads
+
+    def send(self, channel: str, slots: list[int], layers: range, heads: range) -> int:
+        """Send the K and V of ``slots`` for ``layers`` x ``heads``; returns the bytes sent."""
+        local_layers, local_heads = self._index(layers, heads)
+        view = self.kv_cache.tensor[local_layers, :, :, local_heads]  # [L, 2, slots, H, D]
+        data = view.index_select(2, torch.tensor(slots, device=self.device)).contiguous()
+        with self._locks[channel]:  # one transfer at a time per pair keeps sends and receives matched
+            self._groups[channel].send([data], 1, 0).wait()
+        return data.numel() * data.element_size()
+
+    def recv(self, channel: str, slots: list[int], layers: range, heads: range) -> int:
+        """Receive into ``slots`` what the source sends for ``layers`` x ``heads``; returns the bytes."""
+        local_layers, local_heads = self._index(layers, heads)
+        view = self.kv_cache.tensor[local_layers, :, :, local_heads]
+        shape = (view.shape[0], 2, len(slots), view.shape[3], view.shape[4])
+        data = torch.empty(shape, dtype=view.dtype, device=self.device)
+        with self._locks[channel]:
+            self._groups[channel].recv([data], 0, 0).wait()
+        view.index_copy_(2, torch.tensor(slots, device=self.device), data)
+        return data.numel() * data.element_size()

@@ -1,0 +1,64 @@
+"""Scheduling of a prefill instance: prompts only, and a prefilled request keeps its blocks until
+a decode instance has pulled its KV.
+
+Back-pressure: while the requests held for migration take more than ``kv_hold_fraction`` of the
+KV blocks, no new prompt is admitted, so a slow or full decode side throttles prefill instead of
+prefill running out of blocks.
+"""
+
+from __future__ import annotations
+
+from distserve.block_manager import BlockManager
+from distserve.colocated_scheduler import ScheduledBatch
+from distserve.config import SchedulerConfig
+from distserve.prefill_scheduler import PrefillScheduler
+from distserve.sequence import Sequence
+
+
+class PrefillOnlyScheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.prefill = PrefillScheduler(config, block_manager)
+        self.held: dict[str, Sequence] = {}
+        self.hold_limit = max(1, int(config.kv_hold_fraction * block_manager.num_blocks))
+        self.num_throttled_steps = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return 0  # a prefill batch allocates all its blocks up front: nothing to preempt
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.prefill)
+
+    @property
+    def num_running(self) -> int:
+        return 0  # a prefill batch runs within one step
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(seq.block_table) for seq in self.held.values())
+
+    def has_unfinished(self) -> bool:
+        """Whether a step has work; held requests wait for decode, not for a step."""
+        return bool(len(self.prefill))
+
+    def add(self, seq: Sequence) -> None:
+        self.prefill.add(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        if self.num_held_blocks >= self.hold_limit:
+            self.num_throttled_steps += 1
+            return ScheduledBatch([], is_prefill=True)
+        batch = self.prefill.schedule(self.config.max_num_seqs)
+        for seq in batch:
+            self.held[seq.request_id] = seq
+        return ScheduledBatch(batch, is_prefill=True)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished, aborted or migrated sequence wherever it is and free its blocks."""
+        if self.held.pop(seq.request_id, None) is None:
+            self.prefill.remove(seq)
+        if seq.block_table:
+            self.block_manager.free(seq)
