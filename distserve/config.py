@@ -136,13 +136,18 @@ class EngineConfig:
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)})")
+        return cls.from_sections(data, str(path), **overrides)
+
+    @classmethod
+    def from_sections(cls, data: dict[str, Any], source: str = "config", **overrides: Any) -> EngineConfig:
+        """Build from a mapping of sections, as in a YAML file; ``overrides`` (flat keys) win."""
         flat: dict[str, Any] = {}
         for section, values in data.items():
             if section not in SECTIONS:
-                raise ValueError(f"{path}: unknown section '{section}'; expected one of {', '.join(SECTIONS)}")
+                raise ValueError(f"{source}: unknown section '{section}'; expected one of {', '.join(SECTIONS)}")
             for key, value in (values or {}).items():
                 if FIELD_SECTION.get(key) != section:
-                    raise ValueError(f"{path}: '{key}' is not a key of section '{section}'")
+                    raise ValueError(f"{source}: '{key}' is not a key of section '{section}'")
                 flat[key] = value
         flat.update(overrides)
         return cls.from_flat(**flat)

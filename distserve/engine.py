@@ -3,7 +3,9 @@ model runner, the sampler and the output processing, one batch at a time."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 
 from transformers import GenerationConfig
 
@@ -13,6 +15,7 @@ from distserve.config import EngineConfig
 from distserve.detokenizer import Detokenizer, find_stop_string
 from distserve.distributed import check_parallel_config
 from distserve.executor import make_executor
+from distserve.input_processor import InputProcessor
 from distserve.metrics import StepRecord, StepStats, StepTimer
 from distserve.migration import PrefilledRequest
 from distserve.model_loader import ResolvedModel, load_tokenizer, resolve_model
@@ -51,6 +54,9 @@ class LLMEngine:
         else:  # a decode instance recomputes preempted requests itself, through the same prefill queue
             self.scheduler = ColocatedScheduler(config.scheduler, self.block_manager)
         self.detokenizer = Detokenizer(self.tokenizer)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, num_blocks, config.cache.block_size
+        )
         self.requests: dict[str, Sequence] = {}
         self.admitting: dict[str, Sequence] = {}  # decode: blocks allocated, KV being pulled
         self.stats = StepStats(max_step_records)
@@ -81,30 +87,7 @@ class LLMEngine:
         priority: int = 0,
     ) -> Sequence:
         """Validate a request and build its sequence; raises ValueError saying what to fix."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt) if prompt else []
-        else:
-            text, token_ids = None, list(prompt)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        if not token_ids:
-            raise ValueError("the prompt is empty: pass at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens but the model's context is {self.max_model_len}: "
-                f"shorten it to at most {self.max_model_len - 1} tokens"
-            )
-        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        if self.block_manager.blocks_needed(longest) > self.block_manager.num_blocks:
-            raise ValueError(
-                f"the request may grow to {longest} tokens, more than the KV cache's "
-                f"{self.block_manager.num_blocks * self.block_manager.block_size}: lower max_tokens "
-                "or give the cache more blocks"
-            )
-        return Sequence(token_ids, params, request_id=request_id, prompt=text, priority=priority)
+        return self.input_processor.process(prompt, params, request_id, priority)
 
     def add_sequence(self, seq: Sequence) -> None:
         if seq.request_id in self.requests:
@@ -171,9 +154,11 @@ class LLMEngine:
         self.admitting[seq.request_id] = seq
         return seq
 
-    def start_decoding(self, request_id: str) -> None:
+    def start_decoding(self, request_id: str, migration_start: float, migration_end: float) -> None:
         """Decode: the request's KV has arrived; it joins the running batch."""
-        self.scheduler.decode.add(self.admitting.pop(request_id))
+        seq = self.admitting.pop(request_id)
+        seq.metrics.migration_start, seq.metrics.migration_end = migration_start, migration_end
+        self.scheduler.decode.add(seq)
 
     # Stepping -----------------------------------------------------------------------------
 
@@ -185,8 +170,14 @@ class LLMEngine:
         if not batch.seqs:
             return []
         model_input = BatchInput.from_sequences(batch.is_prefill, batch.seqs)
+        started = time.time()
         output = self.executor.execute_model(model_input)
         timer.lap("execute")
+        if batch.is_prefill:
+            ended = time.time()
+            for seq in batch.seqs:
+                if seq.metrics.prefill_end is None:  # the first prefill, not a recompute
+                    seq.metrics.prefill_start, seq.metrics.prefill_end = started, ended
         # Split the executor's time into the driver rank's phases and the rest (calls, transfers).
         timer.seconds["dispatch"] = timer.seconds.pop("execute") - sum(output.seconds.values())
         timer.seconds.update(output.seconds)
@@ -245,4 +236,5 @@ class LLMEngine:
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             num_cached_tokens=seq.num_cached_tokens,
+            metrics=dataclasses.replace(seq.metrics),
         )

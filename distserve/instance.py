@@ -245,7 +245,8 @@ class Instance:
                 logger.error("%s: %s: %s", self.name, request_id, error)
             output = self.engine.abort_request(request_id)
             return [output] if output is not None else []
-        self.engine.start_decoding(request_id)
+        record = self._migrator.records[request_id]
+        self.engine.start_decoding(request_id, record.start, record.end)
         return []
 
     def _forget(self, request_id: str) -> None:

@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from distserve.migration import PrefilledRequest
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (``time.time()``) of a request's stages; None where it has not got there
+    (or, for migration, never goes: a colocated request)."""
+
+    arrival_time: float | None = None  # the orchestrator accepted it
+    prefill_start: float | None = None  # its prefill batch began
+    prefill_end: float | None = None  # its first token was sampled
+    migration_start: float | None = None  # the decode instance began pulling its KV
+    migration_end: float | None = None
+    token_times: list[float] = field(default_factory=list)  # each output token reached the orchestrator
+    finished_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        if self.arrival_time is None or not self.token_times:
+            return None
+        return self.token_times[0] - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first: (last - first) / (tokens - 1)."""
+        if len(self.token_times) < 2:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
 
 
 @dataclass
@@ -22,3 +49,4 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     prefilled: PrefilledRequest | None = None  # from a prefill instance: what decode needs to take over
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)

@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 
+from distserve.outputs import RequestMetrics
 from distserve.sampling_params import SamplingParams
 
 
@@ -49,6 +50,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prefix-cache hits of the latest allocation
         self.prefill_steps_waited = 0  # aging for the SJF policy
         self.num_preemptions = 0
+        self.metrics = RequestMetrics()
         # Incremental detokenization state.
         self.output_text = ""
         self.prefix_offset = 0

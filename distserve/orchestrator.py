@@ -1,0 +1,228 @@
+"""The orchestrator: admits requests, picks instances, hands prefilled requests to decode, streams
+outputs back and cancels. It runs on an asyncio loop and talks to instances only through their
+queues (``add_request``, ``add_prefilled``, ``abort_request``) and a long poll per instance, so
+it is never on an instance's per-step path.
+
+Request path (disaggregated): tokenize and validate here -> the least loaded prefill instance
+-> its first token comes back with a ``PrefilledRequest`` -> the decode instance with the most
+room takes it over and pulls the KV -> its tokens stream back. Colocated: one instance does both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from distserve.cluster_config import ClusterConfig
+from distserve.executor import InstanceFailure
+from distserve.input_processor import InputProcessor
+from distserve.instance import InstanceInfo, launch_instance
+from distserve.model_loader import load_tokenizer, resolve_model
+from distserve.outputs import RequestMetrics, RequestOutput
+from distserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+POLL_TIMEOUT_S = 1.0
+
+
+@dataclass
+class InstanceState:
+    name: str
+    role: str
+    handle: Any
+    info: InstanceInfo
+    load_tokens: int = 0  # tokens of the requests assigned to it and not yet done with it
+    failure: str | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    prefill: InstanceState | None = None  # the instance that prefills it (or does both, colocated)
+    decode: InstanceState | None = None
+    finished: bool = False
+    cancelled: bool = False
+
+
+class Orchestrator:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.instances: list[InstanceState] = []
+        self.requests: dict[str, RequestState] = {}
+        self._pollers: list[asyncio.Task] = []
+        self._closed = False
+
+    async def start(self) -> None:
+        """Launch every instance (in parallel) and start polling them."""
+        resolved = resolve_model(self.config.engine.model)
+        tokenizer = load_tokenizer(resolved)
+        loop = asyncio.get_running_loop()
+        configs = self.config.instance_configs()
+        handles = await asyncio.gather(
+            *(loop.run_in_executor(None, launch_instance, config, name) for name, config in configs),
+            return_exceptions=True,
+        )
+        failures = [h for h in handles if isinstance(h, BaseException)]
+        if failures:  # all or nothing: stop the instances that did start
+            for handle in handles:
+                if not isinstance(handle, BaseException):
+                    ray.kill(handle)
+            raise failures[0]
+        infos = await asyncio.gather(*(h.info.remote() for h in handles))
+        for (name, config), handle, info in zip(configs, handles, infos):
+            self.instances.append(InstanceState(name, config.scheduler.scheduler, handle, info))
+        # A request must fit the smallest instance it may be sent to.
+        smallest = min(self.instances, key=lambda s: s.info.num_blocks)
+        self.input_processor = InputProcessor(
+            tokenizer,
+            resolved.hf_config.vocab_size,
+            resolved.max_model_len,
+            smallest.info.num_blocks,
+            self.config.engine.cache.block_size,
+        )
+        self._pollers = [asyncio.create_task(self._poll(state)) for state in self.instances]
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        for task in self._pollers:
+            task.cancel()
+        await asyncio.gather(*self._pollers, return_exceptions=True)
+        await asyncio.gather(*(s.handle.shutdown.remote() for s in self.instances), return_exceptions=True)
+        for state in self.instances:
+            ray.kill(state.handle)
+
+    # Requests -------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come; closing the iterator early cancels the request."""
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise ValueError(f"request id '{request_id}' is already in use")
+        seq = self.input_processor.process(prompt, params, request_id, priority)
+        state = RequestState(request_id, seq.num_prompt_tokens, params.max_tokens)
+        state.metrics.arrival_time = time.time()
+        entry = self._pick(self._pool("colocated") or self._pool("prefill"))
+        state.prefill = entry
+        entry.load_tokens += self._load(state)
+        self.requests[request_id] = state
+        try:
+            await entry.handle.add_request.remote(seq.token_ids, params, request_id, priority)
+            while True:
+                output = await state.queue.get()
+                if isinstance(output, BaseException):
+                    raise output
+                yield output
+                if output.finished:
+                    return
+        finally:
+            if not state.finished:
+                await self._cancel(state)
+            self._forget(state)
+
+    def _pool(self, role: str) -> list[InstanceState]:
+        return [s for s in self.instances if s.role == role and s.failure is None]
+
+    def _load(self, state: RequestState) -> int:
+        return state.num_prompt_tokens + state.max_tokens
+
+    def _pick(self, pool: list[InstanceState]) -> InstanceState:
+        """The instance with the least load per KV token it can hold."""
+        if not pool:
+            raise InstanceFailure("no instance is available to serve the request")
+        return min(pool, key=lambda s: s.load_tokens / (s.info.num_blocks * self.config.engine.cache.block_size))
+
+    async def _cancel(self, state: RequestState) -> None:
+        """Abort wherever the request may be: both instances free its blocks."""
+        state.cancelled = True
+        targets = [s for s in (state.prefill, state.decode) if s is not None]
+        await asyncio.gather(
+            *(s.handle.abort_request.remote(state.request_id) for s in targets), return_exceptions=True
+        )
+
+    def _forget(self, state: RequestState) -> None:
+        for entry in (state.prefill, state.decode):
+            if entry is not None:
+                entry.load_tokens -= self._load(state)
+        state.prefill = state.decode = None
+        self.requests.pop(state.request_id, None)
+
+    # Outputs --------------------------------------------------------------------------------
+
+    async def _poll(self, entry: InstanceState) -> None:
+        while not self._closed:
+            try:
+                outputs = await entry.handle.get_outputs.remote(POLL_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the instance failed or died: its requests cannot go on
+                entry.failure = str(e)
+                logger.error("instance %s failed: %s", entry.name, e)
+                self._fail_requests_on(entry, e)
+                return
+            for output in outputs:
+                self._route(entry, output)
+
+    def _route(self, entry: InstanceState, output: RequestOutput) -> None:
+        state = self.requests.get(output.request_id)
+        if state is None or state.finished:
+            return  # cancelled and forgotten: a late final output
+        now = time.time()
+        state.metrics.token_times.extend([now] * len(output.new_token_ids))
+        for name in ("prefill_start", "prefill_end", "migration_start", "migration_end"):
+            value = getattr(output.metrics, name)
+            if value is not None:
+                setattr(state.metrics, name, value)
+        if output.prefilled is not None:
+            prefilled, output.prefilled = output.prefilled, None
+            if not state.cancelled:
+                asyncio.create_task(self._hand_over(state, prefilled))
+        if output.finished:
+            state.finished = True
+            state.metrics.finished_time = now
+        output.metrics = dataclasses.replace(state.metrics, token_times=list(state.metrics.token_times))
+        state.queue.put_nowait(output)
+
+    async def _hand_over(self, state: RequestState, prefilled) -> None:
+        """Give a prefilled request to the decode instance with the most room."""
+        try:
+            entry = self._pick(self._pool("decode"))
+            state.decode = entry
+            entry.load_tokens += self._load(state)
+            await entry.handle.add_prefilled.remote(prefilled)
+            if state.cancelled:  # cancelled while the hand-over was on its way
+                await entry.handle.abort_request.remote(state.request_id)
+        except Exception as e:
+            await self._cancel(state)
+            state.queue.put_nowait(e)
+
+    def _fail_requests_on(self, entry: InstanceState, error: Exception) -> None:
+        for state in list(self.requests.values()):
+            if entry in (state.prefill, state.decode) and not state.finished:
+                state.queue.put_nowait(InstanceFailure(f"instance {entry.name} failed: {error}"))
+
+    async def info(self) -> list[InstanceInfo]:
+        """Each instance's current state (queues, KV use, failure)."""
+        infos = await asyncio.gather(*(s.handle.info.remote() for s in self.instances), return_exceptions=True)
+        for state, info in zip(self.instances, infos):
+            if not isinstance(info, BaseException):
+                state.info = info
+        return [s.info for s in self.instances]
