@@ -44,6 +44,7 @@ class InstanceInfo:
     num_preemptions: int
     num_held: int  # prefill: prefilled requests waiting for decode to pull their KV
     num_pending: int  # decode: prefilled requests waiting for blocks or for their KV
+    num_throttled_steps: int  # prefill: steps that admitted nothing because held KV passed its limit
     failure: str | None
 
 
@@ -147,6 +148,7 @@ class Instance:
             num_preemptions=engine.scheduler.num_preemptions,
             num_held=len(getattr(engine.scheduler, "held", ())),
             num_pending=len(self._pending) + len(engine.admitting),
+            num_throttled_steps=getattr(engine.scheduler, "num_throttled_steps", 0),
             failure=self._failure,
         )
 

@@ -158,6 +158,12 @@ class Orchestrator:
             *(s.handle.abort_request.remote(state.request_id) for s in targets), return_exceptions=True
         )
 
+    async def _abort_on(self, entry: InstanceState, request_id: str) -> None:
+        try:
+            await entry.handle.abort_request.remote(request_id)
+        except Exception as e:  # the instance is gone: so are the request's blocks there
+            logger.warning("could not abort %s on %s: %s", request_id, entry.name, e)
+
     def _forget(self, state: RequestState) -> None:
         for entry in (state.prefill, state.decode):
             if entry is not None:
@@ -183,8 +189,12 @@ class Orchestrator:
 
     def _route(self, entry: InstanceState, output: RequestOutput) -> None:
         state = self.requests.get(output.request_id)
-        if state is None or state.finished:
-            return  # cancelled and forgotten: a late final output
+        if state is None or state.cancelled:
+            if not output.finished:
+                # Calls to an instance may run out of order: an abort can overtake the request it
+                # cancels, which then starts after all. Stop it wherever it shows up.
+                asyncio.create_task(self._abort_on(entry, output.request_id))
+            return
         now = time.time()
         state.metrics.token_times.extend([now] * len(output.new_token_ids))
         for name in ("prefill_start", "prefill_end", "migration_start", "migration_end"):

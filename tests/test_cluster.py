@@ -1,0 +1,180 @@
+"""The disaggregated cluster end to end: orchestrator, prefill and decode pools, KV migration."""
+
+import asyncio
+import time
+
+import pytest
+from conftest import random_prompts, reference_greedy
+
+from distserve import LLM, AsyncCluster, Cluster, SamplingParams
+
+LENGTHS = [1, 7, 16, 33, 64, 101, 150, 200]
+MAX_TOKENS = [12, 30, 5, 40, 17, 25, 9, 33]
+# tiny-llama: 2 layers, 2 KV heads of 16 dims, float32
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def _assert_all_blocks_free(cluster: Cluster) -> None:
+    deadline = time.monotonic() + 5
+    while True:
+        infos = cluster.info()
+        if all(i.num_free_blocks == i.num_blocks and i.num_held == i.num_pending == 0 for i in infos):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("blocks still in use:\n" + "\n".join(map(str, infos)))
+        time.sleep(0.05)
+
+
+def _migrations(cluster: Cluster) -> dict:
+    records = {}
+    for state in cluster._async.orchestrator.instances:
+        if state.role == "decode":
+            records.update(cluster._run(_remote(state.handle.migrations)))
+    return records
+
+
+async def _remote(method):
+    return await method.remote()
+
+
+def _check(cluster: Cluster, reference, seed: int) -> None:
+    prompts = random_prompts(LENGTHS, reference.config.vocab_size, seed=seed)
+    outputs = cluster.generate(prompts, [_greedy(n) for n in MAX_TOKENS])
+    for prompt, n, out in zip(prompts, MAX_TOKENS, outputs):
+        assert out.token_ids == reference_greedy(reference, prompt, n), f"prompt of {len(prompt)} tokens"
+        assert out.finished and out.finish_reason in ("length", "stop")
+        metrics = out.metrics
+        assert len(metrics.token_times) == len(out.token_ids)
+        assert metrics.arrival_time <= metrics.prefill_start <= metrics.prefill_end <= metrics.token_times[0]
+    migrations = _migrations(cluster)
+    for prompt, out in zip(prompts, outputs):
+        if len(out.token_ids) > 1:  # a request that ends with its first token never migrates
+            record = migrations[out.request_id]
+            assert record.num_tokens == len(prompt)
+            assert record.num_bytes == KV_BYTES_PER_TOKEN * len(prompt)
+            assert out.metrics.prefill_end <= out.metrics.migration_start <= out.metrics.migration_end
+    _assert_all_blocks_free(cluster)
+
+
+@pytest.fixture(scope="module")
+def llama(reference_model):
+    return reference_model("tiny-llama")
+
+
+@pytest.mark.parametrize(
+    "prefill, decode",
+    [
+        ({"instances": 2, "tensor_parallel_size": 2}, {"instances": 1}),
+        ({"instances": 1, "pipeline_parallel_size": 2}, {"instances": 2, "tensor_parallel_size": 2}),
+    ],
+    ids=["2P-tp2+1D-tp1", "1P-pp2+2D-tp2"],
+)
+def test_disaggregated_greedy_equals_transformers(ray_cluster, llama, prefill, decode):
+    with Cluster(model="tiny-llama", block_size=8, prefill=prefill, decode=decode) as cluster:
+        _check(cluster, llama, seed=1)
+
+
+@pytest.fixture(scope="module")
+def small_cluster(ray_cluster):
+    """1 prefill + 1 decode, decode KV for about two of the requests at once, prefill for about four."""
+    with Cluster(
+        model="tiny-llama",
+        block_size=8,
+        prefill={"num_kv_blocks": 120, "kv_hold_fraction": 0.5},
+        decode={"num_kv_blocks": 60},
+    ) as cluster:
+        yield cluster
+
+
+def test_small_decode_pool_throttles_prefill_and_loses_nothing(small_cluster, llama):
+    prompts = random_prompts([150, 180, 200, 170, 160, 190, 140, 175], 1024, seed=2)
+    outputs = small_cluster.generate(prompts, _greedy(20))
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == reference_greedy(llama, prompt, 20)
+    prefill, _ = small_cluster.info()
+    assert prefill.num_throttled_steps > 0  # held KV reached its limit: prefill waited for decode
+    # Decode's 60 blocks of 8 tokens hold at most three of these (141+ tokens each): the rest waited.
+    spans = [(o.metrics.migration_start, o.metrics.finished_time) for o in outputs]
+    assert max(sum(start <= t < end for start, end in spans) for t, _ in spans) <= 3
+    _assert_all_blocks_free(small_cluster)
+
+
+def test_cancellation_at_every_stage_frees_every_block(small_cluster):
+    """Requests left at random points: before their first token (queued or prefilling), right after
+    it (waiting for decode room or migrating, behind two long requests that fill decode), or while
+    decoding. Every block on both instances is free afterwards and the cluster still serves."""
+    cluster = small_cluster
+    params = SamplingParams(max_tokens=250, temperature=0.0, ignore_eos=True)
+
+    async def leave_after(prompt, first_token_only: bool, delay: float) -> list:
+        seen = []
+
+        async def consume():
+            async for out in cluster._async.generate(prompt, params):
+                seen.append(out)
+                if first_token_only:
+                    return
+
+        try:
+            await asyncio.wait_for(consume(), delay)  # cancelled at the deadline, output or not
+        except TimeoutError:
+            pass
+        return seen
+
+    async def scenario():
+        blockers = [asyncio.create_task(leave_after([7] * 200, False, 60)) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        prompts = random_prompts([190, 120, 60, 150] * 4, 1024, seed=4)
+        delays = [0.001, 0.005, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5] * 2
+        left = [asyncio.create_task(leave_after(p, i % 3 == 0, d)) for i, (p, d) in enumerate(zip(prompts, delays))]
+        return await asyncio.gather(*left), await asyncio.gather(*blockers)
+
+    left, blockers = cluster._run(scenario())
+    assert all(len(b[-1].token_ids) == 250 for b in blockers)
+    cancelled = [seen for seen in left if not seen or not seen[-1].finished]
+    stages = {min(len(seen), 2) for seen in cancelled}  # 0: no token yet, 1: first token only, 2: decoding
+    assert stages == {0, 1, 2}, stages
+    _assert_all_blocks_free(cluster)
+    assert len(cluster.generate("after", _greedy(4))[0].token_ids) >= 1
+
+
+def test_colocated_cluster_is_the_same_api(ray_cluster, llama):
+    with Cluster(model="tiny-llama", block_size=8, colocated={"instances": 2}) as cluster:
+        prompts = random_prompts(LENGTHS, 1024, seed=5)
+        outputs = cluster.generate(prompts, [_greedy(n) for n in MAX_TOKENS])
+        for prompt, n, out in zip(prompts, MAX_TOKENS, outputs):
+            assert out.token_ids == reference_greedy(llama, prompt, n)
+            assert out.metrics.migration_start is None
+        _assert_all_blocks_free(cluster)
+
+
+def test_text_matches_the_offline_engine(small_cluster):
+    prompts = ["The cache block", "Hello world, the server", "A"]
+    offline = LLM("tiny-llama").generate(prompts, _greedy(24))
+    served = small_cluster.generate(prompts, _greedy(24))
+    assert [o.text for o in served] == [o.text for o in offline]
+    assert [o.token_ids for o in served] == [o.token_ids for o in offline]
+
+
+def test_bad_requests_are_refused_before_any_instance(small_cluster):
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        small_cluster.generate("", _greedy(4))
+    with pytest.raises(ValueError, match="token ids must be in"):
+        small_cluster.generate([5, 99999], _greedy(4))
+
+
+def test_async_cluster_streams(ray_cluster):
+    async def main():
+        cluster = await AsyncCluster.start(model="tiny-llama", prefill={}, decode={})
+        try:
+            chunks = [out async for out in cluster.generate("Hello", _greedy(6))]
+            assert [len(c.token_ids) for c in chunks] == list(range(1, len(chunks) + 1))
+            assert chunks[-1].finished
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(main())
