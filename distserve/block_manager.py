@@ -13,6 +13,11 @@ from collections import OrderedDict
 from distserve.sequence import Sequence
 
 
+def chain_hash(parent: int, tokens: list[int]) -> int:
+    """The key of a full block: its tokens and, through the parent's key, everything before them."""
+    return hash((parent, tuple(tokens)))
+
+
 class Block:
     __slots__ = ("block_id", "ref_count", "hash", "token_ids")
 
@@ -54,7 +59,7 @@ class BlockManager:
         while len(hashes) <= index:
             i = len(hashes)
             parent = hashes[i - 1] if i else 0
-            hashes.append(hash((parent, tuple(seq.block_tokens(i, self.block_size)))))
+            hashes.append(chain_hash(parent, seq.block_tokens(i, self.block_size)))
         return hashes[index]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

@@ -45,6 +45,7 @@ class InstanceInfo:
     num_held: int  # prefill: prefilled requests waiting for decode to pull their KV
     num_pending: int  # decode: prefilled requests waiting for blocks or for their KV
     num_throttled_steps: int  # prefill: steps that admitted nothing because held KV passed its limit
+    num_admission_waits: int  # decode: handed-over requests that had to wait for free blocks
     failure: str | None
 
 
@@ -64,6 +65,8 @@ class Instance:
         self._pending: deque[PrefilledRequest] = deque()
         self._migrating: set[str] = set()
         self._cancelled: set[str] = set()  # aborted while their KV was on its way: dropped on arrival
+        self._num_admission_waits = 0
+        self._waiting_head: str | None = None  # the request at the head of _pending that found no room
         self._migrator: Migrator | None = None
         if self.engine.role == "decode":
             endpoints = self.engine.executor.kv_endpoints(ray.get_runtime_context().current_actor)
@@ -149,6 +152,7 @@ class Instance:
             num_held=len(getattr(engine.scheduler, "held", ())),
             num_pending=len(self._pending) + len(engine.admitting),
             num_throttled_steps=getattr(engine.scheduler, "num_throttled_steps", 0),
+            num_admission_waits=self._num_admission_waits,
             failure=self._failure,
         )
 
@@ -230,6 +234,9 @@ class Instance:
         while self._pending:
             seq = self.engine.admit_prefilled(self._pending[0])
             if seq is None:
+                if self._waiting_head != self._pending[0].request_id:
+                    self._waiting_head = self._pending[0].request_id
+                    self._num_admission_waits += 1
                 return
             prefilled = self._pending.popleft()
             self._migrating.add(prefilled.request_id)

@@ -27,11 +27,14 @@ from distserve.input_processor import InputProcessor
 from distserve.instance import InstanceInfo, launch_instance
 from distserve.model_loader import load_tokenizer, resolve_model
 from distserve.outputs import RequestMetrics, RequestOutput
+from distserve.prefix_index import PrefixIndex
 from distserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 1.0
+# A prefix-cache hit wins over a less loaded instance unless its load (per KV token) is higher by more.
+PREFIX_LOAD_SLACK = 0.25
 
 
 @dataclass
@@ -64,6 +67,7 @@ class Orchestrator:
         self.requests: dict[str, RequestState] = {}
         self._pollers: list[asyncio.Task] = []
         self._closed = False
+        self.prefix_index = PrefixIndex(config.engine.cache.block_size)
 
     async def start(self) -> None:
         """Launch every instance (in parallel) and start polling them."""
@@ -120,7 +124,7 @@ class Orchestrator:
         seq = self.input_processor.process(prompt, params, request_id, priority)
         state = RequestState(request_id, seq.num_prompt_tokens, params.max_tokens)
         state.metrics.arrival_time = time.time()
-        entry = self._pick(self._pool("colocated") or self._pool("prefill"))
+        entry = self._pick_prefill(seq.token_ids)
         state.prefill = entry
         entry.load_tokens += self._load(state)
         self.requests[request_id] = state
@@ -144,11 +148,26 @@ class Orchestrator:
     def _load(self, state: RequestState) -> int:
         return state.num_prompt_tokens + state.max_tokens
 
+    def _load_ratio(self, entry: InstanceState) -> float:
+        return entry.load_tokens / (entry.info.num_blocks * self.config.engine.cache.block_size)
+
     def _pick(self, pool: list[InstanceState]) -> InstanceState:
         """The instance with the least load per KV token it can hold."""
         if not pool:
             raise InstanceFailure("no instance is available to serve the request")
-        return min(pool, key=lambda s: s.load_tokens / (s.info.num_blocks * self.config.engine.cache.block_size))
+        return min(pool, key=self._load_ratio)
+
+    def _pick_prefill(self, token_ids: list[int]) -> InstanceState:
+        """The instance that was sent the longest prefix of this prompt, unless it is much busier
+        than the least loaded one, which gets the request otherwise."""
+        pool = self._pool("colocated") or self._pool("prefill")
+        least = self._pick(pool)
+        hashes = self.prefix_index.block_hashes(token_ids)
+        best = max(pool, key=lambda s: (self.prefix_index.matched_blocks(s.name, hashes), -self._load_ratio(s)))
+        hit = self.prefix_index.matched_blocks(best.name, hashes) > 0
+        entry = best if hit and self._load_ratio(best) <= self._load_ratio(least) + PREFIX_LOAD_SLACK else least
+        self.prefix_index.add(entry.name, hashes)
+        return entry
 
     async def _cancel(self, state: RequestState) -> None:
         """Abort wherever the request may be: both instances free its blocks."""

@@ -119,3 +119,38 @@ def test_kv_cache_sizing():
     assert shape.bytes_per_block == 32 * 2 * 16 * 32 * 128 * 2
     # Llama-2-7B in fp16 keeps half a MiB of KV per token.
     assert model_shape(MODEL_PRESETS["llama-2-7b"]).kv_bytes_per_token(2) == 2**19
+
+
+def test_cluster_yaml_pools(tmp_path):
+    from distserve import ClusterConfig
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(
+        "model: {model: tiny-llama}\ncache: {block_size: 8}\n"
+        "cluster:\n  name: demo\n  prefill: {instances: 2, tensor_parallel_size: 2}\n  decode: {max_num_seqs: 64}\n"
+    )
+    config = ClusterConfig.from_yaml(path)
+    names = [name for name, _ in config.instance_configs()]
+    assert names == ["demo-prefill-0", "demo-prefill-1", "demo-decode-0"]
+    prefill, decode = config.instance_configs()[0][1], config.instance_configs()[2][1]
+    assert (prefill.scheduler.scheduler, prefill.parallel.tensor_parallel_size, prefill.cache.block_size) == (
+        "prefill",
+        2,
+        8,
+    )
+    assert (decode.scheduler.scheduler, decode.scheduler.max_num_seqs, decode.parallel.tensor_parallel_size) == (
+        "decode",
+        64,
+        1,
+    )
+    for text, message in [
+        ("cluster: {prefill: {}}", "a prefill and a decode pool"),
+        ("cluster: {colocated: {}, decode: {}}", "a prefill and a decode pool"),
+        ("cluster: {prefill: {instances: 0}, decode: {}}", "at least one instance"),
+        ("cluster: {prefill: {block_sise: 8}, decode: {}}", "unknown option"),
+        ("cluster: {prefill: {scheduler: decode}, decode: {}}", "leave 'scheduler' out"),
+        ("cluster: {router: {}}", "role must be one of"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            ClusterConfig.from_yaml(path)
