@@ -214,6 +214,7 @@ class LLMEngine:
                 params,
                 seq.priority,
                 list(seq.block_table),
+                self.config.cache.block_size,
             )
         return output
 

@@ -38,6 +38,7 @@ class InstanceInfo:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     num_blocks: int
+    block_size: int
     num_free_blocks: int
     num_waiting: int
     num_running: int
@@ -145,6 +146,7 @@ class Instance:
             tensor_parallel_size=parallel.tensor_parallel_size,
             pipeline_parallel_size=parallel.pipeline_parallel_size,
             num_blocks=engine.block_manager.num_blocks,
+            block_size=engine.block_manager.block_size,
             num_free_blocks=engine.block_manager.num_free_blocks,
             num_waiting=engine.scheduler.num_waiting,
             num_running=engine.scheduler.num_running,

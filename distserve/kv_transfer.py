@@ -14,6 +14,7 @@ head_dim x dtype size.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -95,9 +96,6 @@ class KVTransfer:
                 self._store = create_store(world_size=2)
             return self._store.host, self._store.port
 
-    def has_channel(self, channel: str) -> bool:
-        return channel in self._groups
-
     def connect(self, channel: str, is_source: bool, address: tuple[str, int]) -> None:
         """Join the two-rank communicator ``channel``; both ends call this at the same time."""
         if is_source:
@@ -127,9 +125,7 @@ class KVTransfer:
     def _staging(self, key: tuple[str, int], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A reused buffer: fresh multi-MiB CPU tensors cost more in page faults than the copy
         itself (measured 8x slower for a 64 MiB gather)."""
-        numel = 1
-        for n in shape:
-            numel *= n
+        numel = math.prod(shape)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
             buffer = self._buffers[key] = torch.empty(numel, dtype=dtype, device=self.device)
@@ -160,7 +156,7 @@ class KVTransfer:
                 pending.append(group.send([data], 1, i))
             for work in pending:
                 work.wait()
-        return sum(2 * len(slots) * v.shape[2] * v.shape[3] * v.element_size() for v in views)
+        return _num_bytes(views, len(slots))
 
     def recv(self, channel: str, slots: list[int], layers: range, heads: range) -> int:
         """Receive into ``slots`` what the source sends for ``layers`` x ``heads``; returns the bytes.
@@ -180,4 +176,9 @@ class KVTransfer:
                 view.index_copy_(1, index, buffers[i % 2])
                 if i + 2 < len(views):
                     works.append(group.recv([buffers[i % 2]], 0, i + 2))
-        return sum(2 * len(slots) * v.shape[2] * v.shape[3] * v.element_size() for v in views)
+        return _num_bytes(views, len(slots))
+
+
+def _num_bytes(views: list[torch.Tensor], num_slots: int) -> int:
+    """K and V of ``num_slots`` tokens in each ``[2, slots, heads, head_dim]`` layer view."""
+    return sum(2 * num_slots * view.shape[2] * view.shape[3] * view.element_size() for view in views)

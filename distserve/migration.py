@@ -37,6 +37,7 @@ class PrefilledRequest:
     sampling_params: SamplingParams
     priority: int
     block_table: list[int]  # the prompt's blocks on the prefill instance
+    block_size: int  # the prefill instance's (a decode pool may use another)
 
 
 @dataclass
@@ -129,7 +130,7 @@ class Migrator:
         start = time.time()
         handle, sources, plan = self._source(prefilled.prefill_instance)
         num_tokens = prefilled.num_prompt_tokens
-        src_slots = token_slots(prefilled.block_table, num_tokens, self.block_size)
+        src_slots = token_slots(prefilled.block_table, num_tokens, prefilled.block_size)
         dst_slots = token_slots(block_table, num_tokens, self.block_size)
         sends, recvs = [], []
         for part in plan:

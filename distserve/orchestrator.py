@@ -66,6 +66,7 @@ class Orchestrator:
         self.instances: list[InstanceState] = []
         self.requests: dict[str, RequestState] = {}
         self._pollers: list[asyncio.Task] = []
+        self._background: set[asyncio.Task] = set()  # hand-overs and aborts in flight, kept from the GC
         self._closed = False
         self.prefix_index = PrefixIndex(config.engine.cache.block_size)
 
@@ -89,13 +90,13 @@ class Orchestrator:
         for (name, config), handle, info in zip(configs, handles, infos):
             self.instances.append(InstanceState(name, config.scheduler.scheduler, handle, info))
         # A request must fit the smallest instance it may be sent to.
-        smallest = min(self.instances, key=lambda s: s.info.num_blocks)
+        smallest = min(self.instances, key=lambda s: s.info.num_blocks * s.info.block_size)
         self.input_processor = InputProcessor(
             tokenizer,
             resolved.hf_config.vocab_size,
             resolved.max_model_len,
             smallest.info.num_blocks,
-            self.config.engine.cache.block_size,
+            smallest.info.block_size,
         )
         self._pollers = [asyncio.create_task(self._poll(state)) for state in self.instances]
 
@@ -149,7 +150,7 @@ class Orchestrator:
         return state.num_prompt_tokens + state.max_tokens
 
     def _load_ratio(self, entry: InstanceState) -> float:
-        return entry.load_tokens / (entry.info.num_blocks * self.config.engine.cache.block_size)
+        return entry.load_tokens / (entry.info.num_blocks * entry.info.block_size)
 
     def _pick(self, pool: list[InstanceState]) -> InstanceState:
         """The instance with the least load per KV token it can hold."""
@@ -176,6 +177,11 @@ class Orchestrator:
         await asyncio.gather(
             *(s.handle.abort_request.remote(state.request_id) for s in targets), return_exceptions=True
         )
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _abort_on(self, entry: InstanceState, request_id: str) -> None:
         try:
@@ -212,7 +218,7 @@ class Orchestrator:
             if not output.finished:
                 # Calls to an instance may run out of order: an abort can overtake the request it
                 # cancels, which then starts after all. Stop it wherever it shows up.
-                asyncio.create_task(self._abort_on(entry, output.request_id))
+                self._spawn(self._abort_on(entry, output.request_id))
             return
         now = time.time()
         state.metrics.token_times.extend([now] * len(output.new_token_ids))
@@ -223,7 +229,7 @@ class Orchestrator:
         if output.prefilled is not None:
             prefilled, output.prefilled = output.prefilled, None
             if not state.cancelled:
-                asyncio.create_task(self._hand_over(state, prefilled))
+                self._spawn(self._hand_over(state, prefilled))
         if output.finished:
             state.finished = True
             state.metrics.finished_time = now

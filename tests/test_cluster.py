@@ -68,10 +68,10 @@ def llama(reference_model):
 @pytest.mark.parametrize(
     "prefill, decode",
     [
-        ({"instances": 2, "tensor_parallel_size": 2}, {"instances": 1}),
+        ({"instances": 2, "tensor_parallel_size": 2}, {"instances": 1, "block_size": 16}),
         ({"instances": 1, "pipeline_parallel_size": 2}, {"instances": 2, "tensor_parallel_size": 2}),
     ],
-    ids=["2P-tp2+1D-tp1", "1P-pp2+2D-tp2"],
+    ids=["2P-tp2+1D-tp1-other-block-size", "1P-pp2+2D-tp2"],
 )
 def test_disaggregated_greedy_equals_transformers(ray_cluster, llama, prefill, decode):
     with Cluster(model="tiny-llama", block_size=8, prefill=prefill, decode=decode) as cluster:
