@@ -107,12 +107,15 @@ class LLMEngine:
         self.add_sequence(seq)
         return seq.request_id
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request wherever it is and free its blocks; None if it is not running here."""
+    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks; None if it is not running here.
+
+        ``reason`` is "abort" when a client cancels, "error" when the request cannot go on here.
+        """
         seq = self.requests.get(request_id)
         if seq is None:
             return None
-        self._finish(seq, "abort")
+        self._finish(seq, reason)
         return self._output(seq, 0, "")
 
     def has_unfinished_requests(self) -> bool:

@@ -254,7 +254,7 @@ class Instance:
             self._cancelled.discard(request_id)
             if error is not None:
                 logger.error("%s: %s: %s", self.name, request_id, error)
-            output = self.engine.abort_request(request_id)
+            output = self.engine.abort_request(request_id, "error" if error is not None else "abort")
             return [output] if output is not None else []
         record = self._migrator.records[request_id]
         self.engine.start_decoding(request_id, record.start, record.end)

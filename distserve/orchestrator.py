@@ -233,6 +233,9 @@ class Orchestrator:
         if output.finished:
             state.finished = True
             state.metrics.finished_time = now
+            if output.finish_reason == "error":
+                state.queue.put_nowait(InstanceFailure(f"request {output.request_id} failed on {entry.name}"))
+                return
         output.metrics = dataclasses.replace(state.metrics, token_times=list(state.metrics.token_times))
         state.queue.put_nowait(output)
 

@@ -46,7 +46,7 @@ class RequestOutput:
     new_token_ids: list[int]  # tokens added by this step
     new_text: str  # text added by this step
     finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None  # "stop", "length", "abort" (cancelled) or "error" (could not go on) once finished
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     prefilled: PrefilledRequest | None = None  # from a prefill instance: what decode needs to take over
     metrics: RequestMetrics = field(default_factory=RequestMetrics)

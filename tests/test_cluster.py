@@ -33,12 +33,8 @@ def _migrations(cluster: Cluster) -> dict:
     records = {}
     for state in cluster._async.orchestrator.instances:
         if state.role == "decode":
-            records.update(cluster._run(_remote(state.handle.migrations)))
+            records.update(cluster._run(_call(state.handle.migrations)))
     return records
-
-
-async def _remote(method):
-    return await method.remote()
 
 
 def _check(cluster: Cluster, reference, seed: int) -> None:
@@ -183,3 +179,32 @@ def test_async_cluster_streams(ray_cluster):
             await cluster.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_pull_that_fails_ends_the_request_with_an_error(ray_cluster):
+    """A hand-over naming a prefill instance that is gone: decode frees what it allocated and
+    reports the request as failed, not as cancelled."""
+    from distserve import EngineConfig
+    from distserve.instance import launch_instance
+    from distserve.migration import PrefilledRequest
+
+    ray = ray_cluster
+    config = EngineConfig.from_flat(model="tiny-llama", scheduler="decode", block_size=8, num_kv_blocks=16)
+    decode = launch_instance(config, "orphan-decode")
+    try:
+        prefilled = PrefilledRequest("orphan", "no-such-instance", None, [5] * 40 + [6], 40, _greedy(8), 0, [0] * 5, 8)
+        ray.get(decode.add_prefilled.remote(prefilled))
+        outputs = []
+        deadline = time.monotonic() + 10
+        while not any(o.finished for o in outputs):
+            assert time.monotonic() < deadline
+            outputs += ray.get(decode.get_outputs.remote(0.5))
+        assert [o.finish_reason for o in outputs if o.finished] == ["error"]
+        info = ray.get(decode.info.remote())
+        assert info.num_free_blocks == info.num_blocks and info.num_pending == 0
+    finally:
+        ray.kill(decode)
+
+
+async def _call(method, *args):
+    return await method.remote(*args)
