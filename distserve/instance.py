@@ -127,7 +127,7 @@ class Instance:
 
     def migrations(self) -> dict[str, MigrationRecord]:
         """Decode: the latest KV pulls, by request id."""
-        return dict(self._migrator.records) if self._migrator else {}
+        return self._migrator.records() if self._migrator else {}
 
     def get_outputs(self, timeout: float = 1.0) -> list[RequestOutput]:
         """Outputs since the last call, waiting up to ``timeout`` seconds for the first one."""
@@ -244,11 +244,13 @@ class Instance:
             self._migrating.add(prefilled.request_id)
             self._migrator.submit(prefilled, seq.block_table)
 
-    def _migrated(self, request_id: str, error: str | None) -> None:
+    def _migrated(self, request_id: str, record: MigrationRecord | None, error: str | None) -> None:
         """Called on the migrator's thread; the step loop takes it from there."""
-        self._send("migrated", (request_id, error))
+        self._send("migrated", (request_id, record, error))
 
-    def _start_decoding(self, request_id: str, error: str | None) -> list[RequestOutput]:
+    def _start_decoding(
+        self, request_id: str, record: MigrationRecord | None, error: str | None
+    ) -> list[RequestOutput]:
         self._migrating.discard(request_id)
         if request_id in self._cancelled or error is not None:
             self._cancelled.discard(request_id)
@@ -256,7 +258,6 @@ class Instance:
                 logger.error("%s: %s: %s", self.name, request_id, error)
             output = self.engine.abort_request(request_id, "error" if error is not None else "abort")
             return [output] if output is not None else []
-        record = self._migrator.records[request_id]
         self.engine.start_decoding(request_id, record.start, record.end)
         return []
 

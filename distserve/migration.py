@@ -77,13 +77,14 @@ class Migrator:
         name: str,
         endpoints: list[KVEndpoint],
         block_size: int,
-        on_done: Callable[[str, str | None], None],
+        on_done: Callable[[str, MigrationRecord | None, str | None], None],
     ) -> None:
         self.name = name
         self.endpoints = endpoints
         self.block_size = block_size
         self.on_done = on_done
-        self.records: OrderedDict[str, MigrationRecord] = OrderedDict()
+        self._records: OrderedDict[str, MigrationRecord] = OrderedDict()
+        self._records_lock = threading.Lock()
         self._sources: dict[str, tuple[Any, list[KVEndpoint], list[TransferPart]]] = {}
         self._connected: set[str] = set()
         self._queue: queue.SimpleQueue[tuple[PrefilledRequest, list[int]] | None] = queue.SimpleQueue()
@@ -100,12 +101,13 @@ class Migrator:
         while (item := self._queue.get()) is not None:
             prefilled, block_table = item
             try:
-                self._pull(prefilled, block_table)
+                record = self._pull(prefilled, block_table)
             except Exception as e:  # the prefill side died or refused: the request cannot continue here
                 logger.exception("%s: pulling the KV of %s failed", self.name, prefilled.request_id)
-                self.on_done(prefilled.request_id, f"KV migration from {prefilled.prefill_instance} failed: {e}")
+                error = f"KV migration from {prefilled.prefill_instance} failed: {e}"
+                self.on_done(prefilled.request_id, None, error)
             else:
-                self.on_done(prefilled.request_id, None)
+                self.on_done(prefilled.request_id, record, None)
 
     def _source(self, instance_name: str) -> tuple[Any, list[KVEndpoint], list[TransferPart]]:
         """The prefill instance's handle, its ranks, and which of them send what to which of ours."""
@@ -126,7 +128,12 @@ class Migrator:
             self._connected.add(channel)
         return channel
 
-    def _pull(self, prefilled: PrefilledRequest, block_table: list[int]) -> None:
+    def records(self) -> dict[str, MigrationRecord]:
+        """The latest pulls, by request id."""
+        with self._records_lock:
+            return dict(self._records)
+
+    def _pull(self, prefilled: PrefilledRequest, block_table: list[int]) -> MigrationRecord:
         start = time.time()
         handle, sources, plan = self._source(prefilled.prefill_instance)
         num_tokens = prefilled.num_prompt_tokens
@@ -140,8 +147,9 @@ class Migrator:
         num_bytes = sum(ray.get(recvs))
         ray.get(sends)
         handle.release.remote(prefilled.request_id)  # the prefill instance frees its blocks
-        self.records[prefilled.request_id] = MigrationRecord(
-            prefilled.request_id, num_tokens, num_bytes, start, time.time()
-        )
-        while len(self.records) > self.MAX_RECORDS:
-            self.records.popitem(last=False)
+        record = MigrationRecord(prefilled.request_id, num_tokens, num_bytes, start, time.time())
+        with self._records_lock:
+            self._records[prefilled.request_id] = record
+            while len(self._records) > self.MAX_RECORDS:
+                self._records.popitem(last=False)
+        return record
