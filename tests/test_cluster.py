@@ -208,3 +208,20 @@ def test_a_pull_that_fails_ends_the_request_with_an_error(ray_cluster):
 
 async def _call(method, *args):
     return await method.remote(*args)
+
+
+def test_orchestrator_turns_an_error_finish_into_a_failure():
+    """An output that ends with "error" reaches the client as InstanceFailure, not as a result."""
+    from distserve import ClusterConfig
+    from distserve.executor import InstanceFailure
+    from distserve.orchestrator import InstanceState, Orchestrator, RequestState
+    from distserve.outputs import RequestOutput
+
+    orchestrator = Orchestrator(ClusterConfig())
+    decode = InstanceState("decode-0", "decode", handle=None, info=None)
+    state = orchestrator.requests["r"] = RequestState("r", num_prompt_tokens=3, max_tokens=4)
+    failed = RequestOutput("r", None, [1, 2, 3], [5], "", [], "", True, "error", 0)
+    orchestrator._route(decode, failed)
+    item = state.queue.get_nowait()
+    assert isinstance(item, InstanceFailure) and "failed on decode-0" in str(item)
+    assert state.finished and state.queue.empty()
