@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from distserve.cluster_config import ROLES, ClusterConfig, PoolConfig
+from distserve.cluster_config import ROLES, ClusterConfig
 from distserve.config import EngineConfig
 from distserve.instance import InstanceInfo
 from distserve.orchestrator import Orchestrator
@@ -29,15 +29,8 @@ def make_cluster_config(config: ClusterConfig | None = None, **options: Any) -> 
         if options:
             raise ValueError("pass either config or keyword options, not both")
         return config
-    pools = []
-    for role in ROLES:
-        if role in options:
-            pool = dict(options.pop(role) or {})
-            pools.append(PoolConfig(role, pool.pop("instances", 1), pool))
-    name = options.pop("name", None)
-    return ClusterConfig(
-        EngineConfig.from_flat(**options), pools or ClusterConfig().pools, **({"name": name} if name else {})
-    )
+    pools = {key: options.pop(key) for key in (*ROLES, "name") if key in options}
+    return ClusterConfig.from_pools(EngineConfig.from_flat(**options), pools)
 
 
 class AsyncCluster:

@@ -21,9 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from distserve.config import FIELD_SECTION, EngineConfig
+from distserve.config import FIELD_SECTION, EngineConfig, read_sections
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -33,6 +31,12 @@ class PoolConfig:
     role: str
     instances: int = 1
     options: dict[str, Any] = field(default_factory=dict)  # flat engine options for this pool only
+
+    @classmethod
+    def from_options(cls, role: str, options: dict[str, Any] | None) -> PoolConfig:
+        """A pool from its YAML section or keyword dict: ``instances`` plus engine overrides."""
+        options = dict(options or {})
+        return cls(role, options.pop("instances", 1), options)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -83,16 +87,16 @@ class ClusterConfig:
         data = dict(data)
         cluster = dict(data.pop("cluster", None) or {})
         engine = EngineConfig.from_sections(data, source, **engine_overrides)
-        name = cluster.pop("name", None)
-        pools = []
-        for role, options in cluster.items():
-            options = dict(options or {})
-            pools.append(PoolConfig(role, options.pop("instances", 1), options))
-        return cls(engine, pools or cls().pools, **({"name": name} if name else {}))
+        return cls.from_pools(engine, cluster)
+
+    @classmethod
+    def from_pools(cls, engine: EngineConfig, pools: dict[str, Any]) -> ClusterConfig:
+        """``pools`` maps roles to pool options, plus an optional ``name``; no pools means 1 prefill + 1 decode."""
+        pools = dict(pools)
+        name = pools.pop("name", None)
+        parsed = [PoolConfig.from_options(role, options) for role, options in pools.items()]
+        return cls(engine, parsed or cls().pools, **({"name": name} if name else {}))
 
     @classmethod
     def from_yaml(cls, path: str | Path, **engine_overrides: Any) -> ClusterConfig:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of sections")
-        return cls.from_dict(data, str(path), **engine_overrides)
+        return cls.from_dict(read_sections(path), str(path), **engine_overrides)

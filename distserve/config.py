@@ -133,10 +133,7 @@ class EngineConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> EngineConfig:
         """Read the ``model:``, ``cache:``, ``scheduler:`` and ``parallel:`` sections; ``overrides`` (flat keys) win."""
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)})")
-        return cls.from_sections(data, str(path), **overrides)
+        return cls.from_sections(read_sections(path), str(path), **overrides)
 
     @classmethod
     def from_sections(cls, data: dict[str, Any], source: str = "config", **overrides: Any) -> EngineConfig:
@@ -163,6 +160,14 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
 }
 FIELD_SECTION: dict[str, str] = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+
+
+def read_sections(path: str | Path) -> dict[str, Any]:
+    """A YAML file's top-level mapping of sections."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)}, ...)")
+    return data
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

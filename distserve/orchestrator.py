@@ -164,8 +164,9 @@ class Orchestrator:
         pool = self._pool("colocated") or self._pool("prefill")
         least = self._pick(pool)
         hashes = self.prefix_index.block_hashes(token_ids)
-        best = max(pool, key=lambda s: (self.prefix_index.matched_blocks(s.name, hashes), -self._load_ratio(s)))
-        hit = self.prefix_index.matched_blocks(best.name, hashes) > 0
+        matched = {s.name: self.prefix_index.matched_blocks(s.name, hashes) for s in pool}
+        best = max(pool, key=lambda s: (matched[s.name], -self._load_ratio(s)))
+        hit = matched[best.name] > 0
         entry = best if hit and self._load_ratio(best) <= self._load_ratio(least) + PREFIX_LOAD_SLACK else least
         self.prefix_index.add(entry.name, hashes)
         return entry

@@ -145,6 +145,24 @@ def make_tiny_model(name: str, out_dir: str | Path) -> Path:
     return out
 
 
+def write_llama_shape(out_dir: str | Path, **shape) -> Path:
+    """A Llama-shaped model directory with config.json and the built-in tokenizer but no weights,
+    to serve with ``--load-format dummy``. ``shape`` sets LlamaConfig fields (hidden_size, ...)."""
+    from transformers import LlamaConfig
+
+    tokenizer = train_tokenizer()
+    config = LlamaConfig(
+        **{"vocab_size": 32000, "tie_word_embeddings": False, **shape},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    out = Path(out_dir)
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def cache_dir() -> Path:
     root = os.environ.get("DISTSERVE_CACHE_DIR") or Path.home() / ".cache" / "distserve"
     return Path(root) / "models"

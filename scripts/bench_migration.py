@@ -23,11 +23,10 @@ import time
 from pathlib import Path
 
 import ray
-from transformers import LlamaConfig
 from transformers.utils import logging as hf_logging
 
 from distserve import Cluster, SamplingParams
-from distserve.tiny_models import train_tokenizer
+from distserve.tiny_models import write_llama_shape
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,23 +43,16 @@ def parse_args() -> argparse.Namespace:
 
 
 def write_model_dir(root: Path, args: argparse.Namespace) -> Path:
-    config = LlamaConfig(
+    """config.json and a tokenizer, no weights: the engine draws dummy weights from the shapes."""
+    return write_llama_shape(
+        root / "bench-migration-llama",
         hidden_size=args.hidden_size,
         intermediate_size=args.hidden_size * 2,
         num_hidden_layers=args.num_layers,
         num_attention_heads=args.hidden_size // 128,
         num_key_value_heads=args.num_kv_heads,
-        vocab_size=32000,
         max_position_embeddings=8192 + 1024,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
-    out = root / "bench-migration-llama"
-    config.save_pretrained(out)
-    train_tokenizer().save_pretrained(out)
-    return out
 
 
 def raw_transfer_seconds(prefill, decode, num_bytes: int, repeats: int) -> float:

@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from transformers import LlamaConfig
 from transformers.utils import logging as hf_logging
 
 from distserve import SamplingParams
 from distserve.config import EngineConfig
 from distserve.engine import LLMEngine
-from distserve.tiny_models import train_tokenizer
+from distserve.tiny_models import write_llama_shape
 
 
 @dataclass
@@ -60,23 +59,15 @@ def parse_args() -> argparse.Namespace:
 
 def write_model_dir(root: Path, args: argparse.Namespace) -> Path:
     """config.json and a tokenizer, no weights: the engine draws dummy weights from the shapes."""
-    config = LlamaConfig(
+    return write_llama_shape(
+        root / "bench-parallel-llama",
         hidden_size=args.hidden_size,
         intermediate_size=args.hidden_size * 8 // 3 // 64 * 64,
         num_hidden_layers=args.num_layers,
         num_attention_heads=args.hidden_size // 64,
         num_key_value_heads=args.hidden_size // 128,
-        vocab_size=32000,
         max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
     )
-    out = root / "bench-parallel-llama"
-    config.save_pretrained(out)
-    train_tokenizer().save_pretrained(out)
-    return out
 
 
 def run_layout(model_dir: Path, layout: str, args: argparse.Namespace) -> list[Timing]:
