@@ -66,10 +66,10 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from distserve.engine import LLMEngine
+    from distserve.llm import LLM
 
     params = _sampling_params(args)
-    engine = LLMEngine(_engine_config(args))
+    engine = LLM(config=_engine_config(args)).engine  # LLM refuses a one-phase scheduler here
     try:
         for i, prompt in enumerate(args.prompts):
             engine.add_request(prompt, params, request_id=str(i))

@@ -154,3 +154,8 @@ def test_cluster_yaml_pools(tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             ClusterConfig.from_yaml(path)
+
+
+def test_generate_refuses_a_one_phase_scheduler(capsys):
+    assert main(["generate", "--scheduler", "decode", "x"]) == 2
+    assert "needs a disaggregated cluster" in capsys.readouterr().err
