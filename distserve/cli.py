@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import types
 import typing
 from collections.abc import Sequence
+from pathlib import Path
 
-from distserve.config import SECTIONS, EngineConfig
+import grpc
+
+from distserve.cluster_config import POOL_FLAGS
+from distserve.config import FIELD_SECTION, SECTIONS, EngineConfig
+from distserve.entrypoints.server_config import API_KEY_ENV, ServerConfig
 from distserve.sampling_params import SamplingParams
 
 # SamplingParams fields whose flag would clash with an engine flag.
@@ -66,6 +72,8 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.server:
+        return _generate_remote(args)
     from distserve.llm import LLM
 
     params = _sampling_params(args)
@@ -91,6 +99,85 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(args: argparse.Namespace):
+    from distserve.entrypoints.client import Client
+
+    root_certificates = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    return Client(args.server, api_key=args.api_key, root_certificates=root_certificates)
+
+
+def _generate_remote(args: argparse.Namespace) -> int:
+    """Stream each prompt's text from a server, then its timings on stderr."""
+    engine_flags = sorted(set(vars(args)) & set(FIELD_SECTION)) + (["config"] if args.config else [])
+    if engine_flags:
+        raise ValueError(f"engine settings ({', '.join(engine_flags)}) are the server's: leave them out with --server")
+    params = {
+        f.name: getattr(args, _SAMPLING_FLAG_NAMES.get(f.name, f.name))
+        for f in dataclasses.fields(SamplingParams)
+        if hasattr(args, _SAMPLING_FLAG_NAMES.get(f.name, f.name))
+    }
+    with _client(args) as client:
+        for prompt in args.prompts:
+            if len(args.prompts) > 1:
+                print(f"--- {prompt!r}")
+            for chunk in client.generate(prompt, **params):
+                print(chunk.text, end="", flush=True)
+            t = chunk.timings
+            print()
+            print(
+                f"[{chunk.usage.completion_tokens} tokens, TTFT {t.ttft * 1e3:.1f} ms, TPOT {t.tpot * 1e3:.1f} ms]",
+                file=sys.stderr,
+            )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from distserve.v1 import distserve_pb2 as pb
+
+    with _client(args) as client:
+        info = client.cluster_info(timeout=args.timeout)
+        health = client.health(timeout=args.timeout)
+    state = "draining" if info.draining else health
+    print(
+        f"{info.model}: {state}, {info.num_pending_requests}/{info.max_pending_requests} requests in flight, "
+        f"context {info.max_model_len} tokens"
+    )
+    columns = ("instance", "role", "TPxPP", "KV used", "waiting", "running", "held", "pending", "preempted", "state")
+    rows = [columns]
+    for i in info.instances:
+        used = i.num_blocks - i.num_free_blocks
+        rows.append(
+            (
+                i.name,
+                pb.Role.Name(i.role).removeprefix("ROLE_").lower(),
+                f"{i.tensor_parallel_size}x{i.pipeline_parallel_size}",
+                f"{used}/{i.num_blocks} ({used / max(i.num_blocks, 1):.0%})",
+                str(i.num_waiting),
+                str(i.num_running),
+                str(i.num_held),
+                str(i.num_pending),
+                str(i.num_preemptions),
+                f"failed: {i.failure}" if i.failure else "ok",
+            )
+        )
+    widths = [max(len(row[c]) for row in rows) for c in range(len(columns))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0 if health == "SERVING" and not any(i.failure for i in info.instances) else 1
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    import logging
+
+    from distserve.entrypoints.launch import launch, load_launch_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "plan")}
+    cluster_config, server_config = load_launch_config(args.config, args.plan, flags)
+    launch(cluster_config, server_config)
+    return 0
+
+
 def cmd_make_model(args: argparse.Namespace) -> int:
     from distserve.tiny_models import make_tiny_model
 
@@ -99,19 +186,45 @@ def cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_client_args(parser: argparse.ArgumentParser, required: bool) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--server", required=required, help="HOST:PORT of a distserve gRPC server")
+    group.add_argument(
+        "--api-key", default=os.environ.get(API_KEY_ENV), help=f"the server's API key (default: ${API_KEY_ENV})"
+    )
+    group.add_argument("--tls-ca", help="PEM root certificate(s) to verify the server with: connects over TLS")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from distserve.tiny_models import TINY_MODELS
 
     parser = argparse.ArgumentParser(prog="distserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for prompts with an in-process engine")
+    gen = sub.add_parser("generate", help="generate text for prompts, in this process or on a server (--server)")
     gen.add_argument("prompts", nargs="+", help="prompt texts")
     gen.add_argument("--config", help="YAML file with model/cache/scheduler sections; flags override it")
+    _add_client_args(gen, required=False)
     for cls in SECTIONS.values():
         add_dataclass_args(gen.add_argument_group(cls.__name__), cls)
     add_dataclass_args(gen.add_argument_group("SamplingParams"), SamplingParams, _SAMPLING_FLAG_NAMES)
     gen.set_defaults(func=cmd_generate)
+
+    launch = sub.add_parser("launch", help="serve a cluster over gRPC and OpenAI-compatible HTTP until SIGINT/SIGTERM")
+    launch.add_argument("--config", help="YAML file: engine sections, cluster: pools, server:; flags override it")
+    launch.add_argument("--plan", help="plan file written by the placement planner (a cluster file)")
+    pools = launch.add_argument_group("pools")
+    for dest, role, key in POOL_FLAGS:
+        pools.add_argument(_flag(dest), dest=dest, type=int, default=argparse.SUPPRESS, help=f"cluster.{role}.{key}")
+    add_dataclass_args(launch.add_argument_group("ServerConfig"), ServerConfig)
+    for cls in SECTIONS.values():
+        add_dataclass_args(launch.add_argument_group(cls.__name__), cls)
+    launch.set_defaults(func=cmd_launch)
+
+    status = sub.add_parser("status", help="a server's instances, roles, parallelism, KV use and queues")
+    _add_client_args(status, required=True)
+    status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server (default: 10)")
+    status.set_defaults(func=cmd_status)
 
     make = sub.add_parser("make-model", help="write a built-in tiny model as a Hugging Face directory")
     make.add_argument("name", choices=TINY_MODELS)
@@ -130,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"distserve: error: {e}", file=sys.stderr)
         return 2
+    except grpc.RpcError as e:
+        print(f"distserve: error: {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

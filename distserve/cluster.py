@@ -8,12 +8,12 @@ with Cluster(model="tiny-llama", prefill={"instances": 1}, decode={"instances": 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import ray
 
+from distserve.background_loop import BackgroundLoop
 from distserve.cluster_config import ROLES, ClusterConfig
 from distserve.config import EngineConfig
 from distserve.instance import InstanceInfo
@@ -68,17 +68,13 @@ class Cluster:
     """A blocking wrapper: the cluster's event loop runs on a thread of its own."""
 
     def __init__(self, config: ClusterConfig | None = None, **options: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="distserve-cluster", daemon=True)
-        self._thread.start()
+        self._loop = BackgroundLoop("distserve-cluster")
+        self._run = self._loop.run
         try:
             self._async = self._run(AsyncCluster.start(config, **options))
         except BaseException:
-            self._stop_loop()
+            self._loop.stop()
             raise
-
-    def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def generate(
         self,
@@ -120,15 +116,11 @@ class Cluster:
         return self._run(self._async.info())
 
     def shutdown(self) -> None:
-        if self._loop.is_running():
+        if self._loop.running:
             try:
                 self._run(self._async.shutdown())
             finally:
-                self._stop_loop()
-
-    def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+                self._loop.stop()
 
     def __enter__(self) -> Cluster:
         return self

@@ -24,6 +24,13 @@ from typing import Any
 from distserve.config import FIELD_SECTION, EngineConfig, read_sections
 
 ROLES = ("prefill", "decode", "colocated")
+# Per-pool CLI flags of ``distserve launch``: (flag dest, role, pool key);
+# ``--prefill-tensor-parallel-size`` is ``cluster.prefill.tensor_parallel_size``.
+POOL_FLAGS = [
+    (f"{role}_{key}", role, key)
+    for role in ROLES
+    for key in ("instances", "tensor_parallel_size", "pipeline_parallel_size")
+]
 
 
 @dataclass

@@ -21,19 +21,19 @@ POLICIES = ("fcfs", "sjf", "priority")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
 class ModelConfig:
-    model: str = _opt("tiny-llama", "local Hugging Face model directory, built-in tiny model or preset name")
-    tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's own)")
-    load_format: str = _opt("auto", "'auto' loads safetensors weights, 'dummy' random weights", LOAD_FORMATS)
-    dtype: str = _opt("auto", "weight and KV dtype ('auto': float32 on CPU, the config's on CUDA)", DTYPES)
-    device: str = _opt("auto", "'auto' picks cuda when available", DEVICES)
-    seed: int = _opt(0, "seed for dummy weights and unseeded sampling")
-    max_model_len: int | None = _opt(None, "context length limit (default: the model's)")
+    model: str = option("tiny-llama", "local Hugging Face model directory, built-in tiny model or preset name")
+    tokenizer: str | None = option(None, "tokenizer directory (default: the model's own)")
+    load_format: str = option("auto", "'auto' loads safetensors weights, 'dummy' random weights", LOAD_FORMATS)
+    dtype: str = option("auto", "weight and KV dtype ('auto': float32 on CPU, the config's on CUDA)", DTYPES)
+    device: str = option("auto", "'auto' picks cuda when available", DEVICES)
+    seed: int = option(0, "seed for dummy weights and unseeded sampling")
+    max_model_len: int | None = option(None, "context length limit (default: the model's)")
 
     def __post_init__(self) -> None:
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
@@ -45,12 +45,12 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = _opt(16, "tokens per KV block")
-    num_kv_blocks: int | None = _opt(None, "KV blocks per instance (default: sized from memory)")
-    kv_cache_memory_fraction: float = _opt(
+    block_size: int = option(16, "tokens per KV block")
+    num_kv_blocks: int | None = option(None, "KV blocks per instance (default: sized from memory)")
+    kv_cache_memory_fraction: float = option(
         0.9, "share of free device memory the KV cache may take when num_kv_blocks is unset"
     )
-    enable_prefix_caching: bool = _opt(True, "share KV blocks of identical prompt prefixes")
+    enable_prefix_caching: bool = option(True, "share KV blocks of identical prompt prefixes")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -63,14 +63,14 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    scheduler: str = _opt("colocated", "which phases this instance runs", SCHEDULERS)
-    policy: str = _opt("fcfs", "prefill queue order", POLICIES)
-    max_num_batched_tokens: int = _opt(4096, "prefill token budget per batch (DistServe's L_m)")
-    max_num_seqs: int = _opt(256, "most sequences running at once")
-    sjf_aging_tokens: float = _opt(
+    scheduler: str = option("colocated", "which phases this instance runs", SCHEDULERS)
+    policy: str = option("fcfs", "prefill queue order", POLICIES)
+    max_num_batched_tokens: int = option(4096, "prefill token budget per batch (DistServe's L_m)")
+    max_num_seqs: int = option(256, "most sequences running at once")
+    sjf_aging_tokens: float = option(
         64.0, "SJF aging: a waiting prompt counts this many tokens shorter per prefill step it waits"
     )
-    kv_hold_fraction: float = _opt(
+    kv_hold_fraction: float = option(
         0.5,
         "prefill instances: share of KV blocks that prefilled requests waiting for decode may hold "
         "before no new prompt is admitted (back-pressure)",
@@ -91,12 +91,12 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = _opt(1, "tensor parallel ranks per pipeline stage")
-    pipeline_parallel_size: int = _opt(1, "pipeline stages (contiguous slices of the decoder layers)")
-    placement_strategy: str = _opt(
+    tensor_parallel_size: int = option(1, "tensor parallel ranks per pipeline stage")
+    pipeline_parallel_size: int = option(1, "pipeline stages (contiguous slices of the decoder layers)")
+    placement_strategy: str = option(
         "STRICT_PACK", "Ray placement group strategy for an instance's workers", PLACEMENT_STRATEGIES
     )
-    worker_cpus: float = _opt(0.05, "CPUs each worker reserves in its placement bundle (small: Ray only books it)")
+    worker_cpus: float = option(0.05, "CPUs each worker reserves in its placement bundle (small: Ray only books it)")
 
     def __post_init__(self) -> None:
         _check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)

@@ -35,6 +35,7 @@ MAX_CONCURRENT_CALLS = 16  # threads serving actor calls: long polls must not bl
 @dataclass
 class InstanceInfo:
     name: str
+    role: str  # its scheduler: prefill, decode or colocated
     tensor_parallel_size: int
     pipeline_parallel_size: int
     num_blocks: int
@@ -143,6 +144,7 @@ class Instance:
         parallel = engine.config.parallel
         return InstanceInfo(
             name=self.name,
+            role=engine.config.scheduler.scheduler,
             tensor_parallel_size=parallel.tensor_parallel_size,
             pipeline_parallel_size=parallel.pipeline_parallel_size,
             num_blocks=engine.block_manager.num_blocks,

@@ -123,6 +123,8 @@ class Orchestrator:
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in use")
         seq = self.input_processor.process(prompt, params, request_id, priority)
+        if self.config.disaggregated and not self._pool("decode"):
+            raise InstanceFailure("no decode instance is available to serve the request")
         state = RequestState(request_id, seq.num_prompt_tokens, params.max_tokens)
         state.metrics.arrival_time = time.time()
         entry = self._pick_prefill(seq.token_ids)

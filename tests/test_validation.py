@@ -18,7 +18,8 @@ def llm():
     "options, message",
     [
         ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
-        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number >= 0"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be an integer >= 0"),

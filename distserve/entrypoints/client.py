@@ -1,0 +1,170 @@
+"""Clients of the gRPC API: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+
+    with Client("127.0.0.1:50051") as client:
+        for chunk in client.generate("Hello", max_tokens=16, temperature=0):
+            print(chunk.text, end="")
+
+``generate`` yields ``distserve.v1.GenerateResponse`` messages (the new tokens and text of each
+step; the last one has finish_reason, usage and timings); ``complete`` joins them into a
+``Completion``. Leaving the iteration early cancels the request on the server. Errors are
+``grpc.RpcError`` with the server's status code and message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from distserve.v1 import distserve_pb2 as pb
+from distserve.v1 import distserve_pb2_grpc as pb_grpc
+
+
+def make_request(prompt: str | list[int], request_id: str = "", priority: int = 0, **sampling: Any):
+    """A GenerateRequest; ``sampling`` takes the SamplingParams fields (max_tokens, temperature, ...)."""
+    request = pb.GenerateRequest(
+        request_id=request_id, priority=priority, sampling_params=pb.SamplingParams(**sampling)
+    )
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    return request
+
+
+@dataclass
+class Completion:
+    """A finished request, joined from its stream."""
+
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # "stop" or "length"
+    usage: pb.Usage | None = None
+    timings: pb.Timings | None = None
+
+    def add(self, chunk: pb.GenerateResponse) -> None:
+        self.request_id = chunk.request_id
+        self.text += chunk.text
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.finish_reason = pb.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_").lower()
+            self.usage, self.timings = chunk.usage, chunk.timings
+
+    @classmethod
+    def from_chunks(cls, chunks: Iterable[pb.GenerateResponse]) -> Completion:
+        completion = cls()
+        for chunk in chunks:
+            completion.add(chunk)
+        return completion
+
+
+class _Base:
+    def __init__(
+        self,
+        address: str,
+        api_key: str | None = None,
+        root_certificates: bytes | None = None,
+        tls: bool | None = None,
+    ) -> None:
+        """``root_certificates`` (PEM) or ``tls=True`` (system roots) connect over TLS."""
+        self.address = address
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.credentials = (
+            grpc.ssl_channel_credentials(root_certificates) if tls or root_certificates is not None else None
+        )
+
+    def _stubs(self, channel) -> None:
+        self.channel = channel
+        self.stub = pb_grpc.DistServeStub(channel)
+        self.health_stub = health_pb2_grpc.HealthStub(channel)
+
+
+class Client(_Base):
+    def __init__(self, address: str, **options: Any) -> None:
+        super().__init__(address, **options)
+        if self.credentials is None:
+            self._stubs(grpc.insecure_channel(address))
+        else:
+            self._stubs(grpc.secure_channel(address, self.credentials))
+
+    def generate(
+        self, prompt: str | list[int], timeout: float | None = None, **request: Any
+    ) -> Iterator[pb.GenerateResponse]:
+        call = self.stub.Generate(make_request(prompt, **request), metadata=self.metadata, timeout=timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()  # a no-op once the stream has ended; cancels the request if left early
+
+    def complete(self, prompt: str | list[int], **request: Any) -> Completion:
+        return Completion.from_chunks(self.generate(prompt, **request))
+
+    def cluster_info(self, timeout: float | None = None) -> pb.ClusterInfo:
+        return self.stub.GetClusterInfo(pb.GetClusterInfoRequest(), metadata=self.metadata, timeout=timeout)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list(self.stub.Tokenize(request, metadata=self.metadata).token_ids)
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        request = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return self.stub.Detokenize(request, metadata=self.metadata).text
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """The health service's status name: SERVING, NOT_SERVING, ..."""
+        response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient(_Base):
+    def __init__(self, address: str, **options: Any) -> None:
+        super().__init__(address, **options)
+        if self.credentials is None:
+            self._stubs(grpc.aio.insecure_channel(address))
+        else:
+            self._stubs(grpc.aio.secure_channel(address, self.credentials))
+
+    async def generate(
+        self, prompt: str | list[int], timeout: float | None = None, **request: Any
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        call = self.stub.Generate(make_request(prompt, **request), metadata=self.metadata, timeout=timeout)
+        try:
+            async for chunk in call:
+                yield chunk
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt: str | list[int], **request: Any) -> Completion:
+        completion = Completion()
+        async for chunk in self.generate(prompt, **request):
+            completion.add(chunk)
+        return completion
+
+    async def cluster_info(self, timeout: float | None = None) -> pb.ClusterInfo:
+        return await self.stub.GetClusterInfo(pb.GetClusterInfoRequest(), metadata=self.metadata, timeout=timeout)
+
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,49 @@
+"""Errors a client can be told about, each with its gRPC status code and HTTP status, so both
+frontends refuse a request the same way."""
+
+from __future__ import annotations
+
+import grpc
+
+from distserve.executor import InstanceFailure
+
+
+class ServingError(Exception):
+    grpc_code = grpc.StatusCode.INTERNAL
+    http_status = 500
+    error_type = "internal_error"  # the OpenAI error body's "type"
+
+
+class InvalidRequest(ServingError):
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+    error_type = "invalid_request_error"
+
+
+class Unauthenticated(ServingError):
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401
+    error_type = "authentication_error"
+
+
+class Overloaded(ServingError):
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
+    error_type = "rate_limit_error"
+
+
+class Unavailable(ServingError):
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
+    error_type = "service_unavailable"
+
+
+def to_serving_error(error: BaseException) -> ServingError:
+    """The client-facing form of an error raised while serving a request."""
+    if isinstance(error, ServingError):
+        return error
+    if isinstance(error, (ValueError, TypeError)):
+        return InvalidRequest(str(error))
+    if isinstance(error, InstanceFailure):
+        return Unavailable(str(error))
+    return ServingError(f"internal error: {type(error).__name__}: {error}")

@@ -1,0 +1,100 @@
+"""What the gRPC and HTTP servers share in front of the cluster: authentication, the admission
+limit, draining, error mapping and metrics. A server only translates its wire format to and
+from ``Frontend.generate``."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator
+
+from distserve.cluster import AsyncCluster
+from distserve.entrypoints.errors import Overloaded, ServingError, Unauthenticated, Unavailable, to_serving_error
+from distserve.entrypoints.prometheus import ServingMetrics
+from distserve.entrypoints.server_config import ServerConfig
+from distserve.instance import InstanceInfo
+from distserve.outputs import RequestOutput
+from distserve.sampling_params import SamplingParams
+
+
+class Frontend:
+    def __init__(self, cluster: AsyncCluster, config: ServerConfig) -> None:
+        self.cluster = cluster
+        self.config = config
+        self.model_name = config.served_model_name or cluster.config.engine.model.model
+        self.metrics = ServingMetrics()
+        self.num_pending = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.started = time.time()
+
+    @property
+    def tokenizer(self):
+        return self.cluster.orchestrator.input_processor.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cluster.orchestrator.input_processor.max_model_len
+
+    def authenticate(self, authorization: str | None) -> None:
+        """Check an ``authorization: Bearer KEY`` value against the server's key, if it has one."""
+        expected = self.config.api_key
+        if expected is None:
+            return
+        if not authorization:
+            raise Unauthenticated("this server needs an API key: send 'authorization: Bearer <key>'")
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), expected.encode()):
+            raise Unauthenticated("the API key is wrong")
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; every failure is raised as a ``ServingError``."""
+        try:
+            if self.draining:
+                raise Unavailable("the server is shutting down and admits no new requests")
+            if self.num_pending >= self.config.max_pending_requests:
+                raise Overloaded(
+                    f"the server has {self.num_pending} requests in flight, its limit: retry later"
+                )
+        except ServingError as e:
+            self.metrics.observe_error(e.grpc_code.name)
+            raise
+        self.num_pending += 1
+        self._idle.clear()
+        try:
+            async for output in self.cluster.generate(prompt, params, request_id, priority):
+                if output.finished:
+                    self.metrics.observe_finished(output)
+                yield output
+        except Exception as e:
+            error = to_serving_error(e)
+            self.metrics.observe_error(error.grpc_code.name)
+            raise error from e
+        finally:
+            self.num_pending -= 1
+            if self.num_pending == 0:
+                self._idle.set()
+
+    async def info(self) -> list[InstanceInfo]:
+        infos = await self.cluster.info()
+        self.metrics.update_instances(infos, self.num_pending)
+        return infos
+
+    def end_drain(self) -> None:
+        """Stop waiting for in-flight requests (they are cancelled when the servers stop)."""
+        self._idle.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests and wait up to ``timeout`` seconds for those in flight; True if all ended."""
+        self.draining = True
+        if self.num_pending == 0:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False

@@ -1,0 +1,184 @@
+"""The gRPC server (``grpc.aio``): the ``distserve.v1.DistServe`` service in front of a
+``Frontend``, plus the standard health service and server reflection."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from distserve.entrypoints.errors import InvalidRequest, ServingError
+from distserve.entrypoints.frontend import Frontend
+from distserve.entrypoints.server_config import ServerConfig
+from distserve.instance import InstanceInfo
+from distserve.outputs import RequestOutput
+from distserve.sampling_params import SamplingParams
+from distserve.v1 import distserve_pb2 as pb
+from distserve.v1 import distserve_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DistServe"].full_name
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+_FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "colocated": pb.ROLE_COLOCATED}
+_OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "skip_special_tokens")
+
+
+def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
+    """Set fields override SamplingParams' defaults; its checks say what is wrong."""
+    options = {name: getattr(message, name) for name in _OPTIONAL_PARAMS if message.HasField(name)}
+    return SamplingParams(
+        stop=list(message.stop),
+        stop_token_ids=list(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        include_stop_str_in_output=message.include_stop_str_in_output,
+        **options,
+    )
+
+
+def _prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidRequest("the request has no prompt: set 'text' or 'token_ids'")
+    return request.text if kind == "text" else list(request.token_ids.ids)
+
+
+def _interval(start: float | None, end: float | None) -> float:
+    return end - start if start is not None and end is not None else 0.0
+
+
+def response_from_output(output: RequestOutput) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(request_id=output.request_id, token_ids=output.new_token_ids, text=output.new_text)
+    if output.finished:
+        m = output.metrics
+        response.finish_reason = _FINISH_REASONS.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+        response.usage.CopyFrom(
+            pb.Usage(
+                prompt_tokens=len(output.prompt_token_ids),
+                completion_tokens=len(output.token_ids),
+                cached_prompt_tokens=output.num_cached_tokens,
+            )
+        )
+        last = m.token_times[-1] if m.token_times else None
+        response.timings.CopyFrom(
+            pb.Timings(
+                ttft=m.ttft or 0.0,
+                tpot=m.tpot or 0.0,
+                e2e=_interval(m.arrival_time, last),
+                queue=_interval(m.arrival_time, m.prefill_start),
+                prefill=_interval(m.prefill_start, m.prefill_end),
+                migration=_interval(m.migration_start, m.migration_end),
+            )
+        )
+    return response
+
+
+def instance_to_proto(info: InstanceInfo) -> pb.InstanceInfo:
+    return pb.InstanceInfo(
+        name=info.name,
+        role=_ROLES.get(info.role, pb.ROLE_UNSPECIFIED),
+        tensor_parallel_size=info.tensor_parallel_size,
+        pipeline_parallel_size=info.pipeline_parallel_size,
+        num_blocks=info.num_blocks,
+        block_size=info.block_size,
+        num_free_blocks=info.num_free_blocks,
+        num_waiting=info.num_waiting,
+        num_running=info.num_running,
+        num_held=info.num_held,
+        num_pending=info.num_pending,
+        num_preemptions=info.num_preemptions,
+        failure=info.failure or "",
+    )
+
+
+class DistServeServicer(pb_grpc.DistServeServicer):
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        try:
+            self.frontend.authenticate(metadata.get("authorization"))
+        except ServingError as e:
+            await context.abort(e.grpc_code, str(e))
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        await self._authenticate(context)
+        try:
+            prompt = _prompt_from_proto(request)
+            params = sampling_params_from_proto(request.sampling_params)
+        except (ServingError, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        outputs = self.frontend.generate(prompt, params, request.request_id or None, request.priority)
+        # aclosing: a cancelled call closes the stream at once, which cancels the request.
+        async with contextlib.aclosing(outputs):
+            try:
+                async for output in outputs:
+                    yield response_from_output(output)
+            except ServingError as e:
+                await context.abort(e.grpc_code, str(e))
+
+    async def GetClusterInfo(self, request: pb.GetClusterInfoRequest, context: grpc.aio.ServicerContext):
+        await self._authenticate(context)
+        infos = await self.frontend.info()
+        return pb.ClusterInfo(
+            model=self.frontend.model_name,
+            instances=[instance_to_proto(info) for info in infos],
+            num_pending_requests=self.frontend.num_pending,
+            max_pending_requests=self.frontend.config.max_pending_requests,
+            max_model_len=self.frontend.max_model_len,
+            draining=self.frontend.draining,
+        )
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
+        await self._authenticate(context)
+        ids = self.frontend.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return pb.TokenizeResponse(token_ids=ids)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        await self._authenticate(context)
+        vocab_size = len(self.frontend.tokenizer)
+        bad = [t for t in request.token_ids if not 0 <= t < vocab_size]
+        if bad:
+            message = f"token ids must be in [0, {vocab_size}), got {bad[:5]}"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        text = self.frontend.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+        return pb.DetokenizeResponse(text=text)
+
+
+class GrpcServer:
+    """The gRPC server of a frontend; ``port`` is the bound one (the config's may be 0)."""
+
+    def __init__(self, frontend: Frontend, config: ServerConfig) -> None:
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+        self.server = grpc.aio.server(options=options)
+        self.health = health.aio.HealthServicer()
+        pb_grpc.add_DistServeServicer_to_server(DistServeServicer(frontend), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        address = f"{config.host}:{config.grpc_port}"
+        if config.tls:
+            cert, key = config.read_tls()
+            self.port = self.server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+        else:
+            self.port = self.server.add_insecure_port(address)
+
+    async def start(self) -> None:
+        await self.server.start()
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_not_serving(self) -> None:
+        """Health answers NOT_SERVING, so load balancers stop sending while in-flight calls end."""
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.server.stop(grace)

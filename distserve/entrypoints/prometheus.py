@@ -1,0 +1,111 @@
+"""Prometheus metrics of the serving process, served as ``/metrics`` on the HTTP port.
+
+Request latencies are observed when a request finishes; instance gauges (queues, KV use) are
+read from the instances when the endpoint is scraped, so they are never stale by more than a
+scrape. Each server has its own registry, so several can run in one process (tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from distserve.instance import InstanceInfo
+from distserve.outputs import RequestOutput
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServingMetrics:
+    def __init__(self) -> None:
+        self.registry = registry = CollectorRegistry()
+        self.ttft = Histogram(
+            "distserve_time_to_first_token_seconds",
+            "arrival to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.tpot = Histogram(
+            "distserve_time_per_output_token_seconds",
+            "mean time per output token after the first",
+            buckets=_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.e2e = Histogram(
+            "distserve_e2e_request_latency_seconds",
+            "arrival to last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.queue_time = Histogram(
+            "distserve_request_queue_time_seconds",
+            "arrival to the start of its prefill batch",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.migration_time = Histogram(
+            "distserve_kv_migration_seconds",
+            "time to pull a request's KV cache from prefill to decode",
+            buckets=_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter("distserve_requests", "finished requests", ["finish_reason"], registry=registry)
+        self.errors = Counter("distserve_request_errors", "refused or failed requests", ["code"], registry=registry)
+        self.prompt_tokens = Counter("distserve_prompt_tokens", "prompt tokens of finished requests", registry=registry)
+        self.generation_tokens = Counter(
+            "distserve_generation_tokens", "output tokens of finished requests", registry=registry
+        )
+        self.migrations = Counter(
+            "distserve_kv_migrations", "KV caches moved from prefill to decode", registry=registry
+        )
+        self.pending = Gauge("distserve_pending_requests", "requests admitted and not finished", registry=registry)
+        labels = ["instance", "role"]
+        self.waiting = Gauge("distserve_instance_waiting_requests", "requests queued", labels, registry=registry)
+        self.running = Gauge("distserve_instance_running_requests", "requests in the batch", labels, registry=registry)
+        self.held = Gauge(
+            "distserve_instance_held_requests",
+            "prefilled requests whose KV waits to be pulled",
+            labels,
+            registry=registry,
+        )
+        self.kv_usage = Gauge(
+            "distserve_instance_kv_cache_usage", "share of KV blocks in use", labels, registry=registry
+        )
+        self.preemptions = Gauge(
+            "distserve_instance_preemptions", "requests preempted since start", labels, registry=registry
+        )
+        self.healthy = Gauge("distserve_instance_healthy", "1 while the instance serves", labels, registry=registry)
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        m = output.metrics
+        self.requests.labels(output.finish_reason).inc()
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.generation_tokens.inc(len(output.token_ids))
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        if m.arrival_time is not None and m.token_times:
+            self.e2e.observe(m.token_times[-1] - m.arrival_time)
+        if m.arrival_time is not None and m.prefill_start is not None:
+            self.queue_time.observe(max(0.0, m.prefill_start - m.arrival_time))
+        if m.migration_start is not None and m.migration_end is not None:
+            self.migrations.inc()
+            self.migration_time.observe(m.migration_end - m.migration_start)
+
+    def observe_error(self, code_name: str) -> None:
+        self.errors.labels(code_name).inc()
+
+    def update_instances(self, infos: list[InstanceInfo], num_pending: int) -> None:
+        self.pending.set(num_pending)
+        for info in infos:
+            labels = (info.name, info.role)
+            self.waiting.labels(*labels).set(info.num_waiting)
+            self.running.labels(*labels).set(info.num_running)
+            self.held.labels(*labels).set(info.num_held)
+            self.kv_usage.labels(*labels).set(1.0 - info.num_free_blocks / info.num_blocks)
+            self.preemptions.labels(*labels).set(info.num_preemptions)
+            self.healthy.labels(*labels).set(0 if info.failure else 1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,264 @@
+"""The gRPC frontend over loopback: streams equal to the offline greedy output, health and
+reflection, concurrency, cancellation, authentication and every refusal's status."""
+
+import asyncio
+import json
+import math
+import ssl
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import make_tls_cert, random_prompts, reference_greedy
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from distserve import LLM, SamplingParams
+from distserve.cluster import make_cluster_config
+from distserve.entrypoints.client import AsyncClient, Client, make_request
+from distserve.entrypoints.server import BackgroundServer
+from distserve.entrypoints.server_config import ServerConfig
+from distserve.v1 import distserve_pb2 as pb
+
+API_KEY = "sk-grpc-test"
+NUM_KV_BLOCKS = 48  # per instance, of 16 tokens: 768 tokens, less than the model's context of 1024
+
+
+def wait_all_blocks_free(server: BackgroundServer, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        infos = server.info()
+        if all(i.num_free_blocks == i.num_blocks and i.num_held == i.num_pending == 0 for i in infos):
+            assert server.frontend.num_pending == 0
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("blocks still in use:\n" + "\n".join(map(str, infos)))
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster):
+    config = make_cluster_config(model="tiny-llama", num_kv_blocks=NUM_KV_BLOCKS, prefill={}, decode={})
+    with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, api_key=API_KEY)) as server:
+        yield server
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.grpc_address, api_key=API_KEY) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def llama(reference_model):
+    return reference_model("tiny-llama")
+
+
+def test_stream_equals_transformers_greedy(client, llama):
+    prompts = random_prompts([1, 9, 40, 100], llama.config.vocab_size, seed=3)
+    for prompt, max_tokens in zip(prompts, [20, 5, 33, 12]):
+        chunks = list(client.generate(prompt, max_tokens=max_tokens, temperature=0))
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert tokens == reference_greedy(llama, prompt, max_tokens)
+        assert len(chunks) == len(tokens)  # streamed a token at a time, not in one piece
+        last = chunks[-1]
+        assert last.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+        assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+        assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), len(tokens))
+        t = last.timings
+        assert 0 < t.ttft <= t.e2e and t.prefill > 0 and t.queue >= 0
+        assert (t.migration > 0) == (len(tokens) > 1)  # a request done at its first token never migrates
+
+
+def test_text_stream_equals_offline_engine(client):
+    prompts = ["The cache block", "Hello there, how", "A"]
+    llm = LLM("tiny-llama")
+    try:
+        expected = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+    finally:
+        llm.shutdown()
+    for prompt, offline in zip(prompts, expected):
+        completion = client.complete(prompt, max_tokens=24, temperature=0)
+        assert completion.text == offline.text
+        assert completion.token_ids == offline.token_ids
+        assert completion.finish_reason == offline.finish_reason
+
+
+def test_health_serving_without_key(server):
+    with Client(server.grpc_address) as anonymous:
+        assert anonymous.health() == "SERVING"
+        assert anonymous.health("distserve.v1.DistServe") == "SERVING"
+
+
+def test_reflection_lists_the_services(server):
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"distserve.v1.DistServe", "grpc.health.v1.Health"} <= services
+
+
+def test_cluster_info_and_tokenizer(client):
+    info = client.cluster_info()
+    assert info.model == "tiny-llama" and not info.draining
+    roles = sorted(pb.Role.Name(i.role) for i in info.instances)
+    assert roles == ["ROLE_DECODE", "ROLE_PREFILL"]
+    assert all(i.num_blocks == NUM_KV_BLOCKS and not i.failure for i in info.instances)
+    ids = client.tokenize("The cache block", add_special_tokens=False)
+    assert ids and client.detokenize(ids) == "The cache block"
+
+
+def test_32_concurrent_streams_complete(server, llama):
+    prompts = random_prompts([5 + 7 * i for i in range(32)], llama.config.vocab_size, seed=4)
+    max_tokens = [4 + i % 13 for i in range(32)]
+
+    async def run() -> list[list[int]]:
+        async with AsyncClient(server.grpc_address, api_key=API_KEY) as client:
+            completions = await asyncio.gather(
+                *(client.complete(p, max_tokens=n, temperature=0) for p, n in zip(prompts, max_tokens))
+            )
+        return [c.token_ids for c in completions]
+
+    outputs = asyncio.run(run())
+    for prompt, n, tokens in zip(prompts, max_tokens, outputs):
+        assert tokens == reference_greedy(llama, prompt, n)
+    wait_all_blocks_free(server)
+
+
+@pytest.mark.parametrize("chunks_before_cancel", [0, 1, 5])
+def test_cancelled_stream_frees_its_blocks(server, client, chunks_before_cancel):
+    request = make_request(list(range(10, 300)), max_tokens=400, ignore_eos=True)  # blocks on both sides
+    call = client.stub.Generate(request, metadata=client.metadata)
+    if chunks_before_cancel == 0:
+        time.sleep(0.02)  # the call is on its way but nothing has come back
+    for _ in range(chunks_before_cancel):
+        assert len(next(call).token_ids) == 1
+    call.cancel()
+    assert call.code() == grpc.StatusCode.CANCELLED
+    wait_all_blocks_free(server)
+    assert client.complete("still serving", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+
+
+BAD_REQUESTS = [
+    (pb.GenerateRequest(), "no prompt"),
+    (make_request(""), "prompt is empty"),
+    (make_request([]), "prompt is empty"),
+    (make_request([5, 10**9]), "token ids must be in"),
+    (make_request([-1]), "token ids must be in"),
+    (make_request("x", max_tokens=0), "max_tokens"),
+    (make_request("x", max_tokens=-3), "max_tokens"),
+    (make_request("x", temperature=-0.5), "temperature"),
+    (make_request("x", temperature=math.nan), "temperature"),
+    (make_request("x", temperature=math.inf), "temperature"),
+    (make_request("x", top_p=0.0), "top_p"),
+    (make_request("x", top_p=1.5), "top_p"),
+    (make_request("x", top_k=-1), "top_k"),
+    (make_request("x", stop=[""]), "stop strings"),
+    (make_request("x", stop_token_ids=[-2]), "stop_token_ids"),
+    (make_request([5] * 3000), "context"),
+    (make_request([5] * 700, max_tokens=200), "KV cache"),
+]
+
+
+@pytest.mark.parametrize("request_message, message", BAD_REQUESTS, ids=[m for _, m in BAD_REQUESTS])
+def test_bad_request_gets_invalid_argument_and_the_next_succeeds(client, request_message, message):
+    with pytest.raises(grpc.RpcError) as error:
+        list(client.stub.Generate(request_message, metadata=client.metadata))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in error.value.details()
+    assert client.complete("Hello", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
+
+
+def test_detokenize_refuses_unknown_ids(client):
+    with pytest.raises(grpc.RpcError) as error:
+        client.detokenize([10**9])
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("api_key", [None, "sk-wrong"])
+def test_missing_or_wrong_key_is_unauthenticated(server, api_key):
+    with Client(server.grpc_address, api_key=api_key) as client:
+        for call in (lambda: client.complete("Hello"), client.cluster_info, lambda: client.tokenize("x")):
+            with pytest.raises(grpc.RpcError) as error:
+                call()
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "API key" in error.value.details()
+
+
+def test_full_admission_queue_is_resource_exhausted(server, client):
+    config = server.frontend.config
+    limit, config.max_pending_requests = config.max_pending_requests, 1
+    try:
+        busy = client.generate("keep going", max_tokens=400, ignore_eos=True)
+        next(busy)  # admitted and streaming
+        with pytest.raises(grpc.RpcError) as error:
+            client.complete("one too many")
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "retry later" in error.value.details()
+        busy.close()
+        wait_all_blocks_free(server)
+        assert client.complete("room again", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+    finally:
+        config.max_pending_requests = limit
+
+
+def test_status_and_remote_generate_cli(server, client, capsys):
+    from distserve.cli import main
+
+    assert main(["status", "--server", server.grpc_address, "--api-key", API_KEY]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-llama: SERVING" in out
+    assert "prefill" in out and "decode" in out and f"0/{NUM_KV_BLOCKS} (0%)" in out
+
+    expected = client.complete("The cache block", max_tokens=8, temperature=0)
+    args = ["generate", "--server", server.grpc_address, "--api-key", API_KEY]
+    args += ["--max-tokens", "8", "--temperature", "0"]
+    assert main([*args, "The cache block"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == expected.text + "\n"
+    assert "TTFT" in captured.err and "TPOT" in captured.err
+
+    assert main([*args, "--block-size", "8", "Hi"]) == 2  # an engine setting means nothing to a server
+    assert main(["status", "--server", server.grpc_address]) == 1  # no key
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
+def test_tls_and_a_lost_decode_instance(ray_cluster, tmp_path):
+    """Over TLS: streams in flight when the decode instance dies end with UNAVAILABLE (gRPC) or an
+    error event (HTTP); later requests are refused the same way; the prefill side frees every block."""
+    cert, key = make_tls_cert(tmp_path)
+    config = make_cluster_config(model="tiny-llama", num_kv_blocks=48, prefill={}, decode={})
+    with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, tls_cert=cert, tls_key=key)) as server:
+        with Client(server.grpc_address) as plaintext, pytest.raises(grpc.RpcError) as error:
+            plaintext.complete("Hi", timeout=5)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        tls = ssl.create_default_context(cafile=cert)
+        body = json.dumps({"prompt": "Once", "max_tokens": 600, "ignore_eos": True, "stream": True}).encode()
+        http_request = urllib.request.Request(f"{server.http_url}/v1/completions", data=body)
+        with Client(server.grpc_address, root_certificates=Path(cert).read_bytes()) as client:
+            assert client.complete("Hi", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
+            grpc_stream = client.generate("Upon", max_tokens=600, ignore_eos=True)
+            next(grpc_stream)
+            with urllib.request.urlopen(http_request, context=tls, timeout=30) as http_stream:
+                assert http_stream.readline().startswith(b"data: {")
+                decode = next(s for s in server.cluster.orchestrator.instances if s.role == "decode")
+                ray_cluster.kill(decode.handle)
+                with pytest.raises(grpc.RpcError) as error:
+                    list(grpc_stream)
+                assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert decode.name in error.value.details()
+                events = [line for line in http_stream.read().decode().splitlines() if line.startswith("data: ")]
+                assert "error" in json.loads(events[-1].removeprefix("data: "))
+
+            assert decode.failure is not None
+            with pytest.raises(grpc.RpcError) as error:
+                client.complete("Hi")
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no decode instance" in error.value.details()
+            refused = urllib.request.Request(f"{server.http_url}/v1/completions", data=b'{"prompt": "Hi"}')
+            with pytest.raises(urllib.error.HTTPError) as http_error:
+                urllib.request.urlopen(refused, context=tls, timeout=30)
+            assert http_error.value.code == 503
+            prefill = next(i for i in client.cluster_info().instances if i.role == pb.ROLE_PREFILL)
+            assert prefill.num_free_blocks == prefill.num_blocks and not prefill.failure

@@ -1,0 +1,178 @@
+"""``distserve launch`` as users run it: a process serving gRPC and HTTP that SIGINT drains and
+stops, leaving no process or Ray actor of its own behind."""
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import psutil
+import pytest
+import yaml
+
+from distserve.entrypoints.client import Client
+from distserve.entrypoints.launch import load_launch_config
+
+STARTUP_TIMEOUT_S = 180
+
+
+class Launched:
+    """A ``distserve launch`` subprocess whose log lines are read on a thread."""
+
+    def __init__(self, *args: str) -> None:
+        command = [sys.executable, "-m", "distserve.cli", "launch", "--grpc-port", "0", "--http-port", "0", *args]
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.grpc_address = self.wait_for(r"gRPC listening on (\S+)").group(1)
+        self.http_url = self.wait_for(r"HTTP listening on (\S+)").group(1)
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str, timeout: float = STARTUP_TIMEOUT_S) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.5)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    break
+                continue
+            self.log.append(line)
+            if match := re.search(pattern, line):
+                return match
+        self.process.kill()
+        raise AssertionError(f"no line matching {pattern!r}; log:\n{''.join(self.log)}")
+
+    def descendants(self) -> list[psutil.Process]:
+        return psutil.Process(self.process.pid).children(recursive=True)
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_launch_serves_then_sigint_drains_and_leaves_no_process():
+    server = Launched("--model", "tiny-llama", "--num-kv-blocks", "64", "--drain-timeout", "60")
+    try:
+        children = server.descendants()
+        assert any("raylet" in " ".join(p.cmdline()) for p in children)  # a local Ray of its own
+        with urllib.request.urlopen(f"{server.http_url}/health", timeout=10) as response:
+            assert response.status == 200
+        with Client(server.grpc_address) as client:
+            assert client.complete("Hello", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
+            stream = client.generate("A long answer", max_tokens=200, ignore_eos=True)
+            first = next(stream)  # in flight when the signal comes
+            server.process.send_signal(signal.SIGINT)
+            server.wait_for("SIGINT: draining")
+            rest = list(stream)
+        assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 200  # drained, not cut
+        assert server.process.wait(timeout=120) == 0
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+    time.sleep(1)
+    assert not _alive(children), f"left behind: {[p.cmdline() for p in _alive(children)]}"
+
+
+def test_launch_on_an_existing_ray_cluster_stops_only_its_actors(ray_cluster, tmp_path):
+    from ray._private import state
+
+    def alive_actors() -> set[str]:
+        return {k for k, v in state.actors().items() if v["State"] == "ALIVE"}
+
+    before = alive_actors()
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"model": "tiny-llama"},
+                "cache": {"num_kv_blocks": 32},
+                "cluster": {"name": "launch-test", "prefill": {"instances": 1}, "decode": {"instances": 1}},
+                "server": {"drain_timeout": 5},
+            }
+        )
+    )
+    address = ray_cluster.get_runtime_context().gcs_address
+    server = Launched("--config", str(config), "--ray-address", address)
+    try:
+        assert len(alive_actors() - before) >= 2  # its instances (and their workers) on the shared cluster
+        with Client(server.grpc_address) as client:
+            info = client.cluster_info()
+            assert sorted(i.name for i in info.instances) == ["launch-test-decode-0", "launch-test-prefill-0"]
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=120) == 0
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+    deadline = time.monotonic() + 10
+    while alive_actors() != before:
+        assert time.monotonic() < deadline, f"actors left behind: {alive_actors() - before}"
+        time.sleep(0.2)
+    assert ray_cluster.is_initialized()  # the shared cluster keeps running
+
+
+def test_launch_config_precedence(tmp_path):
+    config, plan = tmp_path / "config.yaml", tmp_path / "plan.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"model": "tiny-llama"},
+                "cluster": {"prefill": {"instances": 1}, "decode": {"instances": 1}},
+                "server": {"grpc_port": 6000, "api_key": "from-file"},
+            }
+        )
+    )
+    plan.write_text(
+        yaml.safe_dump(
+            {
+                "plan": {"goodput_per_gpu": 1.5},  # the planner's notes: logged, not settings
+                "cluster": {"prefill": {"instances": 2, "tensor_parallel_size": 2}, "decode": {"instances": 3}},
+            }
+        )
+    )
+    cluster, server = load_launch_config(
+        str(config), str(plan), {"decode_instances": 4, "block_size": 8, "grpc_port": 7000}
+    )
+    pools = {p.role: p for p in cluster.pools}
+    assert (pools["prefill"].instances, pools["prefill"].options) == (2, {"tensor_parallel_size": 2})
+    assert pools["decode"].instances == 4
+    assert cluster.engine.cache.block_size == 8
+    assert (server.grpc_port, server.api_key) == (7000, "from-file")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        ({"scheduler": "prefill"}, "sets its scheduler"),
+        ({"colocated_instances": 2, "prefill_instances": 1}, "not both"),
+        ({"grpc_port": 70000}, "grpc_port"),
+        ({"tls_cert": "/nonexistent.pem", "tls_key": "/nonexistent.key"}, "does not exist"),
+        ({"max_pending_requests": 0}, "max_pending_requests"),
+    ],
+)
+def test_launch_refuses_bad_settings(flags, message):
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        load_launch_config(flags=flags)
+
+
+def test_launch_cli_exits_2_on_bad_settings(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server: {grpc_prot: 1}\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "distserve.cli", "launch", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAY_ADDRESS": ""},
+    )
+    assert result.returncode == 2
+    assert "unknown key(s) grpc_prot in section 'server'" in result.stderr

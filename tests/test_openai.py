@@ -1,0 +1,409 @@
+"""The OpenAI-compatible HTTP endpoint, driven by the official ``openai`` client (raw HTTP where
+the client would not send the body), in front of a 1 prefill + 1 decode cluster."""
+
+import json
+import re
+import ssl
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from conftest import make_tls_cert
+from transformers import AutoTokenizer
+
+from distserve import LLM, SamplingParams
+from distserve.cluster import make_cluster_config
+from distserve.entrypoints.frontend import Frontend
+from distserve.entrypoints.openai_server import render_chat, start_http_server
+from distserve.entrypoints.server import BackgroundServer
+from distserve.entrypoints.server_config import ServerConfig
+from distserve.tiny_models import ensure_tiny_model
+
+MODEL = "tiny-llama"
+KEY = "sk-test"
+NUM_KV_BLOCKS = 256
+PROMPT = "The cache block"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the river?"}]
+LONG = 1000  # tokens of a request the tests cancel: about 3 s of decoding here, far longer than they wait
+
+
+@pytest.fixture(scope="module")
+def server(ray_cluster):
+    config = make_cluster_config(model=MODEL, num_kv_blocks=NUM_KV_BLOCKS, prefill={}, decode={})
+    with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, api_key=KEY)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """Greedy output of the offline engine for a prompt (text or token ids)."""
+    llm = LLM(MODEL, num_kv_blocks=NUM_KV_BLOCKS)
+
+    def greedy(prompt, max_tokens):
+        return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+
+    yield greedy
+    llm.shutdown()
+
+
+def _request(server, path, body=None, key=KEY, method=None, context=None, port=None):
+    """(status, parsed JSON or text) of a raw HTTP request."""
+    scheme = "https" if context else "http"
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(
+        f"{scheme}://127.0.0.1:{port or server.http_port}{path}", data=data, headers=headers, method=method
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60, context=context) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode()
+
+
+def _metric(server, name):
+    _, text = _request(server, "/metrics", method="GET")
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE))
+
+
+def _wait_all_blocks_free(server):
+    deadline = time.monotonic() + 5
+    while True:
+        infos = server.loop.run(server.cluster.info())
+        free = all(
+            i.num_free_blocks == i.num_blocks and i.num_held == i.num_running == i.num_waiting == 0 for i in infos
+        )
+        if free and server.frontend.num_pending == 0:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError("blocks still in use:\n" + "\n".join(map(str, infos)))
+        time.sleep(0.05)
+
+
+def _chat_prompt_ids(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_models_lists_the_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+def test_completion_equals_offline_greedy_streamed_or_not(server, client, offline):
+    ref = offline(PROMPT, 12)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert out.id.startswith("cmpl-") and out.object == "text_completion" and out.model == MODEL
+    assert out.created <= time.time()
+    [choice] = out.choices
+    assert choice.text == ref.text and choice.finish_reason == ref.finish_reason
+    num_prompt = len(server.frontend.tokenizer.encode(PROMPT))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (num_prompt, len(ref.token_ids))
+    assert out.usage.total_tokens == num_prompt + len(ref.token_ids)
+
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *text_chunks, usage_chunk = chunks
+    assert "".join(c.choices[0].text for c in text_chunks) == ref.text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == ref.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert usage_chunk.choices == [] and usage_chunk.usage == out.usage
+
+
+def test_token_id_prompts_give_the_offline_tokens(client, offline):
+    prompts = [[5, 77, 300, 12, 9], [400, 401, 402]]
+    refs = [offline(p, 10) for p in prompts]
+    out = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=10, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert [c.index for c in out.choices] == [0, 1]
+    for choice, prompt, ref in zip(out.choices, prompts, refs):
+        assert (choice.text, choice.token_ids, choice.prompt_token_ids) == (ref.text, ref.token_ids, prompt)
+    assert out.usage.prompt_tokens == sum(map(len, prompts))
+
+    stream = client.completions.create(
+        model=MODEL, prompt=prompts[0], max_tokens=10, temperature=0, stream=True, extra_body={"return_token_ids": True}
+    )
+    chunks = [c.choices[0] for c in stream]
+    assert chunks[0].prompt_token_ids == prompts[0]
+    assert [t for c in chunks for t in c.token_ids] == refs[0].token_ids
+
+
+def test_chat_equals_offline_greedy_on_the_rendered_prompt(server, client, offline):
+    ids = _chat_prompt_ids(server.frontend.tokenizer, MESSAGES)
+    ref = offline(ids, 10)
+    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0)
+    assert out.id.startswith("chatcmpl-") and out.object == "chat.completion"
+    [choice] = out.choices
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.finish_reason == ref.finish_reason
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), len(ref.token_ids))
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *deltas, usage_chunk = chunks
+    assert deltas[0].object == "chat.completion.chunk" and deltas[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in deltas) == ref.text
+    assert deltas[-1].choices[0].finish_reason == ref.finish_reason
+    assert usage_chunk.choices == [] and usage_chunk.usage == out.usage
+
+    # text parts are joined by newlines
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Where is"}, {"type": "text", "text": "it?"}]}]
+    joined = [{"role": "user", "content": "Where is\nit?"}]
+    a, b = (
+        client.chat.completions.create(model=MODEL, messages=m, max_tokens=6, temperature=0) for m in (parts, joined)
+    )
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage == b.usage
+
+
+def test_chat_default_max_tokens_fills_the_context(server, client):
+    tokenizer, max_len = server.frontend.tokenizer, server.frontend.max_model_len
+
+    def num_tokens(words):
+        return len(_chat_prompt_ids(tokenizer, [{"role": "user", "content": " river" * words}]))
+
+    base, per_word = num_tokens(0), num_tokens(1) - num_tokens(0)
+    words = (max_len - 8 - base) // per_word
+    messages = [{"role": "user", "content": " river" * words}]
+    num_prompt = num_tokens(words)
+    assert max_len - 40 < num_prompt < max_len
+    out = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == max_len - num_prompt and out.choices[0].finish_reason == "length"
+
+
+def test_batch_and_n_give_indexed_choices(server, client):
+    prompts = ["The cache", "A river", "Music"]
+    kwargs = dict(model=MODEL, prompt=prompts, n=2, max_tokens=4, temperature=0.9, seed=3)
+    out = client.completions.create(**kwargs)
+    assert sorted(c.index for c in out.choices) == list(range(6))
+    assert all(c.finish_reason in ("stop", "length") for c in out.choices)
+    tokenizer = server.frontend.tokenizer
+    assert out.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    # seeded, so the same request samples the same texts
+    assert [c.text for c in client.completions.create(**kwargs).choices] == [c.text for c in out.choices]
+
+    finished = {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert sorted(finished) == list(range(6))
+
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, n=3, max_tokens=3)
+    assert sorted(c.index for c in chat.choices) == [0, 1, 2]
+
+
+COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+DROP = object()
+
+
+def _with(base, **changes):
+    body = {**base, **changes}
+    return {k: v for k, v in body.items() if v is not DROP}
+
+
+def _case(path, body, status, needle, id):
+    return pytest.param(path, body, status, needle, id=id)
+
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+BAD_REQUESTS = [
+    _case(C, _with(COMPLETION, max_tokens="ten"), 400, "max_tokens", "max_tokens-string"),
+    _case(C, _with(COMPLETION, max_tokens=True), 400, "max_tokens", "max_tokens-bool"),
+    _case(C, _with(COMPLETION, max_tokens=0), 400, "max_tokens", "max_tokens-zero"),
+    _case(C, _with(COMPLETION, max_tokens=2.5), 400, "max_tokens", "max_tokens-float"),
+    _case(C, _with(COMPLETION, temperature=[1]), 400, "temperature", "temperature-list"),
+    _case(C, _with(COMPLETION, temperature=-1), 400, "temperature", "temperature-negative"),
+    _case(C, _with(COMPLETION, temperature=float("nan")), 400, "temperature", "temperature-nan"),
+    _case(C, _with(COMPLETION, top_p=1.5), 400, "top_p", "top_p-above-1"),
+    _case(C, _with(COMPLETION, top_k=-5), 400, "top_k", "top_k-negative"),
+    _case(C, _with(COMPLETION, n=0), 400, "'n'", "n-zero"),
+    _case(C, _with(COMPLETION, n=1000), 400, "'n'", "n-too-many"),
+    _case(C, _with(COMPLETION, seed="x"), 400, "seed", "seed-string"),
+    _case(C, _with(COMPLETION, stop=5), 400, "stop", "stop-int"),
+    _case(C, _with(COMPLETION, stop=[""]), 400, "stop", "stop-empty"),
+    _case(C, _with(COMPLETION, stop_token_ids=["a"]), 400, "stop_token_ids", "stop_token_ids-strings"),
+    _case(C, _with(COMPLETION, stream="yes"), 400, "stream", "stream-string"),
+    _case(C, _with(COMPLETION, stream_options={"include_usage": True}), 400, "stream_options", "options-no-stream"),
+    _case(C, _with(COMPLETION, prompt=""), 400, "empty", "prompt-empty"),
+    _case(C, _with(COMPLETION, prompt=[]), 400, "prompt", "prompt-empty-list"),
+    _case(C, _with(COMPLETION, prompt=DROP), 400, "prompt", "prompt-missing"),
+    _case(C, _with(COMPLETION, prompt=[1, "a"]), 400, "prompt", "prompt-mixed"),
+    _case(C, _with(COMPLETION, prompt=[10**6]), 400, "token ids", "prompt-token-out-of-vocab"),
+    _case(C, _with(COMPLETION, prompt=[5] * 2000), 400, "context", "prompt-too-long"),
+    _case(C, _with(COMPLETION, prompt=["ok", ""]), 400, "empty", "batch-with-empty-prompt"),
+    _case(C, _with(COMPLETION, frobnicate=1), 400, "frobnicate", "unknown-field"),
+    _case(C, _with(COMPLETION, logprobs=1), 400, "logprobs", "logprobs"),
+    _case(C, _with(COMPLETION, echo=True), 400, "echo", "echo"),
+    _case(C, _with(COMPLETION, best_of=3), 400, "best_of", "best_of"),
+    _case(C, _with(COMPLETION, suffix="end"), 400, "suffix", "suffix"),
+    _case(C, _with(COMPLETION, logit_bias={"5": 10}), 400, "logit_bias", "logit_bias"),
+    _case(C, _with(COMPLETION, frequency_penalty=0.5), 400, "frequency_penalty", "frequency_penalty"),
+    _case(C, _with(COMPLETION, model="gpt-4"), 404, "gpt-4", "wrong-model"),
+    _case(C, b"{not json", 400, "JSON", "not-json"),
+    _case(C, [COMPLETION], 400, "object", "body-is-a-list"),
+    _case(CH, _with(CHAT, messages=DROP), 400, "messages", "messages-missing"),
+    _case(CH, _with(CHAT, messages=[]), 400, "messages", "messages-empty"),
+    _case(CH, _with(CHAT, messages=[{"role": "wizard", "content": "hi"}]), 400, "role", "bad-role"),
+    _case(CH, _with(CHAT, messages=[{"role": "user"}]), 400, "content", "content-missing"),
+    _case(CH, _with(CHAT, messages=["hi"]), 400, "messages[0]", "message-not-object"),
+    _case(
+        CH,
+        _with(CHAT, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        400,
+        "image_url",
+        "image-part",
+    ),
+    _case(CH, _with(CHAT, messages=[{"role": "user", "content": "hi", "mood": 1}]), 400, "mood", "message-field"),
+    _case(CH, _with(CHAT, messages=[{"role": "user", "content": "river " * 1100}]), 400, "context", "chat-too-long"),
+    _case(CH, _with(CHAT, max_completion_tokens=-1), 400, "max_completion_tokens", "max_completion_tokens"),
+    _case(CH, _with(CHAT, tools=[{"type": "function"}]), 400, "tools", "tools"),
+    _case(CH, _with(CHAT, response_format={"type": "json_object"}), 400, "response_format", "response_format"),
+    _case(CH, _with(CHAT, logprobs=True), 400, "logprobs", "chat-logprobs"),
+    _case(CH, _with(CHAT, presence_penalty=1), 400, "presence_penalty", "presence_penalty"),
+    _case(CH, _with(CHAT, prompt="hi"), 400, "prompt", "chat-prompt-field"),
+    _case(CH, _with(CHAT, model="other"), 404, "other", "chat-wrong-model"),
+    _case("/v1/embeddings", COMPLETION, 404, "/v1/embeddings", "unknown-route"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, needle", BAD_REQUESTS)
+def test_bad_request_is_refused_naming_the_problem(server, path, body, status, needle):
+    got, reply = _request(server, path, body)
+    assert got == status, reply
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert needle.lower() in error["message"].lower(), error
+    assert error["type"] == "invalid_request_error"
+    if status == 404 and path != "/v1/embeddings":
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+
+
+def test_serves_after_bad_requests_and_accepts_neutral_values(server, client):
+    out = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=3,
+        echo=False,
+        best_of=1,
+        frequency_penalty=0,
+        logit_bias={},
+        user="me",
+        extra_body={"top_k": -1, "ignore_eos": True, "skip_special_tokens": False},
+    )
+    assert out.usage.completion_tokens == 3
+    status, _ = _request(server, "/v1/completions", COMPLETION)
+    assert status == 200
+    assert _request(server, "/v1/completions", method="GET")[0] == 405
+
+
+def test_api_key_is_needed_except_for_health(server):
+    wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/models", None), ("/metrics", None)):
+        status, reply = _request(server, path, body, key=None)
+        assert status == 401 and reply["error"]["type"] == "authentication_error", (path, reply)
+    assert _request(server, "/health", key=None) == (200, {"status": "serving"})
+
+
+def test_draining_server_is_unhealthy_and_refuses(server):
+    server.frontend.draining = True
+    try:
+        assert _request(server, "/health", key=None)[0] == 503
+        status, reply = _request(server, "/v1/completions", COMPLETION)
+        assert status == 503 and "shutting down" in reply["error"]["message"]
+    finally:
+        server.frontend.draining = False
+    assert _request(server, "/health", key=None)[0] == 200
+
+
+def test_metrics_show_latencies_and_instance_gauges(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    status, text = _request(server, "/metrics", method="GET")
+    assert status == 200
+    assert _metric(server, "distserve_time_to_first_token_seconds_count") > 0
+    for role in ("prefill", "decode"):
+        assert re.search(rf'^distserve_instance_kv_cache_usage{{.*role="{role}".*}} ', text, re.MULTILINE)
+        assert re.search(rf'^distserve_instance_healthy{{.*role="{role}".*}} 1\.0$', text, re.MULTILINE)
+
+
+def test_client_leaving_early_cancels_and_frees_blocks(server, client):
+    finished = _metric(server, 'distserve_requests_total{finish_reason="length"}')
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=LONG, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    _wait_all_blocks_free(server)
+
+    with pytest.raises(openai.APITimeoutError):
+        client.with_options(timeout=0.5).completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=LONG, extra_body={"ignore_eos": True}
+        )
+    _wait_all_blocks_free(server)
+    # both were cancelled, not run to their length
+    assert _metric(server, 'distserve_requests_total{finish_reason="length"}') == finished
+
+
+def test_tls_server_with_an_admission_limit_answers_429(server, tmp_path):
+    cert, key = make_tls_cert(tmp_path)
+    config = ServerConfig(host="127.0.0.1", http_port=0, tls_cert=cert, tls_key=key, max_pending_requests=1)
+    frontend = Frontend(server.cluster, config)
+    runner, port = server.loop.run(start_http_server(frontend, config))
+    context = ssl.create_default_context(cafile=cert)
+    try:
+        body = _with(COMPLETION, max_tokens=LONG, stream=True, ignore_eos=True)
+        request = urllib.request.Request(
+            f"https://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60, context=context) as stream:
+            assert stream.readline().startswith(b"data: {")
+            status, reply = _request(server, "/v1/completions", COMPLETION, context=context, port=port)
+            assert status == 429 and reply["error"]["type"] == "rate_limit_error"
+        _wait_all_blocks_free(server)
+        assert _request(server, "/v1/completions", COMPLETION, context=context, port=port)[0] == 200
+    finally:
+        server.loop.run(runner.cleanup())
+
+
+def test_default_chat_template_for_a_tokenizer_without_one():
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model(MODEL))
+    tokenizer.chat_template = None
+    text = render_chat(tokenizer, MESSAGES)
+    assert text == "<|bos|>system: Be brief.\nuser: Where is the river?\nassistant:"
