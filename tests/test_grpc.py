@@ -98,7 +98,7 @@ def test_reflection_lists_the_services(server):
     assert {"distserve.v1.DistServe", "grpc.health.v1.Health"} <= services
 
 
-def test_cluster_info_and_tokenizer(client):
+def test_cluster_info_and_tokenizer(server, client):
     info = client.cluster_info()
     assert info.model == "tiny-llama" and not info.draining
     roles = sorted(pb.Role.Name(i.role) for i in info.instances)
@@ -106,6 +106,12 @@ def test_cluster_info_and_tokenizer(client):
     assert all(i.num_blocks == NUM_KV_BLOCKS and not i.failure for i in info.instances)
     ids = client.tokenize("The cache block", add_special_tokens=False)
     assert ids and client.detokenize(ids) == "The cache block"
+
+    async def through_async_client():
+        async with AsyncClient(server.grpc_address, api_key=API_KEY) as aclient:
+            return await aclient.tokenize("The cache block", add_special_tokens=False), await aclient.detokenize(ids)
+
+    assert asyncio.run(through_async_client()) == (ids, "The cache block")
 
 
 def test_32_concurrent_streams_complete(server, llama):

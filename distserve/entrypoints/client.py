@@ -156,6 +156,14 @@ class AsyncClient(_Base):
     async def cluster_info(self, timeout: float | None = None) -> pb.ClusterInfo:
         return await self.stub.GetClusterInfo(pb.GetClusterInfoRequest(), metadata=self.metadata, timeout=timeout)
 
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list((await self.stub.Tokenize(request, metadata=self.metadata)).token_ids)
+
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        request = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
+        return (await self.stub.Detokenize(request, metadata=self.metadata)).text
+
     async def health(self, service: str = "", timeout: float | None = None) -> str:
         response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
