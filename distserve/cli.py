@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input, a missing file, a port already taken
         print(f"distserve: error: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:

@@ -268,3 +268,17 @@ def test_tls_and_a_lost_decode_instance(ray_cluster, tmp_path):
             assert http_error.value.code == 503
             prefill = next(i for i in client.cluster_info().instances if i.role == pb.ROLE_PREFILL)
             assert prefill.num_free_blocks == prefill.num_blocks and not prefill.failure
+
+
+def test_chat_without_max_tokens_fits_a_kv_cache_smaller_than_the_context(server):
+    """This server's instances hold 768 tokens, less than the model's context of 1024: a chat
+    request that leaves max_tokens to the server gets what fits rather than a refusal."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "ignore_eos": True}
+    request = urllib.request.Request(
+        f"{server.http_url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        usage = json.loads(response.read())["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == NUM_KV_BLOCKS * 16

@@ -38,6 +38,13 @@ class Frontend:
     def max_model_len(self) -> int:
         return self.cluster.orchestrator.input_processor.max_model_len
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest a request (prompt and output) may grow: the context, or less when the
+        smallest instance's KV cache holds less."""
+        processor = self.cluster.orchestrator.input_processor
+        return min(processor.max_model_len, processor.num_kv_blocks * processor.block_size)
+
     def authenticate(self, authorization: str | None) -> None:
         """Check an ``authorization: Bearer KEY`` value against the server's key, if it has one."""
         expected = self.config.api_key

@@ -164,11 +164,14 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         address = f"{config.host}:{config.grpc_port}"
-        if config.tls:
-            cert, key = config.read_tls()
-            self.port = self.server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
-        else:
-            self.port = self.server.add_insecure_port(address)
+        try:
+            if config.tls:
+                cert, key = config.read_tls()
+                self.port = self.server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
+            else:
+                self.port = self.server.add_insecure_port(address)
+        except RuntimeError as e:  # grpc's way of saying the bind failed
+            raise OSError(f"cannot serve gRPC on {address}: the port is in use or the address is not local") from e
 
     async def start(self) -> None:
         await self.server.start()

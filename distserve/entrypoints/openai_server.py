@@ -325,7 +325,7 @@ def _parse_chat(frontend: Frontend, body: Any) -> _Call:
     else:
         # The answer may fill the rest of the context; a prompt that leaves no room is refused by
         # the prompt's own check, with a message about its length rather than about max_tokens.
-        max_tokens = max(1, frontend.max_model_len - len(prompt))
+        max_tokens = max(1, frontend.max_request_tokens - len(prompt))
     params = _sampling_params(fields, name, max_tokens)
     return _Call(True, _samples([prompt], params, n), n, stream, include_usage, return_token_ids)
 
