@@ -11,6 +11,7 @@ import threading
 import time
 import urllib.request
 
+import grpc
 import psutil
 import pytest
 import yaml
@@ -69,12 +70,16 @@ def test_launch_serves_then_sigint_drains_and_leaves_no_process():
             assert response.status == 200
         with Client(server.grpc_address) as client:
             assert client.complete("Hello", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
-            stream = client.generate("A long answer", max_tokens=200, ignore_eos=True)
+            stream = client.generate("A long answer", max_tokens=600, ignore_eos=True)  # a few seconds
             first = next(stream)  # in flight when the signal comes
             server.process.send_signal(signal.SIGINT)
             server.wait_for("SIGINT: draining")
+            assert client.health() == "NOT_SERVING"
+            with pytest.raises(grpc.RpcError) as refused:
+                client.complete("Too late")
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             rest = list(stream)
-        assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 200  # drained, not cut
+        assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 600  # drained, not cut
         assert server.process.wait(timeout=120) == 0
     finally:
         if server.process.poll() is None:
