@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 
+from distserve.benchmark.command import add_bench_args
 from distserve.cluster_config import POOL_FLAGS
 from distserve.config import FIELD_SECTION, SECTIONS, EngineConfig
 from distserve.entrypoints.server_config import API_KEY_ENV, ServerConfig
@@ -166,6 +167,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if health == "SERVING" and not any(i.failure for i in info.instances) else 1
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from distserve.benchmark.command import cmd_bench as run
+    from distserve.entrypoints.client import AsyncClient
+
+    root_certificates = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    return run(args, lambda: AsyncClient(args.server, api_key=args.api_key, root_certificates=root_certificates))
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     import logging
 
@@ -225,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_args(status, required=True)
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server (default: 10)")
     status.set_defaults(func=cmd_status)
+
+    bench = sub.add_parser("bench", help="serving benchmark through a server's gRPC API: latency, attainment, goodput")
+    _add_client_args(bench, required=True)
+    add_bench_args(bench)
+    bench.set_defaults(func=cmd_bench)
 
     make = sub.add_parser("make-model", help="write a built-in tiny model as a Hugging Face directory")
     make.add_argument("name", choices=TINY_MODELS)

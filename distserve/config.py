@@ -97,6 +97,7 @@ class ParallelConfig:
         "STRICT_PACK", "Ray placement group strategy for an instance's workers", PLACEMENT_STRATEGIES
     )
     worker_cpus: float = option(0.05, "CPUs each worker reserves in its placement bundle (small: Ray only books it)")
+    cpu_threads: int | None = option(None, "torch threads of each CPU worker (default: cores / tensor_parallel_size)")
 
     def __post_init__(self) -> None:
         _check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
@@ -104,6 +105,8 @@ class ParallelConfig:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.pipeline_parallel_size < 1:
             raise ValueError(f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.worker_cpus <= 0:
             raise ValueError(f"worker_cpus must be positive (Ray rejects empty bundles), got {self.worker_cpus}")
 

@@ -41,7 +41,8 @@ class Worker:
         if self.device.type == "cpu":
             # Ray pins actors to one thread. One batch is in flight at a time, so only the TP ranks
             # of one stage compute at once: they share the machine's cores.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.rank.tp_size))
+            threads = parallel.cpu_threads or max(1, (os.cpu_count() or 1) // self.rank.tp_size)
+            torch.set_num_threads(threads)
 
     def create_store(self) -> tuple[str, int]:
         """Rank 0 hosts the instance's rendezvous store; returns its address for the other ranks."""

@@ -72,6 +72,7 @@ class _Base:
     ) -> None:
         """``root_certificates`` (PEM) or ``tls=True`` (system roots) connect over TLS."""
         self.address = address
+        self.options = {"api_key": api_key, "root_certificates": root_certificates, "tls": tls}
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.credentials = (
             grpc.ssl_channel_credentials(root_certificates) if tls or root_certificates is not None else None

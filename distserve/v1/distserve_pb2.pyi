@@ -148,20 +148,22 @@ class InstanceInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_held: _Optional[int] = ..., num_pending: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
-    __slots__ = ("model", "instances", "num_pending_requests", "max_pending_requests", "max_model_len", "draining")
+    __slots__ = ("model", "instances", "num_pending_requests", "max_pending_requests", "max_model_len", "draining", "vocab_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_PENDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
     num_pending_requests: int
     max_pending_requests: int
     max_model_len: int
     draining: bool
-    def __init__(self, model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., num_pending_requests: _Optional[int] = ..., max_pending_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    vocab_size: int
+    def __init__(self, model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., num_pending_requests: _Optional[int] = ..., max_pending_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens")

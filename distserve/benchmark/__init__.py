@@ -1,0 +1,1 @@
+"""Client-side serving benchmark: workloads, latency metrics, SLO attainment and goodput, plots."""

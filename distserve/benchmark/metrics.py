@@ -1,0 +1,244 @@
+"""Serving-benchmark metrics from client-side timelines: TTFT, TPOT, ITL, E2E, SLO attainment,
+throughput, and goodput (the highest rate that still meets the attainment target)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it. Times are absolute seconds on one clock (e.g.
+    ``time.perf_counter()``); a chunk of k tokens arriving at t adds t to ``token_times`` k times."""
+
+    prompt_len: int
+    output_len: int  # requested
+    send_time: float
+    token_times: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.token_times)
+
+    @property
+    def ttft(self) -> float:
+        """Time to first token; NaN without tokens."""
+        return self.token_times[0] - self.send_time if self.token_times else math.nan
+
+    @property
+    def tpot(self) -> float:
+        """Time per output token after the first. A single-token request has no decode phase, so
+        its TPOT is 0.0 and it meets any TPOT SLO (as in DistServe); NaN without tokens."""
+        if not self.token_times:
+            return math.nan
+        if len(self.token_times) == 1:
+            return 0.0
+        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        """Inter-token latencies: the gaps between consecutive tokens (0 inside a chunk)."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def e2e(self) -> float:
+        """Send to last token; NaN without tokens."""
+        return self.token_times[-1] - self.send_time if self.token_times else math.nan
+
+
+@dataclass
+class Stats:
+    mean: float
+    median: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stats:
+        """Mean and percentiles (numpy's linear interpolation); all NaN for no values."""
+        if len(values) == 0:
+            return cls(math.nan, math.nan, math.nan, math.nan)
+        a = np.asarray(values, dtype=float)
+        median, p90, p99 = np.percentile(a, [50, 90, 99])
+        return cls(float(a.mean()), float(median), float(p90), float(p99))
+
+
+@dataclass
+class SLO:
+    ttft: float  # seconds
+    tpot: float  # seconds
+
+    def scaled(self, factor: float) -> SLO:
+        """Both SLOs times ``factor``: the x axis of DistServe's attainment-vs-SLO-scale plots."""
+        return SLO(self.ttft * factor, self.tpot * factor)
+
+
+@dataclass
+class Attainment:
+    """Fractions of requests meeting both SLOs, the TTFT SLO, and the TPOT SLO."""
+
+    both: float
+    ttft: float
+    tpot: float
+
+
+def attainment(records: Sequence[RequestRecord], slo: SLO) -> Attainment:
+    """SLO attainment over all records; a failed request misses all three."""
+    if not records:
+        raise ValueError("attainment of no requests")
+    ttft_met = [r.ok and r.ttft <= slo.ttft for r in records]
+    tpot_met = [r.ok and r.tpot <= slo.tpot for r in records]
+    n = len(records)
+    return Attainment(
+        both=sum(a and b for a, b in zip(ttft_met, tpot_met)) / n,
+        ttft=sum(ttft_met) / n,
+        tpot=sum(tpot_met) / n,
+    )
+
+
+@dataclass
+class BenchResult:
+    """A run's summary. Latency stats are over successful requests (TPOT over those with >= 2
+    tokens, ITL over all their gaps); throughputs count successful requests over ``duration``,
+    from the first send to the last token. ``rate`` is the offered rate, None when not given."""
+
+    num_requests: int
+    num_ok: int
+    num_errors: int
+    duration: float
+    request_throughput: float
+    output_throughput: float
+    input_throughput: float
+    ttft: Stats
+    tpot: Stats
+    itl: Stats
+    e2e: Stats
+    attainment: Attainment | None = None
+    slo: SLO | None = None
+    rate: float | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-ready (times in seconds); NaN becomes None and an infinite rate the string "inf"."""
+        return _json_ready(asdict(self))
+
+
+def _json_ready(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _json_ready(v) for k, v in value.items()}
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def summarize(records: Sequence[RequestRecord], slo: SLO | None = None, rate: float | None = None) -> BenchResult:
+    if not records:
+        raise ValueError("no requests to summarize")
+    ok = [r for r in records if r.ok]
+    ends = [r.token_times[-1] for r in records if r.token_times] or [r.send_time for r in records]
+    duration = max(ends) - min(r.send_time for r in records)
+
+    def per_second(total: float) -> float:
+        return total / duration if duration > 0 else math.nan
+
+    return BenchResult(
+        num_requests=len(records),
+        num_ok=len(ok),
+        num_errors=len(records) - len(ok),
+        duration=duration,
+        request_throughput=per_second(len(ok)),
+        output_throughput=per_second(sum(r.num_tokens for r in ok)),
+        input_throughput=per_second(sum(r.prompt_len for r in ok)),
+        ttft=Stats.of([r.ttft for r in ok]),
+        tpot=Stats.of([r.tpot for r in ok if r.num_tokens >= 2]),
+        itl=Stats.of([gap for r in ok for gap in r.itls]),
+        e2e=Stats.of([r.e2e for r in ok]),
+        attainment=attainment(records, slo) if slo is not None else None,
+        slo=slo,
+        rate=rate,
+    )
+
+
+def find_goodput(
+    measure: Callable[[float], float],
+    target: float,
+    low: float,
+    high: float,
+    tolerance: float = 0.05,
+    max_iters: int = 12,
+) -> tuple[float, list[tuple[float, float]]]:
+    """Binary search for the highest rate whose attainment ``measure(rate)`` (the "both" fraction)
+    is >= ``target``, assuming attainment does not increase with rate. Returns the goodput and the
+    (rate, attainment) probes in the order made. The goodput is 0.0 when even ``low`` misses the
+    target, and ``high`` when ``high`` meets it (raise ``high`` and search again). Bisection stops
+    once (hi - lo) / hi < ``tolerance`` or after ``max_iters`` probes between the two ends; the
+    answer is the highest rate seen to meet the target."""
+    if not 0 < low < high:
+        raise ValueError(f"need 0 < low < high, got low={low}, high={high}")
+    if not 0 < target <= 1:
+        raise ValueError(f"target must be in (0, 1], got {target}")
+    if not tolerance > 0:
+        raise ValueError(f"tolerance must be > 0, got {tolerance}")
+    probes: list[tuple[float, float]] = []
+
+    def meets(rate: float) -> bool:
+        value = measure(rate)
+        probes.append((rate, value))
+        return value >= target
+
+    if not meets(low):
+        return 0.0, probes
+    if meets(high):
+        return high, probes
+    lo, hi = low, high
+    for _ in range(max_iters):
+        if (hi - lo) / hi < tolerance:
+            break
+        mid = (lo + hi) / 2
+        if meets(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, probes
+
+
+def format_result(result: BenchResult) -> str:
+    """A compact table in the spirit of vLLM's benchmark printout (latencies in ms)."""
+    width = 60
+    lines = [" Serving benchmark result ".center(width, "=")]
+
+    def row(label: str, value: str) -> None:
+        lines.append(f"{label:<34}{value:>{width - 34}}")
+
+    row("Requests (ok / errors)", f"{result.num_ok} / {result.num_errors}")
+    if result.rate is not None:
+        row("Offered rate (req/s)", f"{result.rate:.2f}")
+    row("Duration (s)", f"{result.duration:.2f}")
+    row("Request throughput (req/s)", f"{result.request_throughput:.2f}")
+    row("Output token throughput (tok/s)", f"{result.output_throughput:.2f}")
+    row("Input token throughput (tok/s)", f"{result.input_throughput:.2f}")
+    lines.append("-" * width)
+    lines.append(f"{'Latency (ms)':<16}" + "".join(f"{h:>11}" for h in ("mean", "median", "p90", "p99")))
+    for name, stats in (("TTFT", result.ttft), ("TPOT", result.tpot), ("ITL", result.itl), ("E2E", result.e2e)):
+        values = (stats.mean, stats.median, stats.p90, stats.p99)
+        lines.append(f"{name:<16}" + "".join(f"{v * 1000:>11.2f}" for v in values))
+    if result.attainment is not None:
+        lines.append("-" * width)
+        if result.slo is not None:
+            row("SLO (TTFT / TPOT, ms)", f"{result.slo.ttft * 1000:.1f} / {result.slo.tpot * 1000:.1f}")
+        att = result.attainment
+        row("SLO attainment (%): both", f"{att.both * 100:.1f}")
+        row("SLO attainment (%): TTFT", f"{att.ttft * 100:.1f}")
+        row("SLO attainment (%): TPOT", f"{att.tpot * 100:.1f}")
+    lines.append("=" * width)
+    return "\n".join(lines)
