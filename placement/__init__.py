@@ -1,4 +1,5 @@
-"""Placement planning: model shapes and, from them, instance layouts. Imports neither Ray nor torch."""
+"""Placement planning: model shapes, hardware, latency models and a simulator of deployments, from
+which instance layouts are chosen. Imports neither Ray nor torch."""
 
 from placement.model_presets import MODEL_PRESETS, ModelShape, model_shape
 
