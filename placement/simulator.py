@@ -41,8 +41,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 
 @dataclass
 class SimRequest:
@@ -317,54 +315,3 @@ def attainment(results: Sequence[SimResult], ttft_slo: float, tpot_slo: float) -
     if not results:
         raise ValueError("no results")
     return sum(r.ttft <= ttft_slo and r.tpot <= tpot_slo for r in results) / len(results)
-
-
-def poisson_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
-    """Arrival times of a Poisson process; one seed gives the same sample path scaled by 1/rate."""
-    rng = np.random.default_rng(seed)
-    return np.cumsum(rng.standard_exponential(n)) / rate
-
-
-def gamma_arrivals(n: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
-    """Arrival times with gamma inter-arrivals of mean 1/rate and shape ``burstiness``.
-
-    burstiness = 1 is Poisson; below 1 arrivals are burstier (CV^2 = 1/burstiness), as in vLLM's benchmark.
-    """
-    rng = np.random.default_rng(seed)
-    return np.cumsum(rng.standard_gamma(burstiness, n)) / (rate * burstiness)
-
-
-def goodput(make_requests: Callable[[float], list[SimRequest]], run: Callable[[list[SimRequest]], float],
-            target: float, low: float, high: float, tolerance: float) -> float:
-    """Highest rate in [low, high] whose attainment ``run(make_requests(rate))`` is >= target.
-
-    Binary search, assuming attainment does not increase with rate; returns 0.0 when even ``low``
-    misses the target and ``high`` when it meets it.
-    """
-    def ok(rate: float) -> bool:
-        return run(make_requests(rate)) >= target
-
-    if not ok(low):
-        return 0.0
-    if ok(high):
-        return high
-    while high - low > tolerance:
-        mid = (low + high) / 2
-        if ok(mid):
-            low = mid
-        else:
-            high = mid
-    return low
-
-
-__all__ = [
-    "DecodeInstanceSpec",
-    "PrefillInstanceSpec",
-    "SimRequest",
-    "SimResult",
-    "attainment",
-    "gamma_arrivals",
-    "goodput",
-    "poisson_arrivals",
-    "simulate",
-]

@@ -16,11 +16,11 @@ import time
 import numpy as np
 import ray
 
-from distserve.benchmark.workload import arrival_times
 from distserve.cluster import make_cluster_config
 from distserve.entrypoints.client import AsyncClient
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
+from placement.workload import arrival_times
 
 DEPLOYMENTS = {
     "disaggregated": {"prefill": {"instances": 1}, "decode": {"instances": 1}},

@@ -7,12 +7,12 @@ import json
 import pytest
 
 from distserve.benchmark.runner import run_workload
-from distserve.benchmark.workload import RequestSpec
 from distserve.cli import main
 from distserve.cluster import make_cluster_config
 from distserve.entrypoints.client import AsyncClient
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
+from placement.workload import RequestSpec
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ from distserve.benchmark.metrics import (
     RequestRecord,
     Stats,
     attainment,
-    find_goodput,
     format_result,
     summarize,
 )
-from distserve.benchmark.workload import (
+from placement.goodput import find_goodput
+from placement.workload import (
     LengthDistribution,
     RequestSpec,
     arrival_times,

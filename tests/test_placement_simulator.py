@@ -5,16 +5,15 @@ import time
 import numpy as np
 import pytest
 
+from placement.goodput import find_goodput
 from placement.simulator import (
     DecodeInstanceSpec,
     PrefillInstanceSpec,
     SimRequest,
     attainment,
-    gamma_arrivals,
-    goodput,
-    poisson_arrivals,
     simulate,
 )
+from placement.workload import arrival_times
 
 PROMPT = 100
 D = 0.1
@@ -34,7 +33,7 @@ def no_transfer(n):
 
 
 def md1_requests(rate, n, seed=0):
-    return [SimRequest(float(t), PROMPT, 1) for t in poisson_arrivals(n, rate, seed)]
+    return [SimRequest(float(t), PROMPT, 1) for t in arrival_times(n, rate, seed=seed)]
 
 
 def mean_ttft(results):
@@ -141,7 +140,7 @@ def test_pipelined_decode_forms_micro_batches():
 @pytest.mark.parametrize("stage", [None, lambda bs, ctx: 0.0025])
 def test_many_decode_requests_conserve_tokens(stage):
     rng = np.random.default_rng(1)
-    arrivals = gamma_arrivals(2000, 20.0, 0.5, seed=1)
+    arrivals = arrival_times(2000, 20.0, 0.5, seed=1)
     reqs = [SimRequest(float(t), int(p), int(o))
             for t, p, o in zip(arrivals, rng.integers(10, 500, 2000), rng.integers(1, 200, 2000))]
 
@@ -161,7 +160,7 @@ def test_many_decode_requests_conserve_tokens(stage):
 
 def test_ten_thousand_requests_are_fast():
     rng = np.random.default_rng(2)
-    arrivals = poisson_arrivals(10_000, 8.0, seed=2)
+    arrivals = arrival_times(10_000, 8.0, seed=2)
     reqs = [SimRequest(float(t), int(p), int(o))
             for t, p, o in zip(arrivals, rng.integers(50, 1000, 10_000), rng.integers(50, 300, 10_000))]
     start = time.perf_counter()
@@ -176,10 +175,10 @@ def test_attainment_and_arrivals():
                        no_transfer)
     assert attainment(results, ttft_slo=D, tpot_slo=1.0) == 0.5
     assert attainment(results, ttft_slo=1.0, tpot_slo=0.001) == 0.0
-    gaps = np.diff(gamma_arrivals(50_000, 4.0, 0.25, seed=3))
+    gaps = np.diff(arrival_times(50_000, 4.0, 0.25, seed=3))
     assert gaps.mean() == pytest.approx(0.25, rel=0.05)
     assert gaps.var() / gaps.mean() ** 2 == pytest.approx(4.0, rel=0.1)
-    assert np.diff(poisson_arrivals(50_000, 4.0, seed=3)).mean() == pytest.approx(0.25, rel=0.05)
+    assert np.diff(arrival_times(50_000, 4.0, seed=3)).mean() == pytest.approx(0.25, rel=0.05)
 
 
 def test_goodput_on_md1():
@@ -189,7 +188,7 @@ def test_goodput_on_md1():
     def make(rate):
         return md1_requests(rate, 5000, seed=4)
 
-    rate = goodput(make, run, target=0.9, low=0.5, high=9.9, tolerance=0.01)
+    rate, _ = find_goodput(lambda r: run(make(r)), target=0.9, low=0.5, high=9.9, tolerance=0.01)
     assert 0.5 < rate < 9.9
     assert run(make(rate)) >= 0.9
     assert run(make(rate * 1.1)) < 0.9

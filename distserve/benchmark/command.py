@@ -14,11 +14,11 @@ from distserve.benchmark.metrics import (
     BenchResult,
     RequestRecord,
     attainment,
-    find_goodput,
     format_result,
     summarize,
 )
-from distserve.benchmark.workload import (
+from placement.goodput import find_goodput
+from placement.workload import (
     RequestSpec,
     load_length_trace,
     load_sharegpt,

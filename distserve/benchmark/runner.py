@@ -16,8 +16,8 @@ import grpc
 import numpy as np
 
 from distserve.benchmark.metrics import RequestRecord
-from distserve.benchmark.workload import RequestSpec, arrival_times
 from distserve.entrypoints.client import AsyncClient
+from placement.workload import RequestSpec, arrival_times
 
 FIRST_TOKEN_ID = 10  # ids below are often special tokens
 

@@ -1,4 +1,5 @@
-"""Benchmark workloads: request lengths (synthetic, ShareGPT, traces) and arrival times."""
+"""Workloads: request lengths (synthetic, ShareGPT, traces) and arrival times, shared by the
+serving benchmark (sent to a real cluster) and the placement simulator."""
 
 from __future__ import annotations
 
