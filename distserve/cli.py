@@ -21,6 +21,7 @@ from distserve.benchmark.command import add_bench_args
 from distserve.cluster_config import POOL_FLAGS
 from distserve.config import FIELD_SECTION, SECTIONS, EngineConfig
 from distserve.entrypoints.server_config import API_KEY_ENV, ServerConfig
+from distserve.profiler import add_profile_args, cmd_profile
 from distserve.sampling_params import SamplingParams
 
 # SamplingParams fields whose flag would clash with an engine flag.
@@ -239,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_args(bench, required=True)
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    prof = sub.add_parser("profile", help="time engine steps over batch shapes and fit a latency model for the planner")
+    add_profile_args(prof)
+    for cls in SECTIONS.values():
+        add_dataclass_args(prof.add_argument_group(cls.__name__), cls)
+    prof.set_defaults(func=cmd_profile)
 
     make = sub.add_parser("make-model", help="write a built-in tiny model as a Hugging Face directory")
     make.add_argument("name", choices=TINY_MODELS)

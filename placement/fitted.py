@@ -76,7 +76,9 @@ class FittedLatency:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"{path}: not a fitted latency file (no 'format: {FORMAT}')")
         if data.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{path}: fitted latency format version {data.get('version')!r}, expected {FORMAT_VERSION}")
+            raise ValueError(
+                f"{path}: fitted latency format version {data.get('version')!r}, expected {FORMAT_VERSION}"
+            )
         return cls(tuple(data["prefill"]), tuple(data["decode"]), data.get("meta", {}))
 
 
