@@ -64,13 +64,14 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_flat(**given)
 
 
-def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+def _sampling_options(args: argparse.Namespace) -> dict[str, typing.Any]:
+    """The SamplingParams fields given on the command line."""
     options = {}
     for f in dataclasses.fields(SamplingParams):
         dest = _SAMPLING_FLAG_NAMES.get(f.name, f.name)
         if hasattr(args, dest):
             options[f.name] = getattr(args, dest)
-    return SamplingParams(**options)
+    return options
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -78,7 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _generate_remote(args)
     from distserve.llm import LLM
 
-    params = _sampling_params(args)
+    params = SamplingParams(**_sampling_options(args))
     engine = LLM(config=_engine_config(args)).engine  # LLM refuses a one-phase scheduler here
     try:
         for i, prompt in enumerate(args.prompts):
@@ -101,11 +102,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client_options(args: argparse.Namespace) -> dict[str, typing.Any]:
+    """Client keyword options from --api-key and --tls-ca."""
+    root_certificates = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    return {"api_key": args.api_key, "root_certificates": root_certificates}
+
+
 def _client(args: argparse.Namespace):
     from distserve.entrypoints.client import Client
 
-    root_certificates = Path(args.tls_ca).read_bytes() if args.tls_ca else None
-    return Client(args.server, api_key=args.api_key, root_certificates=root_certificates)
+    return Client(args.server, **_client_options(args))
 
 
 def _generate_remote(args: argparse.Namespace) -> int:
@@ -113,11 +119,7 @@ def _generate_remote(args: argparse.Namespace) -> int:
     engine_flags = sorted(set(vars(args)) & set(FIELD_SECTION)) + (["config"] if args.config else [])
     if engine_flags:
         raise ValueError(f"engine settings ({', '.join(engine_flags)}) are the server's: leave them out with --server")
-    params = {
-        f.name: getattr(args, _SAMPLING_FLAG_NAMES.get(f.name, f.name))
-        for f in dataclasses.fields(SamplingParams)
-        if hasattr(args, _SAMPLING_FLAG_NAMES.get(f.name, f.name))
-    }
+    params = _sampling_options(args)
     with _client(args) as client:
         for prompt in args.prompts:
             if len(args.prompts) > 1:
@@ -172,8 +174,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from distserve.benchmark.command import cmd_bench as run
     from distserve.entrypoints.client import AsyncClient
 
-    root_certificates = Path(args.tls_ca).read_bytes() if args.tls_ca else None
-    return run(args, lambda: AsyncClient(args.server, api_key=args.api_key, root_certificates=root_certificates))
+    return run(args, lambda: AsyncClient(args.server, **_client_options(args)))
 
 
 def cmd_launch(args: argparse.Namespace) -> int:

@@ -39,6 +39,10 @@ class Frontend:
         return self.cluster.orchestrator.input_processor.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.cluster.orchestrator.input_processor.vocab_size
+
+    @property
     def max_request_tokens(self) -> int:
         """The longest a request (prompt and output) may grow: the context, or less when the
         smallest instance's KV cache holds less."""

@@ -132,7 +132,7 @@ class DistServeServicer(pb_grpc.DistServeServicer):
             max_pending_requests=self.frontend.config.max_pending_requests,
             max_model_len=self.frontend.max_model_len,
             draining=self.frontend.draining,
-            vocab_size=self.frontend.cluster.orchestrator.input_processor.vocab_size,
+            vocab_size=self.frontend.vocab_size,
         )
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):

@@ -19,62 +19,37 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 class ServingMetrics:
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry()
-        self.ttft = Histogram(
-            "distserve_time_to_first_token_seconds",
-            "arrival to first token",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
+            return Histogram(f"distserve_{name}", doc, buckets=buckets, registry=registry)
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"distserve_{name}", doc, labels, registry=registry)
+
+        def instance_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"distserve_instance_{name}", doc, ["instance", "role"], registry=registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "arrival to first token")
+        self.tpot = histogram(
+            "time_per_output_token_seconds", "mean time per output token after the first", _TOKEN_BUCKETS
         )
-        self.tpot = Histogram(
-            "distserve_time_per_output_token_seconds",
-            "mean time per output token after the first",
-            buckets=_TOKEN_BUCKETS,
-            registry=registry,
+        self.e2e = histogram("e2e_request_latency_seconds", "arrival to last token")
+        self.queue_time = histogram("request_queue_time_seconds", "arrival to the start of its prefill batch")
+        self.migration_time = histogram(
+            "kv_migration_seconds", "time to pull a request's KV cache from prefill to decode"
         )
-        self.e2e = Histogram(
-            "distserve_e2e_request_latency_seconds",
-            "arrival to last token",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.queue_time = Histogram(
-            "distserve_request_queue_time_seconds",
-            "arrival to the start of its prefill batch",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.migration_time = Histogram(
-            "distserve_kv_migration_seconds",
-            "time to pull a request's KV cache from prefill to decode",
-            buckets=_LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.requests = Counter("distserve_requests", "finished requests", ["finish_reason"], registry=registry)
-        self.errors = Counter("distserve_request_errors", "refused or failed requests", ["code"], registry=registry)
-        self.prompt_tokens = Counter("distserve_prompt_tokens", "prompt tokens of finished requests", registry=registry)
-        self.generation_tokens = Counter(
-            "distserve_generation_tokens", "output tokens of finished requests", registry=registry
-        )
-        self.migrations = Counter(
-            "distserve_kv_migrations", "KV caches moved from prefill to decode", registry=registry
-        )
+        self.requests = counter("requests", "finished requests", ("finish_reason",))
+        self.errors = counter("request_errors", "refused or failed requests", ("code",))
+        self.prompt_tokens = counter("prompt_tokens", "prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "output tokens of finished requests")
+        self.migrations = counter("kv_migrations", "KV caches moved from prefill to decode")
         self.pending = Gauge("distserve_pending_requests", "requests admitted and not finished", registry=registry)
-        labels = ["instance", "role"]
-        self.waiting = Gauge("distserve_instance_waiting_requests", "requests queued", labels, registry=registry)
-        self.running = Gauge("distserve_instance_running_requests", "requests in the batch", labels, registry=registry)
-        self.held = Gauge(
-            "distserve_instance_held_requests",
-            "prefilled requests whose KV waits to be pulled",
-            labels,
-            registry=registry,
-        )
-        self.kv_usage = Gauge(
-            "distserve_instance_kv_cache_usage", "share of KV blocks in use", labels, registry=registry
-        )
-        self.preemptions = Gauge(
-            "distserve_instance_preemptions", "requests preempted since start", labels, registry=registry
-        )
-        self.healthy = Gauge("distserve_instance_healthy", "1 while the instance serves", labels, registry=registry)
+        self.waiting = instance_gauge("waiting_requests", "requests queued")
+        self.running = instance_gauge("running_requests", "requests in the batch")
+        self.held = instance_gauge("held_requests", "prefilled requests whose KV waits to be pulled")
+        self.kv_usage = instance_gauge("kv_cache_usage", "share of KV blocks in use")
+        self.preemptions = instance_gauge("preemptions", "requests preempted since start")
+        self.healthy = instance_gauge("healthy", "1 while the instance serves")
 
     def observe_finished(self, output: RequestOutput) -> None:
         m = output.metrics
