@@ -248,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_dataclass_args(prof.add_argument_group(cls.__name__), cls)
     prof.set_defaults(func=cmd_profile)
 
+    # Listed for --help; main() hands `place` argv to the planner's own parser, which needs neither torch nor Ray.
+    sub.add_parser("place", help="placement planner: TP/PP and instance counts for a workload and SLOs (place --help)")
+
     make = sub.add_parser("make-model", help="write a built-in tiny model as a Hugging Face directory")
     make.add_argument("name", choices=TINY_MODELS)
     make.add_argument("--out", required=True, help="directory to write")
@@ -256,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["place"]:
+        from placement.cli import main as place_main
+
+        return place_main(argv[1:])
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 

@@ -47,3 +47,47 @@ def find_goodput(
         else:
             hi = mid
     return lo, probes
+
+
+def search_goodput(
+    measure: Callable[[float], float],
+    target: float,
+    estimate: float,
+    tolerance: float = 0.05,
+    max_doublings: int = 8,
+    max_halvings: int = 8,
+    max_iters: int = 12,
+) -> tuple[float, list[tuple[float, float]]]:
+    """Goodput without known bounds: from an ``estimate`` of it, double while the target is met (at
+    most ``max_doublings`` times; 0 makes the estimate a cap) or halve until it is (at most
+    ``max_halvings`` times, then 0.0), then bisect that bracket as ``find_goodput`` does. Probing
+    near the answer first matters when a probe's cost grows as the rate falls, as a simulated
+    decode instance's does (one step per token at low load)."""
+    if not estimate > 0:
+        raise ValueError(f"estimate must be > 0, got {estimate}")
+    seen: dict[float, float] = {}
+    probes: list[tuple[float, float]] = []
+
+    def cached(rate: float) -> float:
+        if rate not in seen:
+            seen[rate] = measure(rate)
+            probes.append((rate, seen[rate]))
+        return seen[rate]
+
+    rate = estimate
+    if cached(rate) >= target:
+        for _ in range(max_doublings):
+            if cached(rate * 2) < target:
+                break
+            rate *= 2
+        else:
+            return rate, probes
+    else:
+        for _ in range(max_halvings):
+            rate /= 2
+            if cached(rate) >= target:
+                break
+        else:
+            return 0.0, probes
+    goodput, _ = find_goodput(cached, target, rate, rate * 2, tolerance, max_iters)
+    return goodput, probes

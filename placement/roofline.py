@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from placement.hardware import ClusterSpec
 from placement.model_presets import ModelShape
@@ -61,17 +62,17 @@ class RooflineModel:
 
     # --- shapes per rank -------------------------------------------------------------------------------------
 
-    @property
+    @cached_property
     def kv_heads_per_rank(self) -> int:
         return max(1, self.model.num_kv_heads // self.tp)
 
-    @property
+    @cached_property
     def stage_layers(self) -> list[int]:
         """Decoder layers of each pipeline stage, the first stages taking one more when they do not divide."""
         base, extra = divmod(self.model.num_layers, self.pp)
         return [base + (i < extra) for i in range(self.pp)]
 
-    @property
+    @cached_property
     def _layer_params_per_rank(self) -> float:
         m = self.model
         q_o = 2 * m.hidden_size * m.num_heads * m.head_dim / self.tp
@@ -79,12 +80,12 @@ class RooflineModel:
         mlp = (3 if m.gated_mlp else 2) * m.hidden_size * m.intermediate_size / self.tp
         return q_o + k_v + mlp
 
-    @property
+    @cached_property
     def _vocab_params_per_rank(self) -> float:
         # Embedding and LM head are vocab-parallel across TP.
         return self.model.vocab_size * self.model.hidden_size / self.tp
 
-    @property
+    @cached_property
     def _kv_bytes_per_token_per_layer(self) -> int:
         """KV bytes one rank stores for one token in one layer."""
         return 2 * self.kv_heads_per_rank * self.model.head_dim * self.dtype_bytes
@@ -129,7 +130,7 @@ class RooflineModel:
         gpu, eff = self.cluster.gpu, self.efficiency
         return max(flops / (gpu.flops * eff.compute), bytes_moved / (gpu.memory_bandwidth * eff.memory))
 
-    @property
+    @cached_property
     def _spans_nodes(self) -> bool:
         return self.tp * self.pp > self.cluster.gpus_per_node
 

@@ -117,6 +117,38 @@ def _number(text: str, value: str, convert: Callable[[str], float]) -> float:
         raise ValueError(f"length {text!r}: {value!r} is not a valid {convert.__name__}") from None
 
 
+# Length shapes of three common workloads (lognormal, long right tail), for planning when no trace is at hand:
+# chat (conversations: mid-size prompts, long replies), code completion (short prompts, short completions)
+# and summarization (long documents, short summaries).
+WORKLOAD_PRESETS: dict[str, tuple[str, str]] = {
+    "chat": ("lognormal:750:1.0,max=4096", "lognormal:200:0.9,max=1024"),
+    "code": ("lognormal:170:0.5,max=2048", "lognormal:100:0.6,max=512"),
+    "summarization": ("lognormal:1700:0.5,max=8192", "lognormal:90:0.5,max=512"),
+}
+
+
+def preset_workload(name: str, n: int, seed: int = 0, max_context: int | None = None) -> list[RequestSpec]:
+    """``n`` requests shaped like the preset ``name``; with ``max_context``, prompts are cut so that
+    prompt + output fits it (keeping at least one prompt token), as a server would have to."""
+    if name not in WORKLOAD_PRESETS:
+        raise ValueError(f"unknown workload {name!r}; presets: {', '.join(WORKLOAD_PRESETS)}")
+    prompt, output = (parse_length(text) for text in WORKLOAD_PRESETS[name])
+    return fit_context(synthetic_workload(n, prompt, output, seed), max_context)
+
+
+def fit_context(requests: list[RequestSpec], max_context: int | None) -> list[RequestSpec]:
+    """Requests with prompts cut so prompt + output <= ``max_context`` (outputs cut too when they alone exceed it)."""
+    if max_context is None:
+        return requests
+    if max_context < 2:
+        raise ValueError(f"max_context must be at least 2, got {max_context}")
+    fitted = []
+    for r in requests:
+        output = min(r.output_len, max_context - 1)
+        fitted.append(RequestSpec(max(1, min(r.prompt_len, max_context - output)), output))
+    return fitted
+
+
 def synthetic_workload(
     n: int, prompt: LengthDistribution, output: LengthDistribution, seed: int = 0
 ) -> list[RequestSpec]:

@@ -25,3 +25,14 @@ def test_configuration_doc_lists_every_server_key_and_launch_flag():
         assert f"`--{f.name.replace('_', '-')}`" in text
     for dest, role, key in POOL_FLAGS:
         assert f"`--{dest.replace('_', '-')}` | `cluster.{role}.{key}`" in text
+
+
+def test_placement_doc_lists_every_planner_flag():
+    from placement.cli import search_parser, simulate_parser
+
+    text = (DOC.parent / "placement.md").read_text()
+    for parser in (search_parser(), simulate_parser()):
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if flag.startswith("--") and flag != "--help":
+                    assert f"`{flag}`" in text, flag

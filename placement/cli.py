@@ -1,0 +1,445 @@
+"""``distserve place`` (also ``distserve-place`` and ``python -m placement``): pick TP/PP and instance
+counts for a model, a cluster, a workload and its SLOs, and write the plan ``distserve launch --plan``
+serves; ``distserve place simulate --plan FILE --rate R`` predicts a plan at other rates.
+
+Exit status: 0 done, 1 no configuration meets the SLOs, 2 bad arguments or input files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from placement.deployment import Deployment
+from placement.fitted import FittedLatency
+from placement.hardware import GPUS, ClusterSpec, cluster_from_dict, load_hardware
+from placement.latency import InstanceModels, Parallelism
+from placement.model_presets import MODEL_PRESETS, ModelShape, model_shape
+from placement.plan_file import plan_document, read_plan, write_plan
+from placement.planner import (
+    Prediction,
+    deployment_capacity,
+    deployment_for_rate,
+    deployment_goodput,
+    fit_to_rate,
+    simulate_deployment,
+)
+from placement.roofline import Efficiency
+from placement.search import Candidate, Objective, PhaseProblem, SearchResult, search
+from placement.workload import (
+    WORKLOAD_PRESETS,
+    RequestSpec,
+    arrival_times,
+    fit_context,
+    load_length_trace,
+    parse_length,
+    preset_workload,
+    synthetic_workload,
+)
+
+# Requests drawn for a problem; a probe simulates a prefix of them (``PhaseProblem.probe_size``).
+POOL_SIZE = 20_000
+
+
+class UsageError(Exception):
+    """Bad arguments or input files: exit 2 with the message."""
+
+
+# --- inputs -------------------------------------------------------------------------------------------------
+
+
+def load_model_shape(model: str) -> ModelShape:
+    """A preset name or a local Hugging Face model directory (its config.json)."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        config_file = path / "config.json"
+        if not config_file.exists():
+            raise UsageError(f"{path} has no config.json: it is not a Hugging Face model directory")
+        return model_shape(json.loads(config_file.read_text()))
+    if model.lower() in MODEL_PRESETS:
+        return model_shape(MODEL_PRESETS[model.lower()])
+    raise UsageError(f"unknown model {model!r}: pass a model directory or a preset ({', '.join(MODEL_PRESETS)})")
+
+
+def workload_requests(workload: dict[str, Any], n: int, seed: int, max_context: int) -> list[RequestSpec]:
+    """``n`` requests of a workload note: {"preset": name}, {"prompt_len", "output_len"} or {"trace": path}."""
+    if "preset" in workload:
+        return preset_workload(workload["preset"], n, seed, max_context)
+    if "trace" in workload:
+        trace = load_length_trace(workload["trace"])
+        picks = np.random.default_rng(seed).integers(0, len(trace), size=n)
+        return fit_context([trace[i] for i in picks], max_context)
+    prompt, output = parse_length(workload["prompt_len"]), parse_length(workload["output_len"])
+    return fit_context(synthetic_workload(n, prompt, output, seed), max_context)
+
+
+def hardware_note(cluster: ClusterSpec) -> dict[str, Any]:
+    return {
+        "gpu": dataclasses.asdict(cluster.gpu),
+        "num_nodes": cluster.num_nodes,
+        "gpus_per_node": cluster.gpus_per_node,
+        "intra_node_bandwidth": cluster.intra_node_bandwidth,
+        "inter_node_bandwidth": cluster.inter_node_bandwidth,
+    }
+
+
+def build_problem(notes: dict[str, Any]) -> PhaseProblem:
+    """The planning problem from plan notes (as ``search_notes`` builds them from flags)."""
+    shape = load_model_shape(notes["model"])
+    cluster = cluster_from_dict(notes["hardware"])
+    latency = notes["latency"]
+    fitted = None
+    if latency.get("profiles"):
+        fitted = {}
+        for path in latency["profiles"]:
+            profile = FittedLatency.load(path)
+            fitted[Parallelism(profile.meta.get("tp", 1), profile.meta.get("pp", 1))] = profile
+    models = InstanceModels(
+        shape,
+        cluster,
+        Efficiency(**latency.get("efficiency", {})),
+        fitted,
+        max_batch_tokens=notes["max_batch_tokens"],
+        max_batch_size=notes["max_batch_size"],
+    )
+    pool = max(POOL_SIZE, notes["num_requests"])
+    requests = workload_requests(notes["workload"], pool, notes["seed"], shape.max_position_embeddings)
+    arrivals = arrival_times(pool, 1.0, notes["burstiness"], notes["seed"])
+    slo = notes["slo"]
+    return PhaseProblem(
+        models, tuple(requests), tuple(arrivals), Objective(slo["ttft"], slo["tpot"], slo["target"]),
+        notes["num_requests"],
+    )
+
+
+def search_notes(args: argparse.Namespace) -> dict[str, Any]:
+    """Plan notes (the planner's inputs) from ``distserve place`` flags."""
+    if args.hardware:
+        cluster = load_hardware(args.hardware)
+    else:
+        hardware: dict[str, Any] = {"gpu": args.gpu, "num_nodes": args.nodes, "gpus_per_node": args.gpus_per_node}
+        for key in ("intra_node_bandwidth", "inter_node_bandwidth"):
+            if getattr(args, key) is not None:
+                hardware[key] = getattr(args, key)
+        cluster = cluster_from_dict(hardware)
+    if args.trace:
+        workload: dict[str, Any] = {"trace": str(args.trace)}
+    elif args.prompt_len or args.output_len:
+        if not (args.prompt_len and args.output_len):
+            raise UsageError("give both --prompt-len and --output-len (or --workload / --trace)")
+        workload = {"prompt_len": args.prompt_len, "output_len": args.output_len}
+    else:
+        workload = {"preset": args.workload}
+    if args.profile:
+        latency: dict[str, Any] = {"model": "fitted", "profiles": [str(p) for p in args.profile]}
+    else:
+        efficiency = Efficiency(args.compute_efficiency, args.memory_efficiency, args.communication_efficiency)
+        latency = {"model": "roofline", "efficiency": dataclasses.asdict(efficiency)}
+    return {
+        "model": args.model,
+        "hardware": hardware_note(cluster),
+        "workload": workload,
+        "burstiness": args.burstiness,
+        "slo": {"ttft": args.slo_ttft, "tpot": args.slo_tpot, "target": args.target},
+        "latency": latency,
+        "max_batch_tokens": args.max_batch_tokens,
+        "max_batch_size": args.max_batch_size,
+        "num_requests": args.num_requests,
+        "seed": args.seed,
+    }
+
+
+# --- choosing a deployment ----------------------------------------------------------------------------------
+
+
+def _fits(cluster: ClusterSpec):
+    return lambda d: d.node_layout(cluster.num_nodes, cluster.gpus_per_node) is not None
+
+
+def fill_cluster(candidate: Candidate, cluster: ClusterSpec) -> Deployment | None:
+    """As many instances of ``candidate`` as the cluster holds, each added to the phase with less goodput."""
+    fits = _fits(cluster)
+    p, d = candidate.prefill, candidate.decode
+    deployment = deployment_for_rate(candidate, min(p.goodput, d.goodput))
+    if not fits(deployment):
+        return None
+    while True:
+        if deployment.affinity == "low":
+            n = deployment.prefill_instances + 1
+            grown = Deployment("low", p.parallelism, n, d.parallelism, n)
+        elif deployment.prefill_instances * p.goodput <= deployment.decode_instances * d.goodput:
+            grown = dataclasses.replace(deployment, prefill_instances=deployment.prefill_instances + 1)
+        else:
+            grown = dataclasses.replace(deployment, decode_instances=deployment.decode_instances + 1)
+        if not fits(grown):
+            return deployment
+        deployment = grown
+
+
+def choose(
+    problem: PhaseProblem, ranked: list[Candidate], rate: float | None, top: int
+) -> tuple[Deployment, Prediction | None] | None:
+    """For a rate: of the ``top`` best candidates, the deployment meeting the target with the fewest
+    GPUs (then the best attainment). Without one: the best candidate filling the cluster."""
+    cluster = problem.models.cluster
+    fits = _fits(cluster)
+    if rate is None:
+        for candidate in ranked[:top]:
+            deployment = fill_cluster(candidate, cluster)
+            if deployment is not None:
+                return deployment, None
+        return None
+    options = []
+    for candidate in ranked[:top]:
+        start = deployment_for_rate(candidate, rate)
+        if not fits(start):
+            continue
+        deployment, prediction = fit_to_rate(problem, start, rate, fits)
+        meets = prediction.attainment >= problem.objective.target
+        options.append((not meets, deployment.gpus, -prediction.attainment, deployment, prediction))
+    if not options:
+        return None
+    *_, deployment, prediction = min(options, key=lambda o: o[:3])
+    return deployment, prediction
+
+
+# --- output -------------------------------------------------------------------------------------------------
+
+
+def format_table(title: str, ranked: list[Candidate], top: int) -> str:
+    lines = [title, f"  {'prefill TP,PP':>13} {'req/s':>8} {'decode TP,PP':>13} {'req/s':>8} {'req/s/GPU':>10}"]
+    for c in ranked[:top]:
+        lines.append(
+            f"  {str(c.prefill.parallelism):>13} {c.prefill.goodput:>8.2f} "
+            f"{str(c.decode.parallelism):>13} {c.decode.goodput:>8.2f} {c.per_gpu:>10.3f}"
+        )
+    if not ranked:
+        lines.append("  (no pair: none fits the cluster's nodes, or none met the SLOs)")
+    return "\n".join(lines)
+
+
+def format_prediction(p: Prediction) -> str:
+    ttft = np.percentile([r.ttft for r in p.results], [50, 90])
+    tpot = np.percentile([r.tpot for r in p.results], [50, 90])
+    return (
+        f"at {p.rate:.3g} req/s: SLO attainment {p.attainment:.1%} (TTFT {p.ttft_attainment:.1%}, "
+        f"TPOT {p.tpot_attainment:.1%}); TTFT p50/p90 {ttft[0] * 1e3:.0f}/{ttft[1] * 1e3:.0f} ms, "
+        f"TPOT p50/p90 {tpot[0] * 1e3:.1f}/{tpot[1] * 1e3:.1f} ms"
+    )
+
+
+def attainment_curve(problem: PhaseProblem, deployment: Deployment, around: float) -> list[tuple[float, float]]:
+    rates = [around * f for f in (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)]
+    return [(r, simulate_deployment(problem, deployment, r).attainment) for r in rates]
+
+
+def plot_curve(path: str, label: str, points: list[tuple[float, float]], target: float, title: str) -> None:
+    from distserve.benchmark.plots import plot_attainment_vs_rate
+
+    plot_attainment_vs_rate({label: points}, target, path, title)
+
+
+# --- commands -----------------------------------------------------------------------------------------------
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    notes = search_notes(args)
+    problem = build_problem(notes)
+    cluster = problem.models.cluster
+    affinities = ("high", "low") if args.affinity == "auto" else (args.affinity,)
+    started = time.perf_counter()
+    result: SearchResult = search(problem, affinities, args.processes)
+    elapsed = time.perf_counter() - started
+    print(
+        f"{notes['model']} on {cluster.num_nodes} x {cluster.gpus_per_node} {cluster.gpu.name}; "
+        f"SLOs TTFT {args.slo_ttft:g} s, TPOT {args.slo_tpot:g} s at {args.target:.0%}; "
+        f"{result.simulated} configurations simulated, {result.pruned} pruned, {elapsed:.1f} s"
+    )
+    ranked = []
+    if "high" in affinities:
+        print(format_table("high node-affinity (instances placed independently, KV over the network):",
+                           result.high, args.top))
+        ranked += result.high[: args.top]
+    if "low" in affinities:
+        print(format_table("low node-affinity (prefill and decode stages share nodes, KV over NVLink):",
+                           result.low, args.top))
+        ranked += result.low[: args.top]
+    ranked.sort(key=lambda c: -c.per_gpu)
+    chosen = choose(problem, ranked, args.rate, len(ranked))
+    if chosen is None:
+        print("no configuration meets the SLOs on this cluster", file=sys.stderr)
+        return 1
+    deployment, prediction = chosen
+    goodput = deployment_goodput(problem, deployment)
+    capacity = deployment_capacity(problem, deployment)
+    print(f"plan: {deployment.describe()}")
+    if prediction is not None:
+        print(f"  predicted {format_prediction(prediction)}")
+        if prediction.attainment < args.target:
+            print(f"  the cluster cannot meet the target at {args.rate:g} req/s: this is the largest deployment")
+    print(f"  goodput {goodput:.3g} req/s ({goodput / deployment.gpus:.3g} per GPU); capacity {capacity:.3g} req/s")
+    layout = deployment.node_layout(cluster.num_nodes, cluster.gpus_per_node) or []
+    for i, segments in enumerate(layout):
+        print(f"  node {i}: {', '.join(segments) if segments else '(free)'}")
+    notes.update(
+        rate=args.rate,
+        instance_goodput={"prefill": _instance_goodput(result, "prefill", deployment.prefill),
+                          "decode": _instance_goodput(result, "decode", deployment.decode)},
+        predicted={
+            "attainment_at_rate": None if prediction is None else round(prediction.attainment, 4),
+            "goodput": round(goodput, 4),
+            "goodput_per_gpu": round(goodput / deployment.gpus, 4),
+            "gpus": deployment.gpus,
+        },
+        nodes={f"node-{i}": segments for i, segments in enumerate(layout)},
+    )
+    if args.out:
+        document = plan_document(deployment, args.model, cluster.gpus_per_node, args.max_batch_tokens,
+                                 args.max_batch_size, notes)
+        write_plan(args.out, document)
+        print(f"wrote {args.out}: serve it with `distserve launch --plan {args.out}`")
+    if args.plot:
+        points = attainment_curve(problem, deployment, args.rate or goodput or 1.0)
+        plot_curve(args.plot, deployment.describe(), points, args.target, f"{notes['model']}: predicted attainment")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _instance_goodput(result: SearchResult, phase: str, par: Parallelism) -> float | None:
+    g = result.phase_goodputs.get((phase, par))
+    return None if g is None else round(g.goodput, 4)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    deployment, notes, _ = read_plan(args.plan)
+    for key in ("slo_ttft", "slo_tpot", "target"):
+        if getattr(args, key) is not None:
+            notes["slo"][key.removeprefix("slo_")] = getattr(args, key)
+    problem = build_problem(notes)
+    default_rate = args.rate or notes.get("rate") or deployment_capacity(problem, deployment)
+    rates = args.rates or [default_rate]
+    print(f"{deployment.describe()}")
+    points = []
+    for rate in rates:
+        prediction = simulate_deployment(problem, deployment, rate)
+        points.append((rate, prediction.attainment))
+        print(f"  {format_prediction(prediction)}")
+    if args.json:
+        print(json.dumps([{"rate": r, "attainment": a} for r, a in points]))
+    if args.plot:
+        plot_curve(args.plot, deployment.describe(), points, problem.objective.target, "predicted attainment")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+# --- parsers ------------------------------------------------------------------------------------------------
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates, got {text!r}") from None
+    if not all(r > 0 for r in rates):
+        raise argparse.ArgumentTypeError("rates must be > 0")
+    return rates
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
+
+
+def search_parser(prog: str = "distserve place") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Pick TP/PP and instance counts; write a plan file.")
+    p.add_argument(
+        "--model", required=True, help=f"model directory (config.json) or preset: {', '.join(MODEL_PRESETS)}"
+    )
+    hw = p.add_argument_group("cluster")
+    hw.add_argument("--gpu", default="A100-80GB", choices=sorted(GPUS), help="GPU type (default: A100-80GB)")
+    hw.add_argument("--nodes", type=_positive(int), default=1, help="nodes (default: 1)")
+    hw.add_argument("--gpus-per-node", type=_positive(int), default=8, help="GPUs per node (default: 8)")
+    hw.add_argument("--intra-node-bandwidth", type=_positive(float), help="bytes/s per GPU within a node")
+    hw.add_argument("--inter-node-bandwidth", type=_positive(float), help="bytes/s per node across nodes")
+    hw.add_argument("--hardware", help="YAML cluster spec (gpu, num_nodes, ...); replaces the flags above")
+    wl = p.add_argument_group("workload")
+    wl.add_argument(
+        "--workload", default="chat", choices=sorted(WORKLOAD_PRESETS), help="length preset (default: chat)"
+    )
+    wl.add_argument("--prompt-len", help="prompt length distribution, e.g. lognormal:512:0.8,max=2048")
+    wl.add_argument("--output-len", help="output length distribution, e.g. 128 or uniform:64:256")
+    wl.add_argument("--trace", help="JSONL trace of {prompt_len, output_len}, resampled")
+    wl.add_argument("--burstiness", type=_positive(float), default=1.0, help="gamma shape of gaps; 1 is Poisson")
+    slo = p.add_argument_group("objective")
+    slo.add_argument("--slo-ttft", type=_positive(float), required=True, help="TTFT SLO, seconds")
+    slo.add_argument("--slo-tpot", type=_positive(float), required=True, help="TPOT SLO, seconds")
+    slo.add_argument("--target", type=_positive(float), default=0.9, help="attainment target (default: 0.9)")
+    slo.add_argument(
+        "--rate", type=_positive(float), help="expected req/s to size the plan for (default: fill the cluster)"
+    )
+    srch = p.add_argument_group("search")
+    srch.add_argument("--affinity", choices=("auto", "high", "low"), default="auto",
+                      help="node-affinity algorithm; auto runs both and picks the plan (default: auto)")
+    srch.add_argument("--profile", action="append", type=Path,
+                      help="fitted latency file from `distserve profile` (repeat per TP,PP); default: roofline")
+    srch.add_argument("--compute-efficiency", type=_positive(float), default=Efficiency.compute)
+    srch.add_argument("--memory-efficiency", type=_positive(float), default=Efficiency.memory)
+    srch.add_argument("--communication-efficiency", type=_positive(float), default=Efficiency.communication)
+    srch.add_argument(
+        "--max-batch-tokens", type=_positive(int), default=4096, help="prefill token budget (default: 4096)"
+    )
+    srch.add_argument("--max-batch-size", type=_positive(int), default=256, help="decode batch limit (default: 256)")
+    srch.add_argument("--num-requests", type=_positive(int), default=1000, help="requests per simulation, at least")
+    srch.add_argument("--seed", type=int, default=0)
+    srch.add_argument("--processes", type=_positive(int), help="worker processes (default: CPU count)")
+    srch.add_argument("--top", type=_positive(int), default=5, help="rows per table (default: 5)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", help="plan file to write (YAML for distserve launch --plan)")
+    out.add_argument("--plot", help="PNG of predicted attainment against rate for the plan")
+    return p
+
+
+def simulate_parser(prog: str = "distserve place simulate") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Predict a plan's SLO attainment at given rates.")
+    p.add_argument("--plan", required=True, help="plan file written by distserve place --out")
+    p.add_argument("--rate", type=_positive(float), help="req/s (default: the plan's rate)")
+    p.add_argument("--rates", type=_rates, help="comma-separated req/s")
+    p.add_argument("--slo-ttft", type=_positive(float), help="override the plan's TTFT SLO")
+    p.add_argument("--slo-tpot", type=_positive(float), help="override the plan's TPOT SLO")
+    p.add_argument("--target", type=_positive(float), help="override the plan's attainment target")
+    p.add_argument("--json", action="store_true", help="also print the (rate, attainment) points as JSON")
+    p.add_argument("--plot", help="PNG of predicted attainment against rate")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "distserve place") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    simulating = bool(argv) and argv[0] == "simulate"
+    if simulating:
+        args = simulate_parser(f"{prog} simulate").parse_args(argv[1:])
+    else:
+        args = search_parser(prog).parse_args(argv[1:] if argv and argv[0] == "search" else argv)
+    try:
+        return cmd_simulate(args) if simulating else cmd_search(args)
+    except (UsageError, ValueError, OSError, KeyError) as e:
+        detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
+        print(f"{prog}: error: {detail}", file=sys.stderr)
+        return 2
+
+
+def entry_point() -> None:
+    """The ``distserve-place`` console script."""
+    sys.exit(main(prog="distserve-place"))

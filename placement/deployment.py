@@ -1,0 +1,69 @@
+"""A deployment: how many instances of which TP,PP, and how their pipeline stages sit on nodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from placement.latency import Parallelism
+
+AFFINITIES = ("high", "low")
+
+
+@dataclass(frozen=True)
+class Deployment:
+    affinity: str  # "high": instances placed independently; "low": prefill and decode stages share nodes
+    prefill: Parallelism
+    prefill_instances: int
+    decode: Parallelism
+    decode_instances: int
+
+    def __post_init__(self) -> None:
+        if self.affinity not in AFFINITIES:
+            raise ValueError(f"affinity must be one of {', '.join(AFFINITIES)}, got {self.affinity!r}")
+        if self.prefill_instances < 1 or self.decode_instances < 1:
+            raise ValueError("a deployment needs at least one prefill and one decode instance")
+        if self.affinity == "low" and (
+            self.prefill.pp != self.decode.pp or self.prefill_instances != self.decode_instances
+        ):
+            raise ValueError("a low node-affinity deployment pairs prefill and decode instances of equal PP")
+
+    @property
+    def gpus(self) -> int:
+        return self.prefill_instances * self.prefill.gpus + self.decode_instances * self.decode.gpus
+
+    def describe(self) -> str:
+        return (
+            f"{self.prefill_instances} prefill x TP,PP={self.prefill} + "
+            f"{self.decode_instances} decode x TP,PP={self.decode} ({self.gpus} GPUs, {self.affinity} node-affinity)"
+        )
+
+    def node_layout(self, num_nodes: int, gpus_per_node: int) -> list[list[str]] | None:
+        """Segments ("prefill-0 stage 1: 2 GPUs") on each node, or None when they do not fit.
+
+        A stage's TP ranks stay within a node (tensor parallelism needs NVLink). High affinity packs
+        stages first-fit, largest first; low affinity puts stage i of a unit's prefill and decode
+        instance on one node, which is what keeps their KV transfer on NVLink.
+        """
+        segments: list[tuple[int, list[str]]] = []
+        if self.affinity == "high":
+            for role, par, count in (("prefill", self.prefill, self.prefill_instances),
+                                     ("decode", self.decode, self.decode_instances)):
+                for i in range(count):
+                    for stage in range(par.pp):
+                        segments.append((par.tp, [f"{role}-{i} stage {stage}: {par.tp} GPUs"]))
+        else:
+            for i in range(self.prefill_instances):
+                for stage in range(self.prefill.pp):
+                    segments.append((self.prefill.tp + self.decode.tp, [
+                        f"prefill-{i} stage {stage}: {self.prefill.tp} GPUs",
+                        f"decode-{i} stage {stage}: {self.decode.tp} GPUs",
+                    ]))
+        free = [gpus_per_node] * num_nodes
+        nodes: list[list[str]] = [[] for _ in range(num_nodes)]
+        for size, labels in sorted(segments, key=lambda s: -s[0]):
+            node = next((n for n in range(num_nodes) if free[n] >= size), None)
+            if node is None:
+                return None
+            free[node] -= size
+            nodes[node].extend(labels)
+        return nodes

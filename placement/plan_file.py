@@ -1,0 +1,75 @@
+"""Plan files: a cluster config that ``distserve launch --plan`` serves, plus the planner's ``plan:``
+notes (inputs and predictions), which ``distserve place simulate`` reads back to rebuild the problem.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from placement.deployment import Deployment
+from placement.latency import Parallelism
+from placement.model_presets import MODEL_PRESETS
+
+
+def _pool(par: Parallelism, count: int, per_node: int, options: dict[str, Any]) -> dict[str, Any]:
+    pool = {"instances": count, "tensor_parallel_size": par.tp, "pipeline_parallel_size": par.pp, **options}
+    if par.gpus > per_node:
+        # The default STRICT_PACK keeps an instance on one node; a larger one must spread its stages.
+        pool["placement_strategy"] = "PACK"
+    return pool
+
+
+def plan_document(
+    deployment: Deployment,
+    model: str,
+    gpus_per_node: int,
+    max_batch_tokens: int,
+    max_batch_size: int,
+    notes: dict[str, Any],
+) -> dict[str, Any]:
+    """The plan as a mapping: ``model:`` and ``cluster:`` sections for the engine, ``plan:`` notes."""
+    model_section: dict[str, Any] = {"model": model}
+    if model.lower() in MODEL_PRESETS and not Path(model).is_dir():
+        model_section["load_format"] = "dummy"
+    return {
+        "model": model_section,
+        "cluster": {
+            "prefill": _pool(deployment.prefill, deployment.prefill_instances, gpus_per_node,
+                             {"max_num_batched_tokens": max_batch_tokens}),
+            "decode": _pool(deployment.decode, deployment.decode_instances, gpus_per_node,
+                            {"max_num_seqs": max_batch_size}),
+        },
+        "plan": {"affinity": deployment.affinity, **notes},
+    }
+
+
+def write_plan(path: str | Path, document: dict[str, Any]) -> None:
+    header = (
+        "# distserve placement plan: serve it with `distserve launch --plan THIS_FILE`\n"
+        "# (with real weights: add --model DIR --load-format auto). The plan: section is the planner's\n"
+        "# inputs and predictions; `distserve place simulate --plan THIS_FILE --rate R` re-predicts it.\n"
+    )
+    Path(path).write_text(header + yaml.safe_dump(document, sort_keys=False, default_flow_style=False))
+
+
+def read_plan(path: str | Path) -> tuple[Deployment, dict[str, Any], dict[str, Any]]:
+    """(deployment, plan notes, the whole document) of a plan file."""
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("plan"), dict) or "cluster" not in data:
+        raise ValueError(f"{path}: not a plan file (needs 'cluster:' and 'plan:' sections)")
+    notes, pools = data["plan"], data["cluster"]
+    try:
+        prefill, decode = pools["prefill"], pools["decode"]
+        deployment = Deployment(
+            notes.get("affinity", "high"),
+            Parallelism(prefill.get("tensor_parallel_size", 1), prefill.get("pipeline_parallel_size", 1)),
+            prefill.get("instances", 1),
+            Parallelism(decode.get("tensor_parallel_size", 1), decode.get("pipeline_parallel_size", 1)),
+            decode.get("instances", 1),
+        )
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path}: 'cluster:' needs prefill and decode pools ({e})") from None
+    return deployment, notes, data

@@ -1,0 +1,112 @@
+"""Sizing and checking a deployment with the whole-system simulation.
+
+The search ranks configurations by one instance of each phase; a deployment is checked here with
+every instance, the KV transfer between them and both SLOs at once, since a request must meet both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from placement.deployment import Deployment
+from placement.goodput import search_goodput
+from placement.search import Candidate, PhaseProblem, capacity
+from placement.simulator import SimRequest, SimResult, simulate
+
+
+def deployment_for_rate(candidate: Candidate, rate: float) -> Deployment:
+    """The fewest instances of ``candidate`` whose summed single-instance goodput reaches ``rate``."""
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    p, d = candidate.prefill, candidate.decode
+    if p.goodput <= 0 or d.goodput <= 0:
+        raise ValueError(f"TP,PP {p.parallelism} / {d.parallelism} meets the SLOs at no rate")
+    if candidate.affinity == "low":
+        units = math.ceil(rate / min(p.goodput, d.goodput))
+        return Deployment("low", p.parallelism, units, d.parallelism, units)
+    return Deployment(
+        "high", p.parallelism, math.ceil(rate / p.goodput), d.parallelism, math.ceil(rate / d.goodput)
+    )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    rate: float
+    attainment: float  # both SLOs
+    ttft_attainment: float
+    tpot_attainment: float
+    results: tuple[SimResult, ...]
+
+
+def simulate_deployment(problem: PhaseProblem, deployment: Deployment, rate: float) -> Prediction:
+    """Every instance of ``deployment`` serving ``problem``'s workload at ``rate``."""
+    models, objective = problem.models, problem.objective
+    n = problem.probe_size(rate)
+    reqs = [
+        SimRequest(t / rate, r.prompt_len, r.output_len)
+        for t, r in zip(problem.unit_arrivals[:n], problem.requests[:n])
+    ]
+    results = simulate(
+        reqs,
+        models.prefill_spec(deployment.prefill, deployment.prefill_instances),
+        models.decode_spec(deployment.decode, deployment.decode_instances),
+        models.transfer_time(same_node=deployment.affinity == "low"),
+    )
+    ttft = [r.ttft <= objective.ttft for r in results]
+    tpot = [r.tpot <= objective.tpot for r in results]
+    return Prediction(
+        rate,
+        sum(a and b for a, b in zip(ttft, tpot)) / n,
+        sum(ttft) / n,
+        sum(tpot) / n,
+        tuple(results),
+    )
+
+
+def deployment_capacity(problem: PhaseProblem, deployment: Deployment) -> float:
+    """Requests/s the deployment sustains: its instances' capacities summed, the smaller phase."""
+    return min(
+        deployment.prefill_instances * capacity(problem, "prefill", deployment.prefill),
+        deployment.decode_instances * capacity(problem, "decode", deployment.decode),
+    )
+
+
+def deployment_goodput(problem: PhaseProblem, deployment: Deployment, tolerance: float = 0.03) -> float:
+    """Highest rate at which the whole deployment meets the target, at most its capacity."""
+    goodput, _ = search_goodput(
+        lambda rate: simulate_deployment(problem, deployment, rate).attainment,
+        problem.objective.target,
+        estimate=deployment_capacity(problem, deployment),
+        tolerance=tolerance,
+        max_doublings=0,
+        max_halvings=8,
+    )
+    return goodput
+
+
+def fit_to_rate(
+    problem: PhaseProblem,
+    deployment: Deployment,
+    rate: float,
+    fits: Callable[[Deployment], bool],
+    max_steps: int = 16,
+) -> tuple[Deployment, Prediction]:
+    """Add instances (to the phase missing its SLO more often; a whole unit for low affinity) until
+    the whole deployment meets the target at ``rate``, or the next one would not ``fit``."""
+    prediction = simulate_deployment(problem, deployment, rate)
+    for _ in range(max_steps):
+        if prediction.attainment >= problem.objective.target:
+            break
+        d = deployment
+        if d.affinity == "low":
+            grown = Deployment("low", d.prefill, d.prefill_instances + 1, d.decode, d.decode_instances + 1)
+        elif prediction.ttft_attainment <= prediction.tpot_attainment:
+            grown = Deployment("high", d.prefill, d.prefill_instances + 1, d.decode, d.decode_instances)
+        else:
+            grown = Deployment("high", d.prefill, d.prefill_instances, d.decode, d.decode_instances + 1)
+        if not fits(grown):
+            break
+        deployment, prediction = grown, simulate_deployment(problem, grown, rate)
+    return deployment, prediction
