@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from distserve.background_loop import BackgroundLoop
-from distserve.cluster_config import ROLES, ClusterConfig
+from distserve.cluster_config import CLUSTER_KEYS, ROLES, ClusterConfig
 from distserve.config import EngineConfig
 from distserve.instance import InstanceInfo
 from distserve.orchestrator import Orchestrator
@@ -29,7 +29,7 @@ def make_cluster_config(config: ClusterConfig | None = None, **options: Any) -> 
         if options:
             raise ValueError("pass either config or keyword options, not both")
         return config
-    pools = {key: options.pop(key) for key in (*ROLES, "name") if key in options}
+    pools = {key: options.pop(key) for key in (*ROLES, *CLUSTER_KEYS) if key in options}
     return ClusterConfig.from_pools(EngineConfig.from_flat(**options), pools)
 
 

@@ -11,6 +11,8 @@ cache: {block_size: 16}
 cluster:
   prefill: {instances: 1, tensor_parallel_size: 2}
   decode: {instances: 2, max_num_seqs: 128}
+  max_request_attempts: 3          # runs of a request, the first included, across instance failures
+  replace_failed_instances: true   # start a new instance in place of one that died
 ```
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 from distserve.config import FIELD_SECTION, EngineConfig, read_sections
 
 ROLES = ("prefill", "decode", "colocated")
+CLUSTER_KEYS = ("name", "max_request_attempts", "replace_failed_instances")
 # Per-pool CLI flags of ``distserve launch``: (flag dest, role, pool key);
 # ``--prefill-tensor-parallel-size`` is ``cluster.prefill.tensor_parallel_size``.
 POOL_FLAGS = [
@@ -62,8 +65,16 @@ class ClusterConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     pools: list[PoolConfig] = field(default_factory=lambda: [PoolConfig("prefill"), PoolConfig("decode")])
     name: str = field(default_factory=lambda: f"distserve-{uuid.uuid4().hex[:6]}")  # prefixes actor names
+    # A request on an instance that dies is re-run from its prompt on a healthy one, up to this many
+    # runs in all; 1 fails it instead (UNAVAILABLE).
+    max_request_attempts: int = 3
+    replace_failed_instances: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_request_attempts, int) or self.max_request_attempts < 1:
+            raise ValueError(f"max_request_attempts must be a positive integer, got {self.max_request_attempts!r}")
+        if not isinstance(self.replace_failed_instances, bool):
+            raise ValueError(f"replace_failed_instances must be true or false, got {self.replace_failed_instances!r}")
         roles = [pool.role for pool in self.pools]
         if len(set(roles)) != len(roles):
             raise ValueError(f"each role may have one pool, got {roles}")
@@ -98,11 +109,14 @@ class ClusterConfig:
 
     @classmethod
     def from_pools(cls, engine: EngineConfig, pools: dict[str, Any]) -> ClusterConfig:
-        """``pools`` maps roles to pool options, plus an optional ``name``; no pools means 1 prefill + 1 decode."""
+        """``pools`` maps roles to pool options, plus the optional cluster-wide keys (``name``,
+        ``max_request_attempts``, ``replace_failed_instances``); no pools means 1 prefill + 1 decode."""
         pools = dict(pools)
-        name = pools.pop("name", None)
+        settings = {key: pools.pop(key) for key in CLUSTER_KEYS if key in pools}
+        if not settings.get("name", True):
+            settings.pop("name")
         parsed = [PoolConfig.from_options(role, options) for role, options in pools.items()]
-        return cls(engine, parsed or cls().pools, **({"name": name} if name else {}))
+        return cls(engine, parsed or cls().pools, **settings)
 
     @classmethod
     def from_yaml(cls, path: str | Path, **engine_overrides: Any) -> ClusterConfig:

@@ -6,6 +6,12 @@ it is never on an instance's per-step path.
 Request path (disaggregated): tokenize and validate here -> the least loaded prefill instance
 -> its first token comes back with a ``PrefilledRequest`` -> the decode instance with the most
 room takes it over and pulls the KV -> its tokens stream back. Colocated: one instance does both.
+
+Failures: an instance that dies (its long poll raises) is replaced by a new actor, and each request
+that still needed it is aborted on the instance it shared and re-run from its prompt under a new
+engine id, up to ``max_request_attempts`` runs. Every request is sampled from a seed (one is drawn
+for those without), so a re-run produces the same tokens, and the client is sent only those past
+what it already has. A request whose KV pull fails is re-run the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,6 +29,7 @@ from typing import Any
 import ray
 
 from distserve.cluster_config import ClusterConfig
+from distserve.config import EngineConfig
 from distserve.executor import InstanceFailure
 from distserve.input_processor import InputProcessor
 from distserve.instance import InstanceInfo, launch_instance
@@ -33,6 +41,8 @@ from distserve.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 1.0
+# How long a request waits for a replacement when no healthy instance of the role it needs is left.
+REPLACEMENT_WAIT_S = 60.0
 # A prefix-cache hit wins over a less loaded instance unless its load (per KV token) is higher by more.
 PREFIX_LOAD_SLACK = 0.25
 
@@ -45,6 +55,7 @@ class InstanceState:
     info: InstanceInfo
     load_tokens: int = 0  # tokens of the requests assigned to it and not yet done with it
     failure: str | None = None
+    config: EngineConfig | None = None  # what a replacement is started with
 
 
 @dataclass
@@ -58,6 +69,31 @@ class RequestState:
     decode: InstanceState | None = None
     finished: bool = False
     cancelled: bool = False
+    # What a re-run needs, and how far the client has got.
+    token_ids: list[int] = field(default_factory=list)
+    params: SamplingParams | None = None
+    priority: int = 0
+    engine_id: str = ""  # the id instances know this run by: request_id, then request_id.retryN
+    attempts: int = 1
+    delivered_tokens: int = 0
+    delivered_text: int = 0  # characters
+
+    def __post_init__(self) -> None:
+        self.engine_id = self.engine_id or self.request_id
+
+    def unseen(self, output: RequestOutput) -> RequestOutput | None:
+        """``output`` with only what the client does not have yet; None when that is nothing."""
+        if len(output.token_ids) <= self.delivered_tokens and not output.finished:
+            return None
+        output = dataclasses.replace(
+            output,
+            request_id=self.request_id,
+            new_token_ids=output.token_ids[self.delivered_tokens :],
+            new_text=output.text[self.delivered_text :],
+        )
+        self.delivered_tokens = max(self.delivered_tokens, len(output.token_ids))
+        self.delivered_text = max(self.delivered_text, len(output.text))
+        return output
 
 
 class Orchestrator:
@@ -68,6 +104,8 @@ class Orchestrator:
         self._pollers: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # hand-overs and aborts in flight, kept from the GC
         self._closed = False
+        self._replacing: dict[str, int] = {}  # role -> replacements under way
+        self._generation = 0  # numbers replacement actors' names
         self.prefix_index = PrefixIndex(config.engine.cache.block_size)
 
     async def start(self) -> None:
@@ -88,7 +126,7 @@ class Orchestrator:
             raise failures[0]
         infos = await asyncio.gather(*(h.info.remote() for h in handles))
         for (name, config), handle, info in zip(configs, handles, infos):
-            self.instances.append(InstanceState(name, config.scheduler.scheduler, handle, info))
+            self.instances.append(InstanceState(name, config.scheduler.scheduler, handle, info, config=config))
         # A request must fit the smallest instance it may be sent to.
         smallest = min(self.instances, key=lambda s: s.info.num_blocks * s.info.block_size)
         self.input_processor = InputProcessor(
@@ -102,9 +140,9 @@ class Orchestrator:
 
     async def shutdown(self) -> None:
         self._closed = True
-        for task in self._pollers:
+        for task in [*self._pollers, *self._background]:
             task.cancel()
-        await asyncio.gather(*self._pollers, return_exceptions=True)
+        await asyncio.gather(*self._pollers, *self._background, return_exceptions=True)
         await asyncio.gather(*(s.handle.shutdown.remote() for s in self.instances), return_exceptions=True)
         for state in self.instances:
             ray.kill(state.handle)
@@ -123,20 +161,26 @@ class Orchestrator:
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in use")
         seq = self.input_processor.process(prompt, params, request_id, priority)
-        if self.config.disaggregated and not self._pool("decode"):
+        if params.seed is None and params.temperature > 0:
+            # Seeded sampling does not depend on the batch, so a re-run after a failure repeats the tokens.
+            params = dataclasses.replace(params, seed=random.getrandbits(63))
+        if self.config.disaggregated and not self._pool("decode") and not self._replacing.get("decode"):
             raise InstanceFailure("no decode instance is available to serve the request")
-        state = RequestState(request_id, seq.num_prompt_tokens, params.max_tokens)
+        state = RequestState(
+            request_id, seq.num_prompt_tokens, params.max_tokens, token_ids=seq.token_ids, params=params,
+            priority=priority,
+        )
         state.metrics.arrival_time = time.time()
-        entry = self._pick_prefill(seq.token_ids)
-        state.prefill = entry
-        entry.load_tokens += self._load(state)
         self.requests[request_id] = state
         try:
-            await entry.handle.add_request.remote(seq.token_ids, params, request_id, priority)
+            await self._submit(state)
             while True:
                 output = await state.queue.get()
                 if isinstance(output, BaseException):
                     raise output
+                output = state.unseen(output)
+                if output is None:
+                    continue
                 yield output
                 if output.finished:
                     return
@@ -144,6 +188,28 @@ class Orchestrator:
             if not state.finished:
                 await self._cancel(state)
             self._forget(state)
+
+    async def _submit(self, state: RequestState) -> None:
+        """Send the request (its current run) to a prefill instance, waiting for a replacement when
+        none is healthy."""
+        await self._healthy("colocated" if not self.config.disaggregated else "prefill")
+        entry = self._pick_prefill(state.token_ids)
+        state.prefill = entry
+        entry.load_tokens += self._load(state)
+        try:
+            await entry.handle.add_request.remote(state.token_ids, state.params, state.engine_id, state.priority)
+        except ValueError:
+            raise
+        except Exception as e:  # the instance died under the call
+            self._spawn(self._rerun(state, InstanceFailure(f"instance {entry.name} failed: {e}")))
+
+    async def _healthy(self, role: str) -> list[InstanceState]:
+        """The healthy instances of ``role``; while there are none but a replacement is starting, wait
+        for it (up to REPLACEMENT_WAIT_S)."""
+        deadline = time.monotonic() + REPLACEMENT_WAIT_S
+        while not self._pool(role) and self._replacing.get(role) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self._pool(role)
 
     def _pool(self, role: str) -> list[InstanceState]:
         return [s for s in self.instances if s.role == role and s.failure is None]
@@ -176,10 +242,11 @@ class Orchestrator:
     async def _cancel(self, state: RequestState) -> None:
         """Abort wherever the request may be: both instances free its blocks."""
         state.cancelled = True
-        targets = [s for s in (state.prefill, state.decode) if s is not None]
-        await asyncio.gather(
-            *(s.handle.abort_request.remote(state.request_id) for s in targets), return_exceptions=True
-        )
+        await self._abort_run([s for s in (state.prefill, state.decode) if s is not None], state.engine_id)
+
+    async def _abort_run(self, targets: list[InstanceState], engine_id: str) -> None:
+        """Abort a run on the instances it was on: each frees its blocks."""
+        await asyncio.gather(*(s.handle.abort_request.remote(engine_id) for s in targets), return_exceptions=True)
 
     def _spawn(self, coroutine) -> None:
         task = asyncio.create_task(coroutine)
@@ -197,7 +264,7 @@ class Orchestrator:
             if entry is not None:
                 entry.load_tokens -= self._load(state)
         state.prefill = state.decode = None
-        self.requests.pop(state.request_id, None)
+        self.requests.pop(state.engine_id, None)
 
     # Outputs --------------------------------------------------------------------------------
 
@@ -207,9 +274,12 @@ class Orchestrator:
                 outputs = await entry.handle.get_outputs.remote(POLL_TIMEOUT_S)
             except asyncio.CancelledError:
                 raise
-            except Exception as e:  # the instance failed or died: its requests cannot go on
+            except Exception as e:  # the instance failed or died: its requests cannot go on there
                 entry.failure = str(e)
                 logger.error("instance %s failed: %s", entry.name, e)
+                if self.config.replace_failed_instances and not self._closed:
+                    self._replacing[entry.role] = self._replacing.get(entry.role, 0) + 1
+                    self._spawn(self._replace(entry))
                 self._fail_requests_on(entry, e)
                 return
             for output in outputs:
@@ -224,7 +294,8 @@ class Orchestrator:
                 self._spawn(self._abort_on(entry, output.request_id))
             return
         now = time.time()
-        state.metrics.token_times.extend([now] * len(output.new_token_ids))
+        # A re-run repeats tokens the request already has: time only the ones past them.
+        state.metrics.token_times.extend([now] * (len(output.token_ids) - len(state.metrics.token_times)))
         for name in ("prefill_start", "prefill_end", "migration_start", "migration_end"):
             value = getattr(output.metrics, name)
             if value is not None:
@@ -233,32 +304,86 @@ class Orchestrator:
             prefilled, output.prefilled = output.prefilled, None
             if not state.cancelled:
                 self._spawn(self._hand_over(state, prefilled))
+        if output.finished and output.finish_reason == "error":
+            # The run could not go on there (its KV pull failed, say): re-run it elsewhere.
+            self._spawn(self._rerun(state, InstanceFailure(f"request {state.request_id} failed on {entry.name}")))
+            return
         if output.finished:
             state.finished = True
             state.metrics.finished_time = now
-            if output.finish_reason == "error":
-                state.queue.put_nowait(InstanceFailure(f"request {output.request_id} failed on {entry.name}"))
-                return
         output.metrics = dataclasses.replace(state.metrics, token_times=list(state.metrics.token_times))
         state.queue.put_nowait(output)
 
     async def _hand_over(self, state: RequestState, prefilled) -> None:
         """Give a prefilled request to the decode instance with the most room."""
         try:
-            entry = self._pick(self._pool("decode"))
+            entry = self._pick(await self._healthy("decode"))
             state.decode = entry
             entry.load_tokens += self._load(state)
             await entry.handle.add_prefilled.remote(prefilled)
             if state.cancelled:  # cancelled while the hand-over was on its way
-                await entry.handle.abort_request.remote(state.request_id)
-        except Exception as e:
+                await entry.handle.abort_request.remote(state.engine_id)
+        except ValueError as e:  # refused: the request itself is at fault
             await self._cancel(state)
             state.queue.put_nowait(e)
+        except Exception as e:  # no decode instance, or it died taking the request: run it again
+            await self._rerun(state, e if isinstance(e, InstanceFailure) else InstanceFailure(str(e)))
 
     def _fail_requests_on(self, entry: InstanceState, error: Exception) -> None:
+        """Re-run (or fail) every request that still needed ``entry``."""
         for state in list(self.requests.values()):
-            if entry in (state.prefill, state.decode) and not state.finished:
-                state.queue.put_nowait(InstanceFailure(f"instance {entry.name} failed: {error}"))
+            if state.finished or entry not in (state.prefill, state.decode):
+                continue
+            if entry is state.prefill and entry is not state.decode and state.metrics.migration_end is not None:
+                continue  # its KV is on the decode instance already: it no longer needs the prefill side
+            self._spawn(self._rerun(state, InstanceFailure(f"instance {entry.name} failed: {error}")))
+
+    async def _rerun(self, state: RequestState, error: InstanceFailure) -> None:
+        """Free the failed run's blocks on the instances still up, then run the request again from its
+        prompt under a new engine id, so outputs of the old run still in flight are not taken for it."""
+        if state.finished or state.cancelled or self.requests.get(state.engine_id) is not state:
+            return  # done, cancelled, or another failure of the same run got here first
+        targets, engine_id = [s for s in (state.prefill, state.decode) if s is not None], state.engine_id
+        self._forget(state)
+        await self._abort_run(targets, engine_id)
+        if state.attempts >= self.config.max_request_attempts:
+            state.queue.put_nowait(error)
+            return
+        state.attempts += 1
+        state.engine_id = f"{state.request_id}.retry{state.attempts - 1}"
+        self.requests[state.engine_id] = state
+        logger.warning("%s; re-running %s (run %d)", error, state.request_id, state.attempts)
+        try:
+            await self._submit(state)
+        except Exception as e:
+            state.queue.put_nowait(e)
+
+    async def _replace(self, failed: InstanceState) -> None:
+        """Start a new instance in place of ``failed``, under a new actor name (peers cache their pair
+        communicators by name), and poll it once its model is loaded."""
+        try:
+            try:
+                ray.kill(failed.handle)  # a failed worker may leave the actor itself up
+            except Exception:
+                pass
+            self._generation += 1
+            name = f"{self.config.name}-{failed.role}-r{self._generation}"
+            loop = asyncio.get_running_loop()
+            try:
+                handle = await loop.run_in_executor(None, launch_instance, failed.config, name)
+                info = await handle.info.remote()
+            except Exception as e:
+                logger.error("could not replace %s: %s", failed.name, e)
+                return
+            if self._closed:
+                ray.kill(handle)
+                return
+            entry = InstanceState(name, failed.role, handle, info, config=failed.config)
+            self.instances[self.instances.index(failed)] = entry
+            self._pollers.append(asyncio.create_task(self._poll(entry)))
+            logger.info("%s replaces %s", name, failed.name)
+        finally:
+            self._replacing[failed.role] -= 1
 
     async def info(self) -> list[InstanceInfo]:
         """Each instance's current state (queues, KV use, failure)."""

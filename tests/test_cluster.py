@@ -211,17 +211,24 @@ async def _call(method, *args):
 
 
 def test_orchestrator_turns_an_error_finish_into_a_failure():
-    """An output that ends with "error" reaches the client as InstanceFailure, not as a result."""
+    """An output that ends with "error" reaches the client as InstanceFailure, not as a result, once
+    the request has no run left."""
     from distserve import ClusterConfig
     from distserve.executor import InstanceFailure
     from distserve.orchestrator import InstanceState, Orchestrator, RequestState
     from distserve.outputs import RequestOutput
 
-    orchestrator = Orchestrator(ClusterConfig())
-    decode = InstanceState("decode-0", "decode", handle=None, info=None)
-    state = orchestrator.requests["r"] = RequestState("r", num_prompt_tokens=3, max_tokens=4)
-    failed = RequestOutput("r", None, [1, 2, 3], [5], "", [], "", True, "error", 0)
-    orchestrator._route(decode, failed)
+    async def route() -> RequestState:
+        orchestrator = Orchestrator(ClusterConfig(max_request_attempts=1))
+        decode = InstanceState("decode-0", "decode", handle=None, info=None)
+        state = orchestrator.requests["r"] = RequestState("r", num_prompt_tokens=3, max_tokens=4)
+        failed = RequestOutput("r", None, [1, 2, 3], [5], "", [], "", True, "error", 0)
+        orchestrator._route(decode, failed)
+        await asyncio.gather(*orchestrator._background)
+        assert not orchestrator.requests
+        return state
+
+    state = asyncio.run(route())
     item = state.queue.get_nowait()
     assert isinstance(item, InstanceFailure) and "failed on decode-0" in str(item)
-    assert state.finished and state.queue.empty()
+    assert state.queue.empty()

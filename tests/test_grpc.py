@@ -230,10 +230,14 @@ def test_status_and_remote_generate_cli(server, client, capsys):
 
 
 def test_tls_and_a_lost_decode_instance(ray_cluster, tmp_path):
-    """Over TLS: streams in flight when the decode instance dies end with UNAVAILABLE (gRPC) or an
-    error event (HTTP); later requests are refused the same way; the prefill side frees every block."""
+    """Over TLS, with re-runs and replacement off: streams in flight when the decode instance dies end
+    with UNAVAILABLE (gRPC) or an error event (HTTP); later requests are refused the same way; the
+    prefill side frees every block. (With them on, tests/test_faults.py shows the streams go on.)"""
     cert, key = make_tls_cert(tmp_path)
-    config = make_cluster_config(model="tiny-llama", num_kv_blocks=48, prefill={}, decode={})
+    config = make_cluster_config(
+        model="tiny-llama", num_kv_blocks=48, prefill={}, decode={}, max_request_attempts=1,
+        replace_failed_instances=False,
+    )  # fmt: skip
     with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, tls_cert=cert, tls_key=key)) as server:
         with Client(server.grpc_address) as plaintext, pytest.raises(grpc.RpcError) as error:
             plaintext.complete("Hi", timeout=5)

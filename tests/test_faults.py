@@ -1,0 +1,143 @@
+"""Instances killed with requests in flight: every request ends equal to its fault-free greedy output
+(or with InstanceFailure when no run is left), no block stays in use, the dead instance is replaced
+and the cluster serves new requests."""
+
+import asyncio
+import time
+
+import pytest
+from conftest import random_prompts, reference_greedy
+
+from distserve import AsyncCluster, SamplingParams
+from distserve.executor import InstanceFailure
+
+MAX_TOKENS = 60
+
+
+@pytest.fixture(scope="module")
+def llama(reference_model):
+    return reference_model("tiny-llama")
+
+
+async def _collect(cluster: AsyncCluster, prompt: list[int], progress: dict, key: int) -> list[int]:
+    """The request's tokens as the client sees them, each exactly once, in order."""
+    tokens: list[int] = []
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    async for output in cluster.generate(prompt, params):
+        tokens += output.new_token_ids
+        assert tokens == output.token_ids  # nothing repeated, nothing skipped
+        progress[key] = len(tokens)
+    return tokens
+
+
+async def _all_blocks_free(cluster: AsyncCluster) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        infos = await cluster.info()
+        if all(i.num_free_blocks == i.num_blocks and i.num_held == i.num_pending == 0 and not i.failure
+               for i in infos):  # fmt: skip
+            return
+        assert time.monotonic() < deadline, "blocks still in use:\n" + "\n".join(map(str, infos))
+        await asyncio.sleep(0.05)
+
+
+async def _wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def _kill(cluster: AsyncCluster, role: str, ray) -> str:
+    entry = next(s for s in cluster.orchestrator.instances if s.role == role and s.failure is None)
+    ray.kill(entry.handle)
+    return entry.name
+
+
+# (role killed, how far the first requests have got when it dies)
+STAGES = {
+    "prefill-during-prefill": ("prefill", 0),  # killed as soon as the requests are sent
+    "prefill-during-decode": ("prefill", 5),  # some requests decoding, some still waiting or migrating
+    "decode-during-decode": ("decode", 5),
+    "decode-during-migration": ("decode", 1),  # first tokens out: hand-overs and pulls under way
+}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_killed_instance_requests_rerun_to_the_same_output(ray_cluster, llama, stage):
+    role, reached = STAGES[stage]
+    prompts = random_prompts([40, 300, 120, 500, 80, 250, 16, 400], 1024, seed=len(stage))
+    expected = [reference_greedy(llama, p, MAX_TOKENS) for p in prompts]
+
+    async def scenario():
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=400)
+        try:
+            progress: dict[int, int] = {}
+            tasks = [asyncio.create_task(_collect(cluster, p, progress, i)) for i, p in enumerate(prompts)]
+            await _wait_until(lambda: sum(n >= reached for n in progress.values()) >= 2 if reached else True)
+            killed = _kill(cluster, role, ray_cluster)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+            assert results == expected
+            names = [s.name for s in cluster.orchestrator.instances]
+            assert killed not in names and any(name.endswith(f"{role}-r1") for name in names)
+            await _all_blocks_free(cluster)
+            # The replacement serves.
+            again = await _collect(cluster, prompts[0], {}, 0)
+            assert again == expected[0]
+            await _all_blocks_free(cluster)
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_without_reruns_a_lost_instance_fails_its_requests(ray_cluster, llama):
+    """max_request_attempts=1 and no replacement: requests that needed the dead decode instance end
+    with InstanceFailure naming it, the prefill side frees every block, and new requests are refused."""
+    prompts = random_prompts([50, 60, 70], 1024, seed=9)
+
+    async def scenario():
+        cluster = await AsyncCluster.start(
+            model="tiny-llama", block_size=8, num_kv_blocks=200, max_request_attempts=1,
+            replace_failed_instances=False,
+        )  # fmt: skip
+        try:
+            progress: dict[int, int] = {}
+            tasks = [asyncio.create_task(_collect(cluster, p, progress, i)) for i, p in enumerate(prompts)]
+            await _wait_until(lambda: len(progress) == len(prompts) and min(progress.values()) >= 3)
+            killed = _kill(cluster, "decode", ray_cluster)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(isinstance(r, InstanceFailure) and killed in str(r) for r in results), results
+            with pytest.raises(InstanceFailure, match="no decode instance"):
+                await _collect(cluster, prompts[0], {}, 0)
+            prefill = next(i for i in await cluster.info() if i.role == "prefill")
+            assert prefill.num_free_blocks == prefill.num_blocks and prefill.num_held == 0
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_sampled_requests_rerun_to_the_same_tokens(ray_cluster):
+    """A request sampled at temperature > 0 without a seed gets one at admission, so a re-run after
+    its decode instance dies continues the very stream the client was reading."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, ignore_eos=True)
+    prompt = random_prompts([64], 1024, seed=3)[0]
+
+    async def scenario():
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=200)
+        try:
+            seen: list[int] = []
+            async for output in cluster.generate(prompt, params):
+                seen += output.new_token_ids
+                assert seen == output.token_ids
+                if len(seen) == 10:
+                    _kill(cluster, "decode", ray_cluster)
+            assert len(seen) == MAX_TOKENS
+            orchestrator = cluster.orchestrator
+            assert not orchestrator.requests
+            await _all_blocks_free(cluster)
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(scenario())
