@@ -75,6 +75,11 @@ class SchedulerConfig:
         "prefill instances: share of KV blocks that prefilled requests waiting for decode may hold "
         "before no new prompt is admitted (back-pressure)",
     )
+    kv_hold_timeout: float = option(
+        60.0,
+        "prefill instances: seconds a prefilled request's KV waits for a decode instance to pull it; "
+        "then its blocks are freed and the request is reported failed (the orchestrator re-runs it)",
+    )
 
     def __post_init__(self) -> None:
         _check_choice("scheduler", self.scheduler, SCHEDULERS)
@@ -87,6 +92,8 @@ class SchedulerConfig:
             raise ValueError(f"sjf_aging_tokens must be >= 0, got {self.sjf_aging_tokens}")
         if not 0.0 < self.kv_hold_fraction <= 1.0:
             raise ValueError(f"kv_hold_fraction must be in (0, 1], got {self.kv_hold_fraction}")
+        if not self.kv_hold_timeout > 0:
+            raise ValueError(f"kv_hold_timeout must be > 0 seconds, got {self.kv_hold_timeout}")
 
 
 @dataclass

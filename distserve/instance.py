@@ -11,7 +11,8 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_HEALTH_CHECK_S = 1.0  # an idle instance pings its workers this often, so a death is seen without traffic
 MAX_CONCURRENT_CALLS = 16  # threads serving actor calls: long polls must not block submissions
+MAX_EXPIRED_IDS = 10_000  # expired request ids remembered to refuse their late releases
 
 
 @dataclass
@@ -70,6 +72,10 @@ class Instance:
         self._num_admission_waits = 0
         self._waiting_head: str | None = None  # the request at the head of _pending that found no room
         self._migrator: Migrator | None = None
+        # Prefill role: requests pulled (their release on its way to the step loop), and requests whose
+        # KV was freed at the hold deadline, so that a late release is refused. Both guarded by _lock.
+        self._released: set[str] = set()
+        self._expired: OrderedDict[str, None] = OrderedDict()
         if self.engine.role == "decode":
             endpoints = self.engine.executor.kv_endpoints(ray.get_runtime_context().current_actor)
             self._migrator = Migrator(name, endpoints, config.cache.block_size, self._migrated)
@@ -115,9 +121,15 @@ class Instance:
             self._active.add(prefilled.request_id)
         self._send("prefilled", prefilled)
 
-    def release(self, request_id: str) -> None:
-        """Prefill: a decode instance has pulled the request's KV; its blocks can go."""
+    def release(self, request_id: str) -> bool:
+        """Prefill: a decode instance has pulled the request's KV; its blocks can go. False when they
+        went at the hold deadline already (maybe during the pull): what was pulled cannot be trusted."""
+        with self._lock:
+            if request_id in self._expired:
+                return False
+            self._released.add(request_id)
         self._send("release", request_id)
+        return True
 
     def kv(self, method: str, *args):
         """KV transfer calls to this instance's only rank, which runs in this actor."""
@@ -187,6 +199,7 @@ class Instance:
             while not self._stopping:
                 self._wakeup.clear()
                 self._take_inbox()
+                self._expire_held()
                 self._admit_prefilled()
                 if not engine.has_unfinished_requests():
                     if not self._wakeup.wait(IDLE_HEALTH_CHECK_S):  # a quiet second: are the workers alive?
@@ -216,10 +229,32 @@ class Instance:
             elif kind == "release":
                 self.engine.release_prefilled(payload)
                 self._forget(payload)
+                with self._lock:
+                    self._released.discard(payload)
             elif kind == "prefilled":
                 self._pending.append(payload)
             elif kind == "migrated":
                 outputs.extend(self._start_decoding(*payload))
+        self._publish(outputs)
+
+    def _expire_held(self) -> None:
+        """Prefill: free the KV of requests no decode instance pulled within the hold deadline and
+        report them failed. The step loop comes here at least once a second, idle or not."""
+        if self.engine.role != "prefill":
+            return
+        with self._lock:
+            expired = [r for r in self.engine.scheduler.expired(time.monotonic()) if r not in self._released]
+            for request_id in expired:
+                self._expired[request_id] = None
+            while len(self._expired) > MAX_EXPIRED_IDS:
+                self._expired.popitem(last=False)
+        outputs = []
+        for request_id in expired:
+            logger.warning("%s: no decode instance pulled %s in time: its KV is freed", self.name, request_id)
+            output = self.engine.abort_request(request_id, reason="error")
+            if output is not None:
+                outputs.append(output)
+            self._forget(request_id)
         self._publish(outputs)
 
     def _abort(self, request_id: str) -> list[RequestOutput]:

@@ -146,7 +146,10 @@ class Migrator:
             recvs.append(self.endpoints[part.dst].call("recv", channel, dst_slots, part.layers, part.kv_heads))
         num_bytes = sum(ray.get(recvs))
         ray.get(sends)
-        handle.release.remote(prefilled.request_id)  # the prefill instance frees its blocks
+        # The prefill instance frees its blocks, unless it did so at its hold deadline already, in
+        # which case they may have been reused during the pull.
+        if not ray.get(handle.release.remote(prefilled.request_id)):
+            raise RuntimeError(f"{prefilled.prefill_instance} freed the KV at its hold deadline")
         record = MigrationRecord(prefilled.request_id, num_tokens, num_bytes, start, time.time())
         with self._records_lock:
             self._records[prefilled.request_id] = record

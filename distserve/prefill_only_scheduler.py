@@ -4,9 +4,14 @@ a decode instance has pulled its KV.
 Back-pressure: while the requests held for migration take more than ``kv_hold_fraction`` of the
 KV blocks, no new prompt is admitted, so a slow or full decode side throttles prefill instead of
 prefill running out of blocks.
+
+Deadline: a request held longer than ``kv_hold_timeout`` (its decode instance died, or never got
+to it) is ``expired``; the instance then frees it and reports it failed.
 """
 
 from __future__ import annotations
+
+import time
 
 from distserve.block_manager import BlockManager
 from distserve.colocated_scheduler import ScheduledBatch
@@ -21,6 +26,7 @@ class PrefillOnlyScheduler:
         self.block_manager = block_manager
         self.prefill = PrefillScheduler(config, block_manager)
         self.held: dict[str, Sequence] = {}
+        self.held_since: dict[str, float] = {}  # time.monotonic() when its prefill was scheduled
         self.hold_limit = max(1, int(config.kv_hold_fraction * block_manager.num_blocks))
         self.num_throttled_steps = 0
 
@@ -52,12 +58,19 @@ class PrefillOnlyScheduler:
             self.num_throttled_steps += 1
             return ScheduledBatch([], is_prefill=True)
         batch = self.prefill.schedule(self.config.max_num_seqs)
+        now = time.monotonic()
         for seq in batch:
             self.held[seq.request_id] = seq
+            self.held_since[seq.request_id] = now
         return ScheduledBatch(batch, is_prefill=True)
+
+    def expired(self, now: float) -> list[str]:
+        """Held requests whose KV has waited longer than ``kv_hold_timeout`` for a pull."""
+        return [rid for rid, since in self.held_since.items() if now - since > self.config.kv_hold_timeout]
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished, aborted or migrated sequence wherever it is and free its blocks."""
+        self.held_since.pop(seq.request_id, None)
         if self.held.pop(seq.request_id, None) is None:
             self.prefill.remove(seq)
         if seq.block_table:
