@@ -197,3 +197,43 @@ def test_kv_held_past_its_deadline_is_freed_and_a_late_pull_refused(ray_cluster)
         assert ray.get(prefill.release.remote("held")) is False
     finally:
         ray_cluster.kill(prefill)
+
+
+def test_cancellation_at_every_stage_frees_blocks_within_a_second(ray_cluster):
+    """Clients leaving at every stage (queued for prefill, prefilling, holding KV for decode,
+    migrating, decoding): one second after the last leaves, no block is in use on either side."""
+    prompts = random_prompts([300, 500, 120, 450, 60, 380, 250, 480] * 3, 1024, seed=5)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def leave_after(cluster, prompt, chunks: int) -> None:
+        if chunks == 0:  # gone before any token: queued or prefilling
+            stream = cluster.generate(prompt, params)
+            task = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0.01)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await stream.aclose()
+            return
+        seen = 0
+        async for _ in cluster.generate(prompt, params):
+            seen += 1
+            if seen == chunks:  # 1: KV held or migrating; 2: just handed over; 10: decoding
+                return
+
+    async def scenario():
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=600)
+        try:
+            stages = [0, 1, 2, 10]
+            await asyncio.gather(*(leave_after(cluster, p, stages[i % 4]) for i, p in enumerate(prompts)))
+            left = time.monotonic()
+            while True:
+                infos = await cluster.info()
+                if all(i.num_free_blocks == i.num_blocks and i.num_held == i.num_pending == 0 for i in infos):
+                    break
+                assert time.monotonic() - left < 1.0, "blocks still in use:\n" + "\n".join(map(str, infos))
+                await asyncio.sleep(0.01)
+            assert not cluster.orchestrator.requests
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(scenario())
