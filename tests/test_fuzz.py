@@ -17,6 +17,7 @@ from distserve.entrypoints.client import Client
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
 from distserve.v1 import distserve_pb2 as pb
+from distserve.v1 import distserve_pb2_grpc as pb_grpc
 
 # A short context bounds how long any accepted request can generate.
 MAX_MODEL_LEN = 96
@@ -182,3 +183,24 @@ def test_any_chat_body_gets_a_result_or_a_4xx(server, body):
 
 def test_fuzzing_left_no_block_in_use(client):
     _blocks_free(client)
+
+
+def test_oversized_messages_are_refused_and_the_server_goes_on(server, client):
+    """A gRPC message over the server's cap gets RESOURCE_EXHAUSTED, an HTTP body over it 413, both
+    without reaching the engine; the server then serves as before."""
+    from distserve.entrypoints.grpc_server import MAX_MESSAGE_BYTES
+    from distserve.entrypoints.openai_server import MAX_BODY_BYTES
+
+    # The client's own send cap must not stop the message before the server sees it.
+    options = [("grpc.max_send_message_length", 2 * MAX_MESSAGE_BYTES)]
+    with grpc.insecure_channel(server.grpc_address, options=options) as channel:
+        stub = pb_grpc.DistServeStub(channel)
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Generate(pb.GenerateRequest(text="x" * (MAX_MESSAGE_BYTES + 1)), timeout=60))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    body = json.dumps({"prompt": "x" * (MAX_BODY_BYTES + 1)}).encode()
+    status, _ = _post(f"{server.http_url}/v1/completions", body)
+    assert status == 413
+    assert client.complete("Hi", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+    ok, _ = _post(f"{server.http_url}/v1/completions", b'{"prompt": "Hi", "max_tokens": 2}')
+    assert ok == 200
