@@ -160,26 +160,16 @@ def search_notes(args: argparse.Namespace) -> dict[str, Any]:
 # --- choosing a deployment ----------------------------------------------------------------------------------
 
 
-def _fits(cluster: ClusterSpec):
-    return lambda d: d.node_layout(cluster.num_nodes, cluster.gpus_per_node) is not None
-
-
 def fill_cluster(candidate: Candidate, cluster: ClusterSpec) -> Deployment | None:
     """As many instances of ``candidate`` as the cluster holds, each added to the phase with less goodput."""
-    fits = _fits(cluster)
     p, d = candidate.prefill, candidate.decode
     deployment = deployment_for_rate(candidate, min(p.goodput, d.goodput))
-    if not fits(deployment):
+    if not deployment.fits(cluster):
         return None
     while True:
-        if deployment.affinity == "low":
-            n = deployment.prefill_instances + 1
-            grown = Deployment("low", p.parallelism, n, d.parallelism, n)
-        elif deployment.prefill_instances * p.goodput <= deployment.decode_instances * d.goodput:
-            grown = dataclasses.replace(deployment, prefill_instances=deployment.prefill_instances + 1)
-        else:
-            grown = dataclasses.replace(deployment, decode_instances=deployment.decode_instances + 1)
-        if not fits(grown):
+        behind = deployment.prefill_instances * p.goodput <= deployment.decode_instances * d.goodput
+        grown = deployment.grown("prefill" if behind else "decode")
+        if not grown.fits(cluster):
             return deployment
         deployment = grown
 
@@ -190,7 +180,6 @@ def choose(
     """For a rate: of the ``top`` best candidates, the deployment meeting the target with the fewest
     GPUs (then the best attainment). Without one: the best candidate filling the cluster."""
     cluster = problem.models.cluster
-    fits = _fits(cluster)
     if rate is None:
         for candidate in ranked[:top]:
             deployment = fill_cluster(candidate, cluster)
@@ -200,9 +189,9 @@ def choose(
     options = []
     for candidate in ranked[:top]:
         start = deployment_for_rate(candidate, rate)
-        if not fits(start):
+        if not start.fits(cluster):
             continue
-        deployment, prediction = fit_to_rate(problem, start, rate, fits)
+        deployment, prediction = fit_to_rate(problem, start, rate, lambda d: d.fits(cluster))
         meets = prediction.attainment >= problem.objective.target
         options.append((not meets, deployment.gpus, -prediction.attainment, deployment, prediction))
     if not options:
@@ -278,8 +267,8 @@ def cmd_search(args: argparse.Namespace) -> int:
         print("no configuration meets the SLOs on this cluster", file=sys.stderr)
         return 1
     deployment, prediction = chosen
-    goodput = deployment_goodput(problem, deployment)
     capacity = deployment_capacity(problem, deployment)
+    goodput = deployment_goodput(problem, deployment, capacity)
     print(f"plan: {deployment.describe()}")
     if prediction is not None:
         print(f"  predicted {format_prediction(prediction)}")

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from placement.hardware import ClusterSpec
 from placement.latency import Parallelism
 
 AFFINITIES = ("high", "low")
@@ -36,6 +37,17 @@ class Deployment:
             f"{self.prefill_instances} prefill x TP,PP={self.prefill} + "
             f"{self.decode_instances} decode x TP,PP={self.decode} ({self.gpus} GPUs, {self.affinity} node-affinity)"
         )
+
+    def grown(self, phase: str) -> Deployment:
+        """One more instance of ``phase`` ("prefill" or "decode"); for low affinity one more unit of both."""
+        if self.affinity == "low" or phase == "prefill":
+            self = replace(self, prefill_instances=self.prefill_instances + 1)
+        if self.affinity == "low" or phase == "decode":
+            self = replace(self, decode_instances=self.decode_instances + 1)
+        return self
+
+    def fits(self, cluster: ClusterSpec) -> bool:
+        return self.node_layout(cluster.num_nodes, cluster.gpus_per_node) is not None
 
     def node_layout(self, num_nodes: int, gpus_per_node: int) -> list[list[str]] | None:
         """Segments ("prefill-0 stage 1: 2 GPUs") on each node, or None when they do not fit.

@@ -73,12 +73,15 @@ def deployment_capacity(problem: PhaseProblem, deployment: Deployment) -> float:
     )
 
 
-def deployment_goodput(problem: PhaseProblem, deployment: Deployment, tolerance: float = 0.03) -> float:
-    """Highest rate at which the whole deployment meets the target, at most its capacity."""
+def deployment_goodput(
+    problem: PhaseProblem, deployment: Deployment, capacity: float, tolerance: float = 0.03
+) -> float:
+    """Highest rate at which the whole deployment meets the target, at most its ``capacity``
+    (``deployment_capacity``)."""
     goodput, _ = search_goodput(
         lambda rate: simulate_deployment(problem, deployment, rate).attainment,
         problem.objective.target,
-        estimate=deployment_capacity(problem, deployment),
+        estimate=capacity,
         tolerance=tolerance,
         max_doublings=0,
         max_halvings=8,
@@ -99,13 +102,7 @@ def fit_to_rate(
     for _ in range(max_steps):
         if prediction.attainment >= problem.objective.target:
             break
-        d = deployment
-        if d.affinity == "low":
-            grown = Deployment("low", d.prefill, d.prefill_instances + 1, d.decode, d.decode_instances + 1)
-        elif prediction.ttft_attainment <= prediction.tpot_attainment:
-            grown = Deployment("high", d.prefill, d.prefill_instances + 1, d.decode, d.decode_instances)
-        else:
-            grown = Deployment("high", d.prefill, d.prefill_instances, d.decode, d.decode_instances + 1)
+        grown = deployment.grown("prefill" if prediction.ttft_attainment <= prediction.tpot_attainment else "decode")
         if not fits(grown):
             break
         deployment, prediction = grown, simulate_deployment(problem, grown, rate)

@@ -216,7 +216,7 @@ def _worker_goodput(task: tuple[str, Parallelism, float]) -> PhaseGoodput:
 def _fits(candidate: Candidate, cluster: ClusterSpec) -> bool:
     """Whether one prefill and one decode instance of ``candidate`` fit on the cluster's nodes."""
     p, d = candidate.prefill.parallelism, candidate.decode.parallelism
-    return Deployment(candidate.affinity, p, 1, d, 1).node_layout(cluster.num_nodes, cluster.gpus_per_node) is not None
+    return Deployment(candidate.affinity, p, 1, d, 1).fits(cluster)
 
 
 def _best_first(pairs: Iterable[Candidate], cluster: ClusterSpec) -> list[Candidate]:
@@ -289,7 +289,10 @@ def search(
         pending = sorted(tasks, key=lambda task: -bounds[task])
         while pending:
             upper = {task: results[task].per_gpu if task in results else bounds[task] for task in tasks}
-            keep = [task for task in pending if _may_improve(task, upper, results, affinities, models)]
+            ranked = {"high": high_affinity, "low": low_affinity}
+            best = {a: max([0.0] + [c.per_gpu for c in ranked[a](results.values(), models.cluster)[:1]])
+                    for a in affinities}  # fmt: skip
+            keep = [task for task in pending if _may_improve(task, upper, best, models.cluster.gpus_per_node)]
             pruned += len(pending) - len(keep)
             wave, pending = _next_wave(keep, results, processes)
             for g in run(_worker_goodput, [(*task, caps[task]) for task in wave]):
@@ -311,24 +314,20 @@ def search(
 def _may_improve(
     task: tuple[str, Parallelism],
     upper: dict[tuple[str, Parallelism], float],
-    results: dict[tuple[str, Parallelism], PhaseGoodput],
-    affinities: Sequence[str],
-    models: InstanceModels,
+    best: dict[str, float],
+    gpus_per_node: int,
 ) -> bool:
-    """Whether simulating ``task`` could improve the best pair of some affinity. Per GPU, no pair
-    beats 1 / (1/a + 1/b) for instance goodputs a and b per GPU (a low node-affinity unit does no
-    better than the same pair placed freely), where ``upper`` holds each configuration's goodput per
-    GPU when simulated and its capacity per GPU otherwise."""
+    """Whether simulating ``task`` could beat ``best``, the best pair per GPU of each affinity so far.
+    Per GPU, no pair beats 1 / (1/a + 1/b) for instance goodputs a and b per GPU (a low node-affinity
+    unit does no better than the same pair placed freely), where ``upper`` holds each configuration's
+    goodput per GPU when simulated and its capacity per GPU otherwise."""
     phase, par = task
-    for affinity in affinities:
-        if affinity == "high":
-            best = max([0.0] + [c.per_gpu for c in high_affinity(results.values(), models.cluster)[:1]])
-            partners = [v for (p, _), v in upper.items() if p != phase]
-        else:
-            best = max([0.0] + [c.per_gpu for c in low_affinity(results.values(), models.cluster)[:1]])
-            room = models.cluster.gpus_per_node - par.tp
-            partners = [v for (p, other), v in upper.items() if p != phase and other.pp == par.pp and other.tp <= room]
-        if partners and _pair_bound(upper[task], max(partners)) > best:
+    for affinity, best_per_gpu in best.items():
+        partners = [
+            v for (p, other), v in upper.items()
+            if p != phase and (affinity == "high" or (other.pp == par.pp and other.tp <= gpus_per_node - par.tp))
+        ]  # fmt: skip
+        if partners and _pair_bound(upper[task], max(partners)) > best_per_gpu:
             return True
     return False
 
