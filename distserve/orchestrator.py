@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 1.0
 # How long a request waits for a replacement when no healthy instance of the role it needs is left.
 REPLACEMENT_WAIT_S = 60.0
+# Starting a replacement is tried this many times, waiting twice as long after each failure.
+REPLACEMENT_ATTEMPTS = 3
+REPLACEMENT_BACKOFF_S = 1.0
 # A prefix-cache hit wins over a less loaded instance unless its load (per KV token) is higher by more.
 PREFIX_LOAD_SLACK = 0.25
 
@@ -105,6 +108,7 @@ class Orchestrator:
         self._background: set[asyncio.Task] = set()  # hand-overs and aborts in flight, kept from the GC
         self._closed = False
         self._replacing: dict[str, int] = {}  # role -> replacements under way
+        self._pool_changed = asyncio.Condition()  # notified when a replacement comes up or gives up
         self._generation = 0  # numbers replacement actors' names
         self.prefix_index = PrefixIndex(config.engine.cache.block_size)
 
@@ -164,8 +168,8 @@ class Orchestrator:
         if params.seed is None and params.temperature > 0:
             # Seeded sampling does not depend on the batch, so a re-run after a failure repeats the tokens.
             params = dataclasses.replace(params, seed=random.getrandbits(63))
-        if self.config.disaggregated and not self._pool("decode") and not self._replacing.get("decode"):
-            raise InstanceFailure("no decode instance is available to serve the request")
+        if role := self._unavailable_role():
+            raise InstanceFailure(f"no {role} instance is available to serve the request")
         state = RequestState(
             request_id, seq.num_prompt_tokens, params.max_tokens, token_ids=seq.token_ids, params=params,
             priority=priority,
@@ -192,8 +196,8 @@ class Orchestrator:
     async def _submit(self, state: RequestState) -> None:
         """Send the request (its current run) to a prefill instance, waiting for a replacement when
         none is healthy."""
-        await self._healthy("colocated" if not self.config.disaggregated else "prefill")
-        entry = self._pick_prefill(state.token_ids)
+        pool = await self._healthy("colocated" if not self.config.disaggregated else "prefill")
+        entry = self._pick_prefill(pool, state.token_ids)
         state.prefill = entry
         entry.load_tokens += self._load(state)
         try:
@@ -206,10 +210,23 @@ class Orchestrator:
     async def _healthy(self, role: str) -> list[InstanceState]:
         """The healthy instances of ``role``; while there are none but a replacement is starting, wait
         for it (up to REPLACEMENT_WAIT_S)."""
-        deadline = time.monotonic() + REPLACEMENT_WAIT_S
-        while not self._pool(role) and self._replacing.get(role) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        pool = self._pool(role)
+        if pool or not self._replacing.get(role):
+            return pool
+        async with self._pool_changed:
+            try:
+                await asyncio.wait_for(
+                    self._pool_changed.wait_for(lambda: self._pool(role) or not self._replacing.get(role)),
+                    REPLACEMENT_WAIT_S,
+                )
+            except TimeoutError:
+                pass
         return self._pool(role)
+
+    def _unavailable_role(self) -> str | None:
+        """A role the cluster needs with no healthy instance and no replacement starting."""
+        roles = ("prefill", "decode") if self.config.disaggregated else ("colocated",)
+        return next((r for r in roles if not self._pool(r) and not self._replacing.get(r)), None)
 
     def _pool(self, role: str) -> list[InstanceState]:
         return [s for s in self.instances if s.role == role and s.failure is None]
@@ -226,10 +243,9 @@ class Orchestrator:
             raise InstanceFailure("no instance is available to serve the request")
         return min(pool, key=self._load_ratio)
 
-    def _pick_prefill(self, token_ids: list[int]) -> InstanceState:
-        """The instance that was sent the longest prefix of this prompt, unless it is much busier
-        than the least loaded one, which gets the request otherwise."""
-        pool = self._pool("colocated") or self._pool("prefill")
+    def _pick_prefill(self, pool: list[InstanceState], token_ids: list[int]) -> InstanceState:
+        """The instance of ``pool`` that was sent the longest prefix of this prompt, unless it is much
+        busier than the least loaded one, which gets the request otherwise."""
         least = self._pick(pool)
         hashes = self.prefix_index.block_hashes(token_ids)
         matched = {s.name: self.prefix_index.matched_blocks(s.name, hashes) for s in pool}
@@ -349,6 +365,9 @@ class Orchestrator:
         if state.attempts >= self.config.max_request_attempts:
             state.queue.put_nowait(error)
             return
+        if role := self._unavailable_role():
+            state.queue.put_nowait(InstanceFailure(f"{error}; no {role} instance is left to run it again"))
+            return
         state.attempts += 1
         state.engine_id = f"{state.request_id}.retry{state.attempts - 1}"
         self.requests[state.engine_id] = state
@@ -360,30 +379,45 @@ class Orchestrator:
 
     async def _replace(self, failed: InstanceState) -> None:
         """Start a new instance in place of ``failed``, under a new actor name (peers cache their pair
-        communicators by name), and poll it once its model is loaded."""
+        communicators by name), and poll it once its model is loaded. After the last failed try the
+        dead instance stays listed, with why it was not replaced."""
         try:
             try:
                 ray.kill(failed.handle)  # a failed worker may leave the actor itself up
             except Exception:
                 pass
-            self._generation += 1
-            name = f"{self.config.name}-{failed.role}-r{self._generation}"
-            loop = asyncio.get_running_loop()
-            try:
-                handle = await loop.run_in_executor(None, launch_instance, failed.config, name)
-                info = await handle.info.remote()
-            except Exception as e:
-                logger.error("could not replace %s: %s", failed.name, e)
+            entry = await self._launch_replacement(failed)
+            if entry is None:
                 return
             if self._closed:
-                ray.kill(handle)
+                ray.kill(entry.handle)
                 return
-            entry = InstanceState(name, failed.role, handle, info, config=failed.config)
             self.instances[self.instances.index(failed)] = entry
             self._pollers.append(asyncio.create_task(self._poll(entry)))
-            logger.info("%s replaces %s", name, failed.name)
+            logger.info("%s replaces %s", entry.name, failed.name)
         finally:
             self._replacing[failed.role] -= 1
+            async with self._pool_changed:
+                self._pool_changed.notify_all()
+
+    async def _launch_replacement(self, failed: InstanceState) -> InstanceState | None:
+        loop = asyncio.get_running_loop()
+        for attempt in range(REPLACEMENT_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(REPLACEMENT_BACKOFF_S * 2 ** (attempt - 1))
+            if self._closed:
+                return None
+            self._generation += 1
+            name = f"{self.config.name}-{failed.role}-r{self._generation}"
+            try:
+                handle = await loop.run_in_executor(None, launch_instance, failed.config, name)
+                return InstanceState(name, failed.role, handle, await handle.info.remote(), config=failed.config)
+            except Exception as e:
+                logger.error("could not replace %s (try %d of %d): %s", failed.name, attempt + 1,
+                             REPLACEMENT_ATTEMPTS, e)  # fmt: skip
+                error = e
+        failed.failure = f"{failed.failure}; not replaced after {REPLACEMENT_ATTEMPTS} tries: {error}"
+        return None
 
     async def info(self) -> list[InstanceInfo]:
         """Each instance's current state (queues, KV use, failure)."""
@@ -391,4 +425,5 @@ class Orchestrator:
         for state, info in zip(self.instances, infos):
             if not isinstance(info, BaseException):
                 state.info = info
-        return [s.info for s in self.instances]
+        # A dead actor cannot answer: its last info, with why it failed.
+        return [dataclasses.replace(s.info, failure=s.failure) if s.failure else s.info for s in self.instances]

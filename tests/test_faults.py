@@ -3,6 +3,9 @@
 and the cluster serves new requests."""
 
 import asyncio
+import os
+import shutil
+import signal
 import time
 
 import pytest
@@ -63,29 +66,82 @@ STAGES = {
 }
 
 
+async def _kill_worker(cluster: AsyncCluster, role: str, rank: int) -> str:
+    """SIGKILL one worker process of an instance: its actor stays up, its health check must notice."""
+    entry = next(s for s in cluster.orchestrator.instances if s.role == role and s.failure is None)
+    pids = await entry.handle.worker_pids.remote()
+    os.kill(pids[rank], signal.SIGKILL)
+    return entry.name
+
+
+async def _rerun_scenario(prompts, expected, role: str, reached: int, kill, **options) -> None:
+    """Requests in flight when ``kill`` takes down an instance of ``role`` all end equal to their
+    greedy output; the instance is replaced, no block stays in use and the replacement serves."""
+    cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=400, **options)
+    try:
+        progress: dict[int, int] = {}
+        tasks = [asyncio.create_task(_collect(cluster, p, progress, i)) for i, p in enumerate(prompts)]
+        await _wait_until(lambda: sum(n >= reached for n in progress.values()) >= 2 if reached else True)
+        killed = await kill(cluster)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        assert results == expected
+        # Requests that no longer needed the dead instance may all be done before its replacement is up.
+        names = lambda: [s.name for s in cluster.orchestrator.instances]  # noqa: E731
+        await _wait_until(lambda: any(name.endswith(f"{role}-r1") for name in names()), timeout=60)
+        assert killed not in names()
+        await _all_blocks_free(cluster)
+        again = await _collect(cluster, prompts[0], {}, 0)
+        assert again == expected[0]
+        await _all_blocks_free(cluster)
+    finally:
+        await cluster.shutdown()
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_killed_instance_requests_rerun_to_the_same_output(ray_cluster, llama, stage):
     role, reached = STAGES[stage]
     prompts = random_prompts([40, 300, 120, 500, 80, 250, 16, 400], 1024, seed=len(stage))
     expected = [reference_greedy(llama, p, MAX_TOKENS) for p in prompts]
 
+    async def kill(cluster):
+        return _kill(cluster, role, ray_cluster)
+
+    asyncio.run(_rerun_scenario(prompts, expected, role, reached, kill))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_killed_worker_of_a_tensor_parallel_instance_fails_it_over(ray_cluster, llama, role):
+    """One of the two workers of a TP=2 instance dies while requests decode: the instance fails as a
+    whole (the other rank may be waiting for it in a collective), is replaced, and every request
+    re-runs to its greedy output."""
+    prompts = random_prompts([40, 300, 120, 250], 1024, seed=21)
+    expected = [reference_greedy(llama, p, MAX_TOKENS) for p in prompts]
+
+    async def kill(cluster):
+        return await _kill_worker(cluster, role, rank=1)
+
+    options = {role: {"tensor_parallel_size": 2}, {"prefill": "decode", "decode": "prefill"}[role]: {}}
+    asyncio.run(_rerun_scenario(prompts, expected, role, 3, kill, **options))
+
+
+def test_idle_instance_with_a_dead_worker_is_noticed_and_replaced(ray_cluster, llama):
+    """With no traffic, the instance's periodic health check finds a dead worker within seconds."""
+    prompt = random_prompts([64], 1024, seed=4)[0]
+
     async def scenario():
-        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=400)
+        cluster = await AsyncCluster.start(
+            model="tiny-llama", block_size=8, num_kv_blocks=200, prefill={}, decode={"tensor_parallel_size": 2}
+        )
         try:
-            progress: dict[int, int] = {}
-            tasks = [asyncio.create_task(_collect(cluster, p, progress, i)) for i, p in enumerate(prompts)]
-            await _wait_until(lambda: sum(n >= reached for n in progress.values()) >= 2 if reached else True)
-            killed = _kill(cluster, role, ray_cluster)
-            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-            assert results == expected
-            # Requests that no longer needed the dead instance may all be done before its replacement is up.
-            names = lambda: [s.name for s in cluster.orchestrator.instances]  # noqa: E731
-            await _wait_until(lambda: any(name.endswith(f"{role}-r1") for name in names()), timeout=60)
-            assert killed not in names()
-            await _all_blocks_free(cluster)
-            # The replacement serves.
-            again = await _collect(cluster, prompts[0], {}, 0)
-            assert again == expected[0]
+            entry = next(s for s in cluster.orchestrator.instances if s.role == "decode")
+            await _kill_worker(cluster, "decode", rank=0)
+            started = time.monotonic()
+            await _wait_until(lambda: entry.failure is not None, timeout=10)
+            noticed = time.monotonic() - started
+            await _wait_until(lambda: entry not in cluster.orchestrator.instances, timeout=60)
+            print(f"dead worker noticed in {noticed:.2f} s, replaced in {time.monotonic() - started:.2f} s")
+            assert noticed < 3.0  # one idle health check (1 s) and the ping's answer
+            assert await _collect(cluster, prompt, {}, 0) == reference_greedy(llama, prompt, MAX_TOKENS)
             await _all_blocks_free(cluster)
         finally:
             await cluster.shutdown()
@@ -113,6 +169,40 @@ def test_without_reruns_a_lost_instance_fails_its_requests(ray_cluster, llama):
             with pytest.raises(InstanceFailure, match="no decode instance"):
                 await _collect(cluster, prompts[0], {}, 0)
             prefill = next(i for i in await cluster.info() if i.role == "prefill")
+            assert prefill.num_free_blocks == prefill.num_blocks and prefill.num_held == 0
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_replacement_that_cannot_start_fails_requests_with_a_reason(ray_cluster, tmp_path):
+    """The model directory is gone when the decode instance dies: each try to start a replacement
+    fails, so the requests waiting for one end with InstanceFailure (UNAVAILABLE) well before the
+    replacement wait runs out, the dead instance stays in status saying why, and no block is held."""
+    from distserve.orchestrator import REPLACEMENT_ATTEMPTS, REPLACEMENT_WAIT_S
+    from distserve.tiny_models import ensure_tiny_model
+
+    model_dir = tmp_path / "llama"
+    shutil.copytree(ensure_tiny_model("tiny-llama"), model_dir)
+    prompts = random_prompts([50, 60, 70], 1024, seed=8)
+
+    async def scenario():
+        cluster = await AsyncCluster.start(model=str(model_dir), block_size=8, num_kv_blocks=200)
+        try:
+            progress: dict[int, int] = {}
+            tasks = [asyncio.create_task(_collect(cluster, p, progress, i)) for i, p in enumerate(prompts)]
+            await _wait_until(lambda: len(progress) == len(prompts) and min(progress.values()) >= 3)
+            shutil.rmtree(model_dir)
+            killed, started = _kill(cluster, "decode", ray_cluster), time.monotonic()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(isinstance(r, InstanceFailure) for r in results), results
+            assert time.monotonic() - started < REPLACEMENT_WAIT_S / 2
+            with pytest.raises(InstanceFailure, match="no decode instance"):
+                await _collect(cluster, prompts[0], {}, 0)
+            infos = {i.name: i for i in await cluster.info()}
+            assert f"not replaced after {REPLACEMENT_ATTEMPTS} tries" in infos[killed].failure
+            prefill = next(i for i in infos.values() if i.role == "prefill")
             assert prefill.num_free_blocks == prefill.num_blocks and prefill.num_held == 0
         finally:
             await cluster.shutdown()
@@ -237,3 +327,81 @@ def test_cancellation_at_every_stage_frees_blocks_within_a_second(ray_cluster):
             await cluster.shutdown()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_repeated_kills_under_a_steady_load(ray_cluster, llama):
+    """Requests keep arriving while the prefill and the decode instance are each killed twice, one
+    after the other (each kill once the previous replacement is up): every request ends equal to its
+    greedy output, and afterwards no block is in use."""
+    prompts = random_prompts([16 + (i * 37) % 400 for i in range(60)], 1024, seed=13)
+    expected = [reference_greedy(llama, p, MAX_TOKENS) for p in prompts]
+
+    async def scenario():
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=400, max_request_attempts=5)
+        try:
+            progress: dict[int, int] = {}
+
+            async def arrive(i, prompt):
+                await asyncio.sleep(0.5 * i)
+                return await _collect(cluster, prompt, progress, i)
+
+            tasks = [asyncio.create_task(arrive(i, p)) for i, p in enumerate(prompts)]
+            names = lambda: [s.name for s in cluster.orchestrator.instances]  # noqa: E731
+            for kill, role in enumerate(["prefill", "decode", "prefill", "decode"], start=1):
+                await asyncio.sleep(2.0)
+                _kill(cluster, role, ray_cluster)
+                replacement = f"-r{kill}"
+                await _wait_until(lambda: any(n.endswith(replacement) for n in names()), timeout=60)  # noqa: B023
+            assert await asyncio.wait_for(asyncio.gather(*tasks), 300) == expected
+            await _all_blocks_free(cluster)
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow
+def test_far_above_capacity_the_queue_refuses_and_memory_stays_bounded(ray_cluster, llama):
+    """Waves of 1500 concurrent gRPC streams against a server admitting 300 at a time, with KV for
+    about 30: the rest get RESOURCE_EXHAUSTED at once, every admitted stream equals its greedy
+    output, nothing is left in use, and the process does not grow from one wave to the next."""
+    import grpc
+    import psutil
+
+    from distserve.cluster import make_cluster_config
+    from distserve.entrypoints.client import AsyncClient
+    from distserve.entrypoints.server import BackgroundServer
+    from distserve.entrypoints.server_config import ServerConfig
+
+    prompts = random_prompts([16 + (i * 7) % 48 for i in range(50)], 1024, seed=17)
+    max_tokens = 8
+    expected = [reference_greedy(llama, p, max_tokens) for p in prompts]
+    config = make_cluster_config(model="tiny-llama", block_size=8, num_kv_blocks=200, prefill={}, decode={})
+
+    async def wave(address) -> tuple[int, int]:
+        async def one(i):
+            try:
+                completion = await client.complete(prompts[i % 50], max_tokens=max_tokens, temperature=0)
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                return False
+            assert completion.token_ids == expected[i % 50]
+            return True
+
+        async with AsyncClient(address) as client:
+            admitted = await asyncio.gather(*(one(i) for i in range(1500)))
+        return sum(admitted), len(admitted) - sum(admitted)
+
+    process = psutil.Process()
+    with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, max_pending_requests=300)) as server:
+        rss = []
+        for _ in range(3):
+            admitted, refused = asyncio.run(wave(server.grpc_address))
+            print(f"admitted {admitted}, refused {refused}, rss {process.memory_info().rss / 2**20:.0f} MiB")
+            assert admitted >= 300 and refused > 0
+            infos = server.info()
+            assert all(i.num_free_blocks == i.num_blocks and i.num_held == i.num_pending == 0 for i in infos)
+            assert server.frontend.num_pending == 0
+            rss.append(process.memory_info().rss)
+        assert rss[2] - rss[1] < 64 * 2**20, [r / 2**20 for r in rss]

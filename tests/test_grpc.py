@@ -208,6 +208,29 @@ def test_full_admission_queue_is_resource_exhausted(server, client):
         config.max_pending_requests = limit
 
 
+def test_a_burst_past_the_admission_limit_is_refused_not_cancelled(server):
+    """3000 calls at once on one connection, far past what the server admits: each is answered
+    RESOURCE_EXHAUSTED with its message (gRPC core's own queue would cancel those past its 1000th)."""
+    config = server.frontend.config
+    limit, config.max_pending_requests = config.max_pending_requests, 0
+
+    async def burst():
+        async def one():
+            try:
+                await aclient.complete("Hello", max_tokens=2)
+            except grpc.aio.AioRpcError as e:
+                return e.code(), "retry later" in e.details()
+
+        async with AsyncClient(server.grpc_address, api_key=API_KEY) as aclient:
+            return await asyncio.gather(*(one() for _ in range(3000)))
+
+    try:
+        outcomes = asyncio.run(burst())
+    finally:
+        config.max_pending_requests = limit
+    assert set(outcomes) == {(grpc.StatusCode.RESOURCE_EXHAUSTED, True)}
+
+
 def test_status_and_remote_generate_cli(server, client, capsys):
     from distserve.cli import main
 

@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DistServe"].full_name
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# Calls gRPC core queues until the Python server takes them. Past its default of 1000 it cancels
+# new calls with a bare CANCELLED, so a burst would lose requests before the admission limit could
+# answer them RESOURCE_EXHAUSTED; each queued call costs a few KiB.
+MAX_QUEUED_CALLS = 16384
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 _ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "colocated": pb.ROLE_COLOCATED}
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "skip_special_tokens")
@@ -158,6 +162,8 @@ class GrpcServer:
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.server.max_pending_requests", MAX_QUEUED_CALLS),
+            ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_QUEUED_CALLS),
         ]
         self.server = grpc.aio.server(options=options)
         self.health = health.aio.HealthServicer()
