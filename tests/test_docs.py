@@ -1,6 +1,8 @@
-"""The configuration reference names every setting."""
+"""The references name every setting, and the reliability page names tests that exist."""
 
+import ast
 import dataclasses
+import re
 from pathlib import Path
 
 from distserve.cluster_config import POOL_FLAGS
@@ -36,3 +38,16 @@ def test_placement_doc_lists_every_planner_flag():
             for flag in action.option_strings:
                 if flag.startswith("--") and flag != "--help":
                     assert f"`{flag}`" in text, flag
+
+
+def test_reliability_doc_names_tests_that_exist_and_every_fault_test():
+    docs, tests = DOC.parent, Path(__file__).parent
+    named = set(re.findall(r"`tests/(test_\w+)\.py::(test_\w+)`", (docs / "reliability.md").read_text()))
+    defined = {
+        (path.stem, node.name)
+        for path in tests.glob("test_*.py")
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+    }
+    assert named and named <= defined, sorted(named - defined)
+    assert {t for t in defined if t[0] in ("test_faults", "test_fuzz")} <= named

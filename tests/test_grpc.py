@@ -209,15 +209,17 @@ def test_full_admission_queue_is_resource_exhausted(server, client):
 
 
 def test_a_burst_past_the_admission_limit_is_refused_not_cancelled(server):
-    """3000 calls at once on one connection, far past what the server admits: each is answered
-    RESOURCE_EXHAUSTED with its message (gRPC core's own queue would cancel those past its 1000th)."""
+    """3000 calls at once on one connection, far past what the server admits: each one runs or is
+    answered RESOURCE_EXHAUSTED with its message (gRPC core's own queue would cancel those past its
+    1000th)."""
     config = server.frontend.config
-    limit, config.max_pending_requests = config.max_pending_requests, 0
+    limit, config.max_pending_requests = config.max_pending_requests, 1
 
     async def burst():
         async def one():
             try:
                 await aclient.complete("Hello", max_tokens=2)
+                return "done"
             except grpc.aio.AioRpcError as e:
                 return e.code(), "retry later" in e.details()
 
@@ -228,7 +230,9 @@ def test_a_burst_past_the_admission_limit_is_refused_not_cancelled(server):
         outcomes = asyncio.run(burst())
     finally:
         config.max_pending_requests = limit
-    assert set(outcomes) == {(grpc.StatusCode.RESOURCE_EXHAUSTED, True)}
+    refused = (grpc.StatusCode.RESOURCE_EXHAUSTED, True)
+    assert set(outcomes) <= {"done", refused} and outcomes.count(refused) > 2900
+    wait_all_blocks_free(server)
 
 
 def test_status_and_remote_generate_cli(server, client, capsys):

@@ -402,6 +402,32 @@ def test_tls_server_with_an_admission_limit_answers_429(server, tmp_path):
         server.loop.run(runner.cleanup())
 
 
+def test_a_batch_is_admitted_whole_or_refused_whole(server):
+    """A batch that does not fit under the admission limit is refused before any of its prompts
+    starts; one larger than the limit itself can never run, so it is a 400, not a 429."""
+    config = ServerConfig(host="127.0.0.1", http_port=0, max_pending_requests=3)
+    frontend = Frontend(server.cluster, config)
+    runner, port = server.loop.run(start_http_server(frontend, config))
+    batch = _with(COMPLETION, prompt=[PROMPT, "Another prompt", "A third"], max_tokens=4)
+    try:
+        body = json.dumps(_with(COMPLETION, max_tokens=LONG, stream=True, ignore_eos=True)).encode()
+        busy = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(busy, timeout=60) as stream:
+            assert stream.readline().startswith(b"data: {")
+            status, reply = _request(server, "/v1/completions", batch, port=port)
+            assert status == 429 and reply["error"]["type"] == "rate_limit_error"
+            assert len(server.cluster.orchestrator.requests) == 1  # only the stream: nothing of the batch ran
+        status, reply = _request(server, "/v1/completions", _with(batch, n=2), port=port)
+        assert status == 400 and "more than the server runs at once (3)" in reply["error"]["message"]
+        _wait_all_blocks_free(server)
+        status, reply = _request(server, "/v1/completions", batch, port=port)
+        assert status == 200 and len(reply["choices"]) == 3
+    finally:
+        server.loop.run(runner.cleanup())
+
+
 def test_default_chat_template_for_a_tokenizer_without_one():
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model(MODEL))
     tokenizer.chat_template = None

@@ -7,10 +7,18 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager, nullcontext
 
 from distserve.cluster import AsyncCluster
-from distserve.entrypoints.errors import Overloaded, ServingError, Unauthenticated, Unavailable, to_serving_error
+from distserve.entrypoints.errors import (
+    InvalidRequest,
+    Overloaded,
+    ServingError,
+    Unauthenticated,
+    Unavailable,
+    to_serving_error,
+)
 from distserve.entrypoints.prometheus import ServingMetrics
 from distserve.entrypoints.server_config import ServerConfig
 from distserve.instance import InstanceInfo
@@ -60,35 +68,52 @@ class Frontend:
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), expected.encode()):
             raise Unauthenticated("the API key is wrong")
 
-    async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, priority: int = 0
-    ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs; every failure is raised as a ``ServingError``."""
+    @contextmanager
+    def admission(self, count: int = 1) -> Iterator[None]:
+        """Count ``count`` requests in for the block: all of them or none, so a batch is never
+        partly started before it is refused. Unavailable while draining, Overloaded when full."""
+        limit = self.config.max_pending_requests
         try:
             if self.draining:
                 raise Unavailable("the server is shutting down and admits no new requests")
-            if self.num_pending >= self.config.max_pending_requests:
-                raise Overloaded(
-                    f"the server has {self.num_pending} requests in flight, its limit: retry later"
+            if count > limit:
+                raise InvalidRequest(
+                    f"the request asks for {count} generations, more than the server runs at once ({limit})"
                 )
+            if self.num_pending + count > limit:
+                raise Overloaded(f"the server has {self.num_pending} requests in flight, its limit: retry later")
         except ServingError as e:
             self.metrics.observe_error(e.grpc_code.name)
             raise
-        self.num_pending += 1
+        self.num_pending += count
         self._idle.clear()
         try:
-            async for output in self.cluster.generate(prompt, params, request_id, priority):
-                if output.finished:
-                    self.metrics.observe_finished(output)
-                yield output
-        except Exception as e:
-            error = to_serving_error(e)
-            self.metrics.observe_error(error.grpc_code.name)
-            raise error from e
+            yield
         finally:
-            self.num_pending -= 1
+            self.num_pending -= count
             if self.num_pending == 0:
                 self._idle.set()
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        admitted: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; every failure is raised as a ``ServingError``. ``admitted``: the
+        caller holds an ``admission`` for it already."""
+        with nullcontext() if admitted else self.admission():
+            try:
+                async for output in self.cluster.generate(prompt, params, request_id, priority):
+                    if output.finished:
+                        self.metrics.observe_finished(output)
+                    yield output
+            except Exception as e:
+                error = to_serving_error(e)
+                self.metrics.observe_error(error.grpc_code.name)
+                raise error from e
 
     async def info(self) -> list[InstanceInfo]:
         infos = await self.cluster.info()

@@ -333,33 +333,34 @@ def _parse_chat(frontend: Frontend, body: Any) -> _Call:
 async def _run_choices(
     frontend: Frontend, request_id: str, jobs: list[tuple[str | list[int], SamplingParams]]
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Run the jobs concurrently and yield (choice index, output) as outputs come. The first
-    error is raised; leaving early (or an error) cancels the jobs still running."""
+    """Run the jobs concurrently, admitted together, and yield (choice index, output) as outputs
+    come. The first error is raised; leaving early (or an error) cancels the jobs still running."""
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def run(index: int, prompt: str | list[int], params: SamplingParams) -> None:
         try:
-            async for output in frontend.generate(prompt, params, f"{request_id}-{index}"):
+            async for output in frontend.generate(prompt, params, f"{request_id}-{index}", admitted=True):
                 queue.put_nowait((index, output))
             queue.put_nowait((index, None))
         except Exception as e:
             queue.put_nowait((index, e))
 
-    tasks = [asyncio.create_task(run(i, prompt, params)) for i, (prompt, params) in enumerate(jobs)]
-    try:
-        running = len(tasks)
-        while running:
-            index, item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item is None:
-                running -= 1
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    with frontend.admission(len(jobs)):
+        tasks = [asyncio.create_task(run(i, prompt, params)) for i, (prompt, params) in enumerate(jobs)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item is None:
+                    running -= 1
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _usage(call: _Call, finals: dict[int, RequestOutput]) -> dict[str, int]:
