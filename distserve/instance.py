@@ -24,7 +24,7 @@ from distserve.engine import LLMEngine
 from distserve.executor import InstanceFailure, cluster_device
 from distserve.migration import KVEndpoint, MigrationRecord, Migrator, PrefilledRequest
 from distserve.model_loader import resolve_model
-from distserve.outputs import RequestOutput
+from distserve.outputs import RequestDelta, RequestOutput
 from distserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class Instance:
         self._wakeup = threading.Event()
         self._lock = threading.Lock()
         self._outputs_ready = threading.Condition(self._lock)
-        self._outputs: list[RequestOutput] = []
+        self._outputs: list[RequestDelta] = []
         self._active: set[str] = set()  # request ids queued or running, guarded by _lock
         self._failure: str | None = None
         self._stopping = False
@@ -142,8 +142,9 @@ class Instance:
         """Decode: the latest KV pulls, by request id."""
         return self._migrator.records() if self._migrator else {}
 
-    def get_outputs(self, timeout: float = 1.0) -> list[RequestOutput]:
-        """Outputs since the last call, waiting up to ``timeout`` seconds for the first one."""
+    def get_outputs(self, timeout: float = 1.0) -> list[RequestDelta]:
+        """What each request gained since the last call, waiting up to ``timeout`` seconds for the
+        first news."""
         with self._outputs_ready:
             self._outputs_ready.wait_for(lambda: self._outputs or self._failure, timeout)
             if not self._outputs:
@@ -306,7 +307,7 @@ class Instance:
         if not outputs:
             return
         with self._outputs_ready:
-            self._outputs.extend(outputs)
+            self._outputs.extend(RequestDelta.of(o) for o in outputs)
             self._active.difference_update(o.request_id for o in outputs if o.finished)
             self._outputs_ready.notify_all()
 

@@ -6,6 +6,8 @@ it is never on an instance's per-step path.
 Request path (disaggregated): tokenize and validate here -> the least loaded prefill instance
 -> its first token comes back with a ``PrefilledRequest`` -> the decode instance with the most
 room takes it over and pulls the KV -> its tokens stream back. Colocated: one instance does both.
+Instances send each step's new tokens and text (``RequestDelta``); the request's state here adds
+them up into the ``RequestOutput`` its client sees.
 
 Failures: an instance that dies (its long poll raises) is replaced by a new actor, and each request
 that still needed it is aborted on the instance it shared and re-run from its prompt under a new
@@ -34,7 +36,7 @@ from distserve.executor import InstanceFailure
 from distserve.input_processor import InputProcessor
 from distserve.instance import InstanceInfo, launch_instance
 from distserve.model_loader import load_tokenizer, resolve_model
-from distserve.outputs import RequestMetrics, RequestOutput
+from distserve.outputs import RequestDelta, RequestMetrics, RequestOutput
 from distserve.prefix_index import PrefixIndex
 from distserve.sampling_params import SamplingParams
 
@@ -73,16 +75,37 @@ class RequestState:
     finished: bool = False
     cancelled: bool = False
     # What a re-run needs, and how far the client has got.
-    token_ids: list[int] = field(default_factory=list)
+    prompt: str | None = None
+    token_ids: list[int] = field(default_factory=list)  # the prompt's
     params: SamplingParams | None = None
     priority: int = 0
     engine_id: str = ""  # the id instances know this run by: request_id, then request_id.retryN
     attempts: int = 1
     delivered_tokens: int = 0
     delivered_text: int = 0  # characters
+    # The current run's output, built up from the instances' deltas.
+    run_token_ids: list[int] = field(default_factory=list)
+    run_text: str = ""
 
     def __post_init__(self) -> None:
         self.engine_id = self.engine_id or self.request_id
+
+    def add(self, delta: RequestDelta) -> RequestOutput:
+        """The run's whole output so far, with ``delta`` added."""
+        self.run_token_ids += delta.new_token_ids
+        self.run_text += delta.new_text
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.token_ids,
+            token_ids=list(self.run_token_ids),
+            text=self.run_text,
+            new_token_ids=delta.new_token_ids,
+            new_text=delta.new_text,
+            finished=delta.finished,
+            finish_reason=delta.finish_reason,
+            num_cached_tokens=delta.num_cached_tokens,
+        )
 
     def unseen(self, output: RequestOutput) -> RequestOutput | None:
         """``output`` with only what the client does not have yet; None when that is nothing."""
@@ -171,7 +194,8 @@ class Orchestrator:
         if role := self._unavailable_role():
             raise InstanceFailure(f"no {role} instance is available to serve the request")
         state = RequestState(
-            request_id, seq.num_prompt_tokens, params.max_tokens, token_ids=seq.token_ids, params=params,
+            request_id, seq.num_prompt_tokens, params.max_tokens, prompt=seq.prompt, token_ids=seq.token_ids,
+            params=params,
             priority=priority,
         )
         state.metrics.arrival_time = time.time()
@@ -301,30 +325,29 @@ class Orchestrator:
             for output in outputs:
                 self._route(entry, output)
 
-    def _route(self, entry: InstanceState, output: RequestOutput) -> None:
-        state = self.requests.get(output.request_id)
+    def _route(self, entry: InstanceState, delta: RequestDelta) -> None:
+        state = self.requests.get(delta.request_id)
         if state is None or state.cancelled:
-            if not output.finished:
+            if not delta.finished:
                 # Calls to an instance may run out of order: an abort can overtake the request it
                 # cancels, which then starts after all. Stop it wherever it shows up.
-                self._spawn(self._abort_on(entry, output.request_id))
+                self._spawn(self._abort_on(entry, delta.request_id))
             return
+        output = state.add(delta)
         now = time.time()
         # A re-run repeats tokens the request already has: time only the ones past them.
         state.metrics.token_times.extend([now] * (len(output.token_ids) - len(state.metrics.token_times)))
         for name in ("prefill_start", "prefill_end", "migration_start", "migration_end"):
-            value = getattr(output.metrics, name)
+            value = getattr(delta.metrics, name)
             if value is not None:
                 setattr(state.metrics, name, value)
-        if output.prefilled is not None:
-            prefilled, output.prefilled = output.prefilled, None
-            if not state.cancelled:
-                self._spawn(self._hand_over(state, prefilled))
-        if output.finished and output.finish_reason == "error":
+        if delta.prefilled is not None and not state.cancelled:
+            self._spawn(self._hand_over(state, delta.prefilled))
+        if delta.finished and delta.finish_reason == "error":
             # The run could not go on there (its KV pull failed, say): re-run it elsewhere.
             self._spawn(self._rerun(state, InstanceFailure(f"request {state.request_id} failed on {entry.name}")))
             return
-        if output.finished:
+        if delta.finished:
             state.finished = True
             state.metrics.finished_time = now
         output.metrics = dataclasses.replace(state.metrics, token_times=list(state.metrics.token_times))
@@ -370,6 +393,7 @@ class Orchestrator:
             return
         state.attempts += 1
         state.engine_id = f"{state.request_id}.retry{state.attempts - 1}"
+        state.run_token_ids, state.run_text = [], ""
         self.requests[state.engine_id] = state
         logger.warning("%s; re-running %s (run %d)", error, state.request_id, state.attempts)
         try:

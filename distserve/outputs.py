@@ -50,3 +50,32 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     prefilled: PrefilledRequest | None = None  # from a prefill instance: what decode needs to take over
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+@dataclass
+class RequestDelta:
+    """What one step adds to a request, as an instance sends it to the orchestrator: new tokens and
+    text only, so a message stays the same size however long the request grows (a RequestOutput
+    repeats the prompt and everything generated so far). The orchestrator keeps the rest."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    prefilled: PrefilledRequest | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)  # stage times; no token times
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> RequestDelta:
+        return cls(
+            output.request_id,
+            output.new_token_ids,
+            output.new_text,
+            output.finished,
+            output.finish_reason,
+            output.num_cached_tokens,
+            output.prefilled,
+            output.metrics,
+        )

@@ -216,13 +216,13 @@ def test_orchestrator_turns_an_error_finish_into_a_failure():
     from distserve import ClusterConfig
     from distserve.executor import InstanceFailure
     from distserve.orchestrator import InstanceState, Orchestrator, RequestState
-    from distserve.outputs import RequestOutput
+    from distserve.outputs import RequestDelta
 
     async def route() -> RequestState:
         orchestrator = Orchestrator(ClusterConfig(max_request_attempts=1))
         decode = InstanceState("decode-0", "decode", handle=None, info=None)
         state = orchestrator.requests["r"] = RequestState("r", num_prompt_tokens=3, max_tokens=4)
-        failed = RequestOutput("r", None, [1, 2, 3], [5], "", [], "", True, "error", 0)
+        failed = RequestDelta("r", [], "", True, "error", 0)
         orchestrator._route(decode, failed)
         await asyncio.gather(*orchestrator._background)
         assert not orchestrator.requests

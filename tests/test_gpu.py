@@ -50,11 +50,14 @@ def test_instance_actor_on_cuda_equals_transformers(ray_cluster, reference_model
             ray.get(handle.add_request.remote(p, SamplingParams(max_tokens=16, temperature=0.0), f"gpu-{i}"))
             for i, p in enumerate(prompts)
         ]
-        done = {}
+        tokens, done = {rid: [] for rid in ids}, set()
         while len(done) < len(ids):
-            done.update({o.request_id: o.token_ids for o in ray.get(handle.get_outputs.remote(5.0)) if o.finished})
+            for delta in ray.get(handle.get_outputs.remote(5.0)):
+                tokens[delta.request_id] += delta.new_token_ids
+                if delta.finished:
+                    done.add(delta.request_id)
         for rid, prompt in zip(ids, prompts):
-            assert done[rid] == reference_greedy(model, prompt, 16)
+            assert tokens[rid] == reference_greedy(model, prompt, 16)
         info = ray.get(handle.info.remote())
         assert info.num_free_blocks == info.num_blocks
     finally:

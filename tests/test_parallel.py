@@ -33,17 +33,20 @@ def _submit(ray, handle, prompts, max_tokens, **params) -> list[str]:
 
 
 def _collect(ray, handles_and_ids) -> dict[str, list[int]]:
-    """Final token ids of every request, polling each instance until all have finished."""
+    """Final token ids of every request (instances send each step's new tokens), polling each
+    instance until all have finished."""
     wanted = {rid for _, ids in handles_and_ids for rid in ids}
-    done: dict[str, list[int]] = {}
+    tokens: dict[str, list[int]] = {rid: [] for rid in wanted}
+    done: set[str] = set()
     deadline = time.monotonic() + DEADLINE_S
     while len(done) < len(wanted):
         assert time.monotonic() < deadline, f"{len(wanted) - len(done)} requests unfinished after {DEADLINE_S} s"
         for handle, _ in handles_and_ids:
-            for out in ray.get(handle.get_outputs.remote(0.2)):
-                if out.finished:
-                    done[out.request_id] = out.token_ids
-    return done
+            for delta in ray.get(handle.get_outputs.remote(0.2)):
+                tokens[delta.request_id] += delta.new_token_ids
+                if delta.finished:
+                    done.add(delta.request_id)
+    return tokens
 
 
 def _stop(ray, handle) -> None:
