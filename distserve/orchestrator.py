@@ -36,7 +36,7 @@ from distserve.executor import InstanceFailure
 from distserve.input_processor import InputProcessor
 from distserve.instance import InstanceInfo, launch_instance
 from distserve.model_loader import load_tokenizer, resolve_model
-from distserve.outputs import RequestDelta, RequestMetrics, RequestOutput
+from distserve.outputs import STAGE_TIMES, RequestDelta, RequestMetrics, RequestOutput
 from distserve.prefix_index import PrefixIndex
 from distserve.sampling_params import SamplingParams
 
@@ -337,8 +337,7 @@ class Orchestrator:
         now = time.time()
         # A re-run repeats tokens the request already has: time only the ones past them.
         state.metrics.token_times.extend([now] * (len(output.token_ids) - len(state.metrics.token_times)))
-        for name in ("prefill_start", "prefill_end", "migration_start", "migration_end"):
-            value = getattr(delta.metrics, name)
+        for name, value in zip(STAGE_TIMES, delta.stage_times):
             if value is not None:
                 setattr(state.metrics, name, value)
         if delta.prefilled is not None and not state.cancelled:

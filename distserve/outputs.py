@@ -52,6 +52,9 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
 
+STAGE_TIMES = ("prefill_start", "prefill_end", "migration_start", "migration_end")
+
+
 @dataclass
 class RequestDelta:
     """What one step adds to a request, as an instance sends it to the orchestrator: new tokens and
@@ -65,7 +68,8 @@ class RequestDelta:
     finish_reason: str | None
     num_cached_tokens: int
     prefilled: PrefilledRequest | None = None
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)  # stage times; no token times
+    # RequestMetrics' STAGE_TIMES: a tuple pickles in about half the time of a dataclass.
+    stage_times: tuple[float | None, ...] = (None,) * len(STAGE_TIMES)
 
     @classmethod
     def of(cls, output: RequestOutput) -> RequestDelta:
@@ -77,5 +81,5 @@ class RequestDelta:
             output.finish_reason,
             output.num_cached_tokens,
             output.prefilled,
-            output.metrics,
+            tuple(getattr(output.metrics, name) for name in STAGE_TIMES),
         )
