@@ -51,8 +51,12 @@ async def _wait_until(condition, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.005)
 
 
+def _healthy(cluster: AsyncCluster, role: str):
+    return next(s for s in cluster.orchestrator.instances if s.role == role and s.failure is None)
+
+
 def _kill(cluster: AsyncCluster, role: str, ray) -> str:
-    entry = next(s for s in cluster.orchestrator.instances if s.role == role and s.failure is None)
+    entry = _healthy(cluster, role)
     ray.kill(entry.handle)
     return entry.name
 
@@ -68,7 +72,7 @@ STAGES = {
 
 async def _kill_worker(cluster: AsyncCluster, role: str, rank: int) -> str:
     """SIGKILL one worker process of an instance: its actor stays up, its health check must notice."""
-    entry = next(s for s in cluster.orchestrator.instances if s.role == role and s.failure is None)
+    entry = _healthy(cluster, role)
     pids = await entry.handle.worker_pids.remote()
     os.kill(pids[rank], signal.SIGKILL)
     return entry.name
@@ -133,7 +137,7 @@ def test_idle_instance_with_a_dead_worker_is_noticed_and_replaced(ray_cluster, l
             model="tiny-llama", block_size=8, num_kv_blocks=200, prefill={}, decode={"tensor_parallel_size": 2}
         )
         try:
-            entry = next(s for s in cluster.orchestrator.instances if s.role == "decode")
+            entry = _healthy(cluster, "decode")
             await _kill_worker(cluster, "decode", rank=0)
             started = time.monotonic()
             await _wait_until(lambda: entry.failure is not None, timeout=10)
