@@ -6,18 +6,18 @@ benchmark) imports neither torch nor Ray."""
 import importlib
 
 _EXPORTS = {
-    "LLM": "distserve.llm",
-    "AsyncCluster": "distserve.cluster",
-    "Cluster": "distserve.cluster",
-    "ClusterConfig": "distserve.cluster_config",
-    "PoolConfig": "distserve.cluster_config",
-    "ParallelConfig": "distserve.config",
-    "CacheConfig": "distserve.config",
-    "EngineConfig": "distserve.config",
-    "ModelConfig": "distserve.config",
-    "RequestOutput": "distserve.outputs",
-    "SamplingParams": "distserve.sampling_params",
-    "SchedulerConfig": "distserve.config",
+    "LLM": "distserve.entrypoints.llm",
+    "AsyncCluster": "distserve.cluster.api",
+    "Cluster": "distserve.cluster.api",
+    "ClusterConfig": "distserve.cluster.config",
+    "PoolConfig": "distserve.cluster.config",
+    "ParallelConfig": "distserve.core.config",
+    "CacheConfig": "distserve.core.config",
+    "EngineConfig": "distserve.core.config",
+    "ModelConfig": "distserve.core.config",
+    "RequestOutput": "distserve.core.outputs",
+    "SamplingParams": "distserve.core.sampling_params",
+    "SchedulerConfig": "distserve.core.config",
 }
 
 __all__ = list(_EXPORTS)

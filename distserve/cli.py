@@ -18,11 +18,11 @@ from pathlib import Path
 import grpc
 
 from distserve.benchmark.command import add_bench_args
-from distserve.cluster_config import POOL_FLAGS
-from distserve.config import FIELD_SECTION, SECTIONS, EngineConfig
+from distserve.benchmark.profiler import add_profile_args, cmd_profile
+from distserve.cluster.config import POOL_FLAGS
+from distserve.core.config import FIELD_SECTION, SECTIONS, EngineConfig
+from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.server_config import API_KEY_ENV, ServerConfig
-from distserve.profiler import add_profile_args, cmd_profile
-from distserve.sampling_params import SamplingParams
 
 # SamplingParams fields whose flag would clash with an engine flag.
 _SAMPLING_FLAG_NAMES = {"seed": "sampling_seed"}
@@ -77,7 +77,7 @@ def _sampling_options(args: argparse.Namespace) -> dict[str, typing.Any]:
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.server:
         return _generate_remote(args)
-    from distserve.llm import LLM
+    from distserve.entrypoints.llm import LLM
 
     params = SamplingParams(**_sampling_options(args))
     engine = LLM(config=_engine_config(args)).engine  # LLM refuses a one-phase scheduler here
@@ -190,7 +190,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
-    from distserve.tiny_models import make_tiny_model
+    from distserve.model_executor.tiny_models import make_tiny_model
 
     out = make_tiny_model(args.name, args.out)
     print(f"wrote {args.name} to {out}")
@@ -207,7 +207,7 @@ def _add_client_args(parser: argparse.ArgumentParser, required: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from distserve.tiny_models import TINY_MODELS
+    from distserve.model_executor.tiny_models import TINY_MODELS
 
     parser = argparse.ArgumentParser(prog="distserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)

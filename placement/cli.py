@@ -231,7 +231,7 @@ def attainment_curve(problem: PhaseProblem, deployment: Deployment, around: floa
 
 
 def plot_curve(path: str, label: str, points: list[tuple[float, float]], target: float, title: str) -> None:
-    from distserve.benchmark.plots import plot_attainment_vs_rate
+    from placement.plots import plot_attainment_vs_rate
 
     plot_attainment_vs_rate({label: points}, target, path, title)
 

@@ -10,7 +10,7 @@ another) and would make predictions outside the grid go negative. With three ter
 solution is found by enumeration: it is the unconstrained least-squares fit on some subset of the
 terms, so the best fit among the subsets whose coefficients are all non-negative is the optimum.
 
-``distserve profile`` (distserve/profiler.py) measures the samples and saves the result; the
+``distserve profile`` (distserve/benchmark/profiler.py) measures the samples and saves the result; the
 planner loads it and plugs ``prefill_time`` / ``decode_time`` in where it would use the roofline.
 """
 

@@ -99,7 +99,7 @@ def main() -> None:
     import ray
 
     from distserve import SamplingParams
-    from distserve.cluster import make_cluster_config
+    from distserve.cluster.api import make_cluster_config
     from distserve.entrypoints.server import BackgroundServer
     from distserve.entrypoints.server_config import ServerConfig
 

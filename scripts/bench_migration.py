@@ -26,7 +26,7 @@ import ray
 from transformers.utils import logging as hf_logging
 
 from distserve import Cluster, SamplingParams
-from distserve.tiny_models import write_llama_shape
+from distserve.model_executor.tiny_models import write_llama_shape
 
 
 def parse_args() -> argparse.Namespace:

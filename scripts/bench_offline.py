@@ -41,10 +41,10 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from transformers.utils import logging as hf_logging
 
 from distserve import SamplingParams
-from distserve.config import EngineConfig
-from distserve.engine import LLMEngine
-from distserve.metrics import PHASES, StepRecord
-from distserve.tiny_models import train_tokenizer
+from distserve.core.config import EngineConfig
+from distserve.core.step_metrics import PHASES, StepRecord
+from distserve.engine.llm_engine import LLMEngine
+from distserve.model_executor.tiny_models import train_tokenizer
 
 SYSTEMS = ("distserve", "hf-cb", "hf-static")
 BLOCK_SIZE = 16

@@ -15,7 +15,7 @@ import pickle
 import random
 import time
 
-from distserve.outputs import RequestDelta, RequestMetrics, RequestOutput
+from distserve.core.outputs import RequestDelta, RequestMetrics, RequestOutput
 
 
 def step_outputs(batch: int, prompt: int, generated: int) -> list[RequestOutput]:

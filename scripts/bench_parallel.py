@@ -28,9 +28,9 @@ import ray
 from transformers.utils import logging as hf_logging
 
 from distserve import SamplingParams
-from distserve.config import EngineConfig
-from distserve.engine import LLMEngine
-from distserve.tiny_models import write_llama_shape
+from distserve.core.config import EngineConfig
+from distserve.engine.llm_engine import LLMEngine
+from distserve.model_executor.tiny_models import write_llama_shape
 
 
 @dataclass

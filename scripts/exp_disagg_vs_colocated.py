@@ -22,10 +22,10 @@ from pathlib import Path
 
 import ray
 
-from distserve.benchmark.plots import plot_attainment_vs_rate, plot_attainment_vs_slo_scale
-from distserve.cluster import make_cluster_config
+from distserve.cluster.api import make_cluster_config
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
+from placement.plots import plot_attainment_vs_rate, plot_attainment_vs_slo_scale
 
 WORKLOADS = {
     # Long prompts, moderate outputs: every prefill stalls a colocated instance's decoding.

@@ -31,15 +31,15 @@ from pathlib import Path
 
 import ray
 
-from distserve.benchmark.plots import plot_attainment_vs_rate
-from distserve.cluster import make_cluster_config
-from distserve.config import EngineConfig
+from distserve.benchmark.profiler import run_profile
+from distserve.cluster.api import make_cluster_config
+from distserve.core.config import EngineConfig
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
-from distserve.profiler import run_profile
-from distserve.tiny_models import VOCAB_SIZE, write_llama_shape
+from distserve.model_executor.tiny_models import VOCAB_SIZE, write_llama_shape
 from placement.fitted import FittedLatency
 from placement.goodput import find_goodput
+from placement.plots import plot_attainment_vs_rate
 from placement.simulator import DecodeInstanceSpec, PrefillInstanceSpec, SimRequest, attainment, simulate
 from placement.workload import arrival_times, parse_length, synthetic_workload
 

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import ray
 
-from distserve.cluster import make_cluster_config
+from distserve.cluster.api import make_cluster_config
 from distserve.entrypoints.client import AsyncClient
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from distserve.tiny_models import TINY_MODELS, ensure_tiny_model
+from distserve.model_executor.tiny_models import TINY_MODELS, ensure_tiny_model
 
 
 @pytest.fixture(scope="session", autouse=True)

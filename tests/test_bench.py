@@ -8,7 +8,7 @@ import pytest
 
 from distserve.benchmark.runner import run_workload
 from distserve.cli import main
-from distserve.cluster import make_cluster_config
+from distserve.cluster.api import make_cluster_config
 from distserve.entrypoints.client import AsyncClient
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig

@@ -318,7 +318,7 @@ def test_load_length_trace(tmp_path):
 
 def test_plots_write_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from distserve.benchmark.plots import plot_attainment_vs_rate, plot_attainment_vs_slo_scale
+    from placement.plots import plot_attainment_vs_rate, plot_attainment_vs_slo_scale
 
     series = {"disagg 1P1D": [(1.0, 1.0), (3.0, 0.95), (2.0, 0.99)], "colocated": [(1.0, 0.97), (2.0, 0.6)]}
     for plot, path in (

@@ -6,9 +6,9 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from distserve.block_manager import BlockManager
-from distserve.sampling_params import SamplingParams
-from distserve.sequence import Sequence
+from distserve.core.sampling_params import SamplingParams
+from distserve.core.sequence import Sequence
+from distserve.scheduling.block_manager import BlockManager
 
 
 def _seq(tokens: list[int]) -> Sequence:

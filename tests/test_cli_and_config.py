@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distserve import LLM, SamplingParams
 from distserve.cli import main
-from distserve.config import SECTIONS, EngineConfig, ModelConfig
-from distserve.model_loader import resolve_model
+from distserve.core.config import SECTIONS, EngineConfig, ModelConfig
+from distserve.model_executor.model_loader import resolve_model
 from placement import MODEL_PRESETS, model_shape
 
 
@@ -106,8 +106,8 @@ def test_dummy_weights_have_the_real_shape_and_serve():
 
 
 def test_kv_cache_sizing():
-    from distserve.config import CacheConfig
-    from distserve.kv_cache import CPU_KV_CACHE_LIMIT_BYTES, KVCacheShape, determine_num_blocks
+    from distserve.core.config import CacheConfig
+    from distserve.model_executor.kv_cache import CPU_KV_CACHE_LIMIT_BYTES, KVCacheShape, determine_num_blocks
 
     shape = KVCacheShape(num_layers=32, num_kv_heads=32, head_dim=128, block_size=16, dtype=torch.float16)
     cpu = torch.device("cpu")

@@ -185,8 +185,8 @@ def test_a_pull_that_fails_ends_the_request_with_an_error(ray_cluster):
     """A hand-over naming a prefill instance that is gone: decode frees what it allocated and
     reports the request as failed, not as cancelled."""
     from distserve import EngineConfig
-    from distserve.instance import launch_instance
-    from distserve.migration import PrefilledRequest
+    from distserve.cluster.instance import launch_instance
+    from distserve.kv_transfer.migrator import PrefilledRequest
 
     ray = ray_cluster
     config = EngineConfig.from_flat(model="tiny-llama", scheduler="decode", block_size=8, num_kv_blocks=16)
@@ -214,9 +214,9 @@ def test_orchestrator_turns_an_error_finish_into_a_failure():
     """An output that ends with "error" reaches the client as InstanceFailure, not as a result, once
     the request has no run left."""
     from distserve import ClusterConfig
-    from distserve.executor import InstanceFailure
-    from distserve.orchestrator import InstanceState, Orchestrator, RequestState
-    from distserve.outputs import RequestDelta
+    from distserve.cluster.orchestrator import InstanceState, Orchestrator, RequestState
+    from distserve.core.outputs import RequestDelta
+    from distserve.engine.executor import InstanceFailure
 
     async def route() -> RequestState:
         orchestrator = Orchestrator(ClusterConfig(max_request_attempts=1))

@@ -2,10 +2,10 @@
 
 import random
 
-from distserve.detokenizer import Detokenizer
-from distserve.sampling_params import SamplingParams
-from distserve.sequence import Sequence
-from distserve.tiny_models import train_tokenizer
+from distserve.core.sampling_params import SamplingParams
+from distserve.core.sequence import Sequence
+from distserve.engine.detokenizer import Detokenizer
+from distserve.model_executor.tiny_models import train_tokenizer
 
 TEXTS = ["héllo wörld", " — 你好, ", "the cache block", " naïve café ☕ ", "12345", "\n  spaced  out\n"]
 

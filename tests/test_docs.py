@@ -5,8 +5,8 @@ import dataclasses
 import re
 from pathlib import Path
 
-from distserve.cluster_config import POOL_FLAGS
-from distserve.config import SECTIONS
+from distserve.cluster.config import POOL_FLAGS
+from distserve.core.config import SECTIONS
 from distserve.entrypoints.server_config import ServerConfig
 
 DOC = Path(__file__).parent.parent / "docs" / "configuration.md"

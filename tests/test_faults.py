@@ -12,7 +12,7 @@ import pytest
 from conftest import random_prompts, reference_greedy
 
 from distserve import AsyncCluster, SamplingParams
-from distserve.executor import InstanceFailure
+from distserve.engine.executor import InstanceFailure
 
 MAX_TOKENS = 60
 
@@ -184,8 +184,8 @@ def test_replacement_that_cannot_start_fails_requests_with_a_reason(ray_cluster,
     """The model directory is gone when the decode instance dies: each try to start a replacement
     fails, so the requests waiting for one end with InstanceFailure (UNAVAILABLE) well before the
     replacement wait runs out, the dead instance stays in status saying why, and no block is held."""
-    from distserve.orchestrator import REPLACEMENT_ATTEMPTS, REPLACEMENT_WAIT_S
-    from distserve.tiny_models import ensure_tiny_model
+    from distserve.cluster.orchestrator import REPLACEMENT_ATTEMPTS, REPLACEMENT_WAIT_S
+    from distserve.model_executor.tiny_models import ensure_tiny_model
 
     model_dir = tmp_path / "llama"
     shutil.copytree(ensure_tiny_model("tiny-llama"), model_dir)
@@ -271,7 +271,7 @@ def test_kv_held_past_its_deadline_is_freed_and_a_late_pull_refused(ray_cluster)
     ``kv_hold_timeout`` and reports the request failed; a pull that comes later is refused, so
     decode never uses KV from blocks that may have been reused."""
     from distserve import EngineConfig
-    from distserve.instance import launch_instance
+    from distserve.cluster.instance import launch_instance
 
     config = EngineConfig.from_flat(
         model="tiny-llama", scheduler="prefill", block_size=8, num_kv_blocks=32, kv_hold_timeout=0.5
@@ -374,7 +374,7 @@ def test_far_above_capacity_the_queue_refuses_and_memory_stays_bounded(ray_clust
     import grpc
     import psutil
 
-    from distserve.cluster import make_cluster_config
+    from distserve.cluster.api import make_cluster_config
     from distserve.entrypoints.client import AsyncClient
     from distserve.entrypoints.server import BackgroundServer
     from distserve.entrypoints.server_config import ServerConfig

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from distserve.cluster import make_cluster_config
+from distserve.cluster.api import make_cluster_config
 from distserve.entrypoints.client import Client
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig

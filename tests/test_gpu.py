@@ -38,7 +38,7 @@ def test_bfloat16_serves_and_frees_every_block(family):
 def test_instance_actor_on_cuda_equals_transformers(ray_cluster, reference_model):
     """The instance path (a Ray actor holding the GPU, its step loop, long-polled outputs) on CUDA."""
     from distserve import EngineConfig
-    from distserve.instance import launch_instance
+    from distserve.cluster.instance import launch_instance
 
     ray = ray_cluster
     model = reference_model("tiny-llama").to("cuda")

@@ -16,7 +16,7 @@ from conftest import make_tls_cert, random_prompts, reference_greedy
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from distserve import LLM, SamplingParams
-from distserve.cluster import make_cluster_config
+from distserve.cluster.api import make_cluster_config
 from distserve.entrypoints.client import AsyncClient, Client, make_request
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig

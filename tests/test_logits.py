@@ -5,9 +5,9 @@ import torch
 from conftest import FAMILIES, random_prompts
 
 from distserve import LLM, SamplingParams
-from distserve.model_runner import BatchInput
-from distserve.sequence import Sequence
-from distserve.tiny_models import ensure_tiny_model
+from distserve.core.sequence import Sequence
+from distserve.model_executor.model_runner import BatchInput
+from distserve.model_executor.tiny_models import ensure_tiny_model
 
 LENGTHS = [1, 20, 57, 130]
 

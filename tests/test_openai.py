@@ -14,12 +14,12 @@ from conftest import make_tls_cert
 from transformers import AutoTokenizer
 
 from distserve import LLM, SamplingParams
-from distserve.cluster import make_cluster_config
+from distserve.cluster.api import make_cluster_config
 from distserve.entrypoints.frontend import Frontend
 from distserve.entrypoints.openai_server import render_chat, start_http_server
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
-from distserve.tiny_models import ensure_tiny_model
+from distserve.model_executor.tiny_models import ensure_tiny_model
 
 MODEL = "tiny-llama"
 KEY = "sk-test"

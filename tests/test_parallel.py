@@ -8,10 +8,10 @@ import pytest
 from conftest import random_prompts, reference_greedy
 
 from distserve import LLM, EngineConfig, SamplingParams
-from distserve.distributed import ParallelRank, stage_layers
-from distserve.executor import InstanceFailure
-from distserve.instance import launch_instance
-from distserve.tensor_parallel import _split
+from distserve.cluster.instance import launch_instance
+from distserve.engine.executor import InstanceFailure
+from distserve.parallel.ranks import ParallelRank, stage_layers
+from distserve.parallel.tensor_parallel import _split
 
 LENGTHS = [1, 7, 16, 33, 64, 101, 150, 200]
 MAX_TOKENS = [12, 30, 5, 40, 17, 25, 9, 33]
@@ -207,7 +207,7 @@ def tied_llama(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from distserve.tiny_models import ensure_tiny_model
+    from distserve.model_executor.tiny_models import ensure_tiny_model
 
     source = ensure_tiny_model("tiny-llama")
     model = AutoModelForCausalLM.from_pretrained(source, tie_word_embeddings=True)

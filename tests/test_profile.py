@@ -3,9 +3,9 @@ import json
 
 import pytest
 
+from distserve.benchmark.profiler import add_profile_args, cmd_profile, decode_grid, prefill_grid
 from distserve.cli import add_dataclass_args
-from distserve.config import SECTIONS
-from distserve.profiler import add_profile_args, cmd_profile, decode_grid, prefill_grid
+from distserve.core.config import SECTIONS
 from placement.fitted import FittedLatency, fit, nnls
 
 PREFILL = (2e-3, 3e-5, 4e-8)

@@ -5,7 +5,7 @@ import torch
 from conftest import assert_all_blocks_free, random_prompts
 
 from distserve import LLM, SamplingParams
-from distserve.sampler import Sampler
+from distserve.model_executor.sampler import Sampler
 
 
 @pytest.fixture(scope="module")

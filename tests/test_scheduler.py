@@ -2,22 +2,22 @@
 
 import pytest
 
-from distserve.block_manager import BlockManager
-from distserve.config import SchedulerConfig
-from distserve.prefill_scheduler import PrefillScheduler
-from distserve.sampling_params import SamplingParams
-from distserve.sequence import Sequence
+from distserve.core.config import SchedulerConfig
+from distserve.core.sampling_params import SamplingParams
+from distserve.core.sequence import Sequence
+from distserve.scheduling.block_manager import BlockManager
+from distserve.scheduling.waiting_queue import WaitingQueue
 
 
-def _scheduler(**options) -> PrefillScheduler:
-    return PrefillScheduler(SchedulerConfig(**options), BlockManager(4096, 16, enable_prefix_caching=False))
+def _scheduler(**options) -> WaitingQueue:
+    return WaitingQueue(SchedulerConfig(**options), BlockManager(4096, 16, enable_prefix_caching=False))
 
 
 def _seq(n: int, priority: int = 0) -> Sequence:
     return Sequence(list(range(1, n + 1)), SamplingParams(), priority=priority)
 
 
-def _run_step(sched: PrefillScheduler) -> list[Sequence]:
+def _run_step(sched: WaitingQueue) -> list[Sequence]:
     batch = sched.schedule(max_seqs=256)
     for seq in batch:  # the batch is done at once: give the blocks back
         sched.block_manager.free(seq)
@@ -99,8 +99,8 @@ def test_resumed_sequences_go_first():
 @pytest.mark.parametrize("aging, finishes", [(32.0, True), (0.0, False)])
 def test_long_request_finishes_under_a_stream_of_short_ones(aging, finishes):
     """Through the engine: two 8-token prompts arrive every step; a 200-token prompt waits."""
-    from distserve.config import EngineConfig
-    from distserve.engine import LLMEngine
+    from distserve.core.config import EngineConfig
+    from distserve.engine.llm_engine import LLMEngine
 
     config = EngineConfig.from_flat(model="tiny-llama", policy="sjf", sjf_aging_tokens=aging, max_num_batched_tokens=64)
     engine = LLMEngine(config)

@@ -6,7 +6,7 @@ import pytest
 from conftest import assert_all_blocks_free
 
 from distserve import LLM, SamplingParams
-from distserve.tiny_models import ensure_tiny_model
+from distserve.model_executor.tiny_models import ensure_tiny_model
 
 
 @pytest.fixture(scope="module")

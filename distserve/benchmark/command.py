@@ -159,7 +159,7 @@ def write_outputs(results: dict, result_json: str | None, plot_dir: str | None) 
         Path(result_json).write_text(json.dumps(results, indent=2))
         print(f"results: {result_json}")
     if plot_dir and results["slo"] is not None:
-        from distserve.benchmark.plots import plot_attainment_vs_rate, plot_attainment_vs_slo_scale
+        from placement.plots import plot_attainment_vs_rate, plot_attainment_vs_slo_scale
 
         label = results["label"]
         # An all-at-once run ("inf") has no place on a rate axis.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from distserve.executor import InstanceFailure
+from distserve.engine.executor import InstanceFailure
 
 
 class ServingError(Exception):

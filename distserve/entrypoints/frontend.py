@@ -10,7 +10,10 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager, nullcontext
 
-from distserve.cluster import AsyncCluster
+from distserve.cluster.api import AsyncCluster
+from distserve.cluster.instance import InstanceInfo
+from distserve.core.outputs import RequestOutput
+from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.errors import (
     InvalidRequest,
     Overloaded,
@@ -21,9 +24,6 @@ from distserve.entrypoints.errors import (
 )
 from distserve.entrypoints.prometheus import ServingMetrics
 from distserve.entrypoints.server_config import ServerConfig
-from distserve.instance import InstanceInfo
-from distserve.outputs import RequestOutput
-from distserve.sampling_params import SamplingParams
 
 
 class Frontend:

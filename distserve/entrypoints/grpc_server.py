@@ -10,12 +10,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from distserve.cluster.instance import InstanceInfo
+from distserve.core.outputs import RequestOutput
+from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.errors import InvalidRequest, ServingError
 from distserve.entrypoints.frontend import Frontend
 from distserve.entrypoints.server_config import ServerConfig
-from distserve.instance import InstanceInfo
-from distserve.outputs import RequestOutput
-from distserve.sampling_params import SamplingParams
 from distserve.v1 import distserve_pb2 as pb
 from distserve.v1 import distserve_pb2_grpc as pb_grpc
 

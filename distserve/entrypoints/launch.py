@@ -16,9 +16,9 @@ from typing import Any
 
 import ray
 
-from distserve.cluster import AsyncCluster
-from distserve.cluster_config import POOL_FLAGS, ClusterConfig
-from distserve.config import read_sections
+from distserve.cluster.api import AsyncCluster
+from distserve.cluster.config import POOL_FLAGS, ClusterConfig
+from distserve.core.config import read_sections
 from distserve.entrypoints.server import Server
 from distserve.entrypoints.server_config import ServerConfig
 

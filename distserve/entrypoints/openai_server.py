@@ -19,12 +19,12 @@ from typing import Any
 from aiohttp import web
 from jinja2 import TemplateError
 
+from distserve.core.outputs import RequestOutput
+from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.errors import ServingError
 from distserve.entrypoints.frontend import Frontend
 from distserve.entrypoints.prometheus import CONTENT_TYPE
 from distserve.entrypoints.server_config import ServerConfig
-from distserve.outputs import RequestOutput
-from distserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from distserve.instance import InstanceInfo
-from distserve.outputs import RequestOutput
+from distserve.cluster.instance import InstanceInfo
+from distserve.core.outputs import RequestOutput
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import logging
 
-from distserve.background_loop import BackgroundLoop
-from distserve.cluster import AsyncCluster
-from distserve.cluster_config import ClusterConfig
+from distserve.cluster.api import AsyncCluster
+from distserve.cluster.background_loop import BackgroundLoop
+from distserve.cluster.config import ClusterConfig
+from distserve.cluster.instance import InstanceInfo
 from distserve.entrypoints.frontend import Frontend
 from distserve.entrypoints.grpc_server import GrpcServer
 from distserve.entrypoints.openai_server import start_http_server
 from distserve.entrypoints.server_config import ServerConfig
-from distserve.instance import InstanceInfo
 
 logger = logging.getLogger(__name__)
 

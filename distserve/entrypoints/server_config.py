@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from distserve.config import option
+from distserve.core.config import option
 
 API_KEY_ENV = "DISTSERVE_API_KEY"
 

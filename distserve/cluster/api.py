@@ -1,0 +1,129 @@
+"""The Python API of a serving cluster: ``AsyncCluster`` (asyncio) and ``Cluster`` (blocking).
+
+from distserve import Cluster, SamplingParams
+with Cluster(model="tiny-llama", prefill={"instances": 1}, decode={"instances": 2}) as cluster:
+    outputs = cluster.generate(["Hello", "The cache"], SamplingParams(max_tokens=16))
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import ray
+
+from distserve.cluster.background_loop import BackgroundLoop
+from distserve.cluster.config import CLUSTER_KEYS, ROLES, ClusterConfig
+from distserve.cluster.instance import InstanceInfo
+from distserve.cluster.orchestrator import Orchestrator
+from distserve.core.config import EngineConfig
+from distserve.core.outputs import RequestOutput
+from distserve.core.sampling_params import SamplingParams
+
+
+def make_cluster_config(config: ClusterConfig | None = None, **options: Any) -> ClusterConfig:
+    """A config, or one from keyword options: flat engine options plus ``prefill=``, ``decode=``
+    or ``colocated=`` dicts of pool options (``instances`` and per-pool engine overrides)."""
+    if config is not None:
+        if options:
+            raise ValueError("pass either config or keyword options, not both")
+        return config
+    pools = {key: options.pop(key) for key in (*ROLES, *CLUSTER_KEYS) if key in options}
+    return ClusterConfig.from_pools(EngineConfig.from_flat(**options), pools)
+
+
+class AsyncCluster:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.orchestrator = Orchestrator(config)
+
+    @classmethod
+    async def start(cls, config: ClusterConfig | None = None, **options: Any) -> AsyncCluster:
+        """Launch the instances on the current Ray cluster (a local one is started if none runs)."""
+        if not ray.is_initialized():
+            ray.init()
+        cluster = cls(make_cluster_config(config, **options))
+        await cluster.orchestrator.start()
+        return cluster
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as they come; leaving the iteration early cancels it."""
+        return self.orchestrator.generate(prompt, params or SamplingParams(), request_id, priority)
+
+    async def info(self) -> list[InstanceInfo]:
+        return await self.orchestrator.info()
+
+    async def shutdown(self) -> None:
+        await self.orchestrator.shutdown()
+
+
+class Cluster:
+    """A blocking wrapper: the cluster's event loop runs on a thread of its own."""
+
+    def __init__(self, config: ClusterConfig | None = None, **options: Any) -> None:
+        self._loop = BackgroundLoop("distserve-cluster")
+        self._run = self._loop.run
+        try:
+            self._async = self._run(AsyncCluster.start(config, **options))
+        except BaseException:
+            self._loop.stop()
+            raise
+
+    def generate(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts concurrently to completion; final outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+
+        async def final(prompt, p) -> RequestOutput:
+            async for output in self._async.generate(prompt, p):
+                last = output
+            return last
+
+        async def run_all() -> list[RequestOutput]:
+            return list(await asyncio.gather(*(final(prompt, p) for prompt, p in zip(prompts, params))))
+
+        return self._run(run_all())
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """One request's outputs as they come."""
+        iterator = self._async.generate(prompt, params)
+        try:
+            while True:
+                try:
+                    yield self._run(iterator.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(iterator.aclose())
+
+    def info(self) -> list[InstanceInfo]:
+        return self._run(self._async.info())
+
+    def shutdown(self) -> None:
+        if self._loop.running:
+            try:
+                self._run(self._async.shutdown())
+            finally:
+                self._loop.stop()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

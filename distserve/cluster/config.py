@@ -1,0 +1,123 @@
+"""What a cluster runs: pools of instances by role, each instance an engine configuration.
+
+A disaggregated cluster has a prefill pool and a decode pool; a colocated one (the baseline)
+has one pool of instances that do both phases. Every pool starts from the shared engine
+settings and overrides any of them (flat keys: ``tensor_parallel_size``, ``num_kv_blocks``,
+``max_num_batched_tokens`` ...), so prefill and decode can differ in parallelism and sizing.
+
+```yaml
+model: {model: tiny-llama}
+cache: {block_size: 16}
+cluster:
+  prefill: {instances: 1, tensor_parallel_size: 2}
+  decode: {instances: 2, max_num_seqs: 128}
+  max_request_attempts: 3          # runs of a request, the first included, across instance failures
+  replace_failed_instances: true   # start a new instance in place of one that died
+```
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from distserve.core.config import FIELD_SECTION, EngineConfig, read_sections
+
+ROLES = ("prefill", "decode", "colocated")
+CLUSTER_KEYS = ("name", "max_request_attempts", "replace_failed_instances")
+# Per-pool CLI flags of ``distserve launch``: (flag dest, role, pool key);
+# ``--prefill-tensor-parallel-size`` is ``cluster.prefill.tensor_parallel_size``.
+POOL_FLAGS = [
+    (f"{role}_{key}", role, key)
+    for role in ROLES
+    for key in ("instances", "tensor_parallel_size", "pipeline_parallel_size")
+]
+
+
+@dataclass
+class PoolConfig:
+    role: str
+    instances: int = 1
+    options: dict[str, Any] = field(default_factory=dict)  # flat engine options for this pool only
+
+    @classmethod
+    def from_options(cls, role: str, options: dict[str, Any] | None) -> PoolConfig:
+        """A pool from its YAML section or keyword dict: ``instances`` plus engine overrides."""
+        options = dict(options or {})
+        return cls(role, options.pop("instances", 1), options)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"a pool's role must be one of {', '.join(ROLES)}, got '{self.role}'")
+        if not isinstance(self.instances, int) or self.instances < 1:
+            raise ValueError(f"the {self.role} pool needs at least one instance, got {self.instances}")
+        unknown = sorted(set(self.options) - set(FIELD_SECTION))
+        if unknown:
+            raise ValueError(f"unknown option(s) {', '.join(unknown)} in the {self.role} pool")
+        if "scheduler" in self.options:
+            raise ValueError(f"the {self.role} pool's role sets its scheduler: leave 'scheduler' out")
+
+
+@dataclass
+class ClusterConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    pools: list[PoolConfig] = field(default_factory=lambda: [PoolConfig("prefill"), PoolConfig("decode")])
+    name: str = field(default_factory=lambda: f"distserve-{uuid.uuid4().hex[:6]}")  # prefixes actor names
+    # A request on an instance that dies is re-run from its prompt on a healthy one, up to this many
+    # runs in all; 1 fails it instead (UNAVAILABLE).
+    max_request_attempts: int = 3
+    replace_failed_instances: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_request_attempts, int) or self.max_request_attempts < 1:
+            raise ValueError(f"max_request_attempts must be a positive integer, got {self.max_request_attempts!r}")
+        if not isinstance(self.replace_failed_instances, bool):
+            raise ValueError(f"replace_failed_instances must be true or false, got {self.replace_failed_instances!r}")
+        roles = [pool.role for pool in self.pools]
+        if len(set(roles)) != len(roles):
+            raise ValueError(f"each role may have one pool, got {roles}")
+        if sorted(roles) not in (["decode", "prefill"], ["colocated"]):
+            raise ValueError(
+                f"a cluster has a prefill and a decode pool (disaggregated) or one colocated pool, got {roles}"
+            )
+
+    @property
+    def disaggregated(self) -> bool:
+        return any(pool.role == "prefill" for pool in self.pools)
+
+    def pool(self, role: str) -> PoolConfig | None:
+        return next((pool for pool in self.pools if pool.role == role), None)
+
+    def instance_configs(self) -> list[tuple[str, EngineConfig]]:
+        """(actor name, engine config) of every instance."""
+        base = {key: value for section in self.engine.to_dict().values() for key, value in section.items()}
+        return [
+            (f"{self.name}-{pool.role}-{i}", EngineConfig.from_flat(**{**base, **pool.options, "scheduler": pool.role}))
+            for pool in self.pools
+            for i in range(pool.instances)
+        ]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "config", **engine_overrides: Any) -> ClusterConfig:
+        """The engine sections (``model:``, ``cache:`` ...) plus a ``cluster:`` section of pools."""
+        data = dict(data)
+        cluster = dict(data.pop("cluster", None) or {})
+        engine = EngineConfig.from_sections(data, source, **engine_overrides)
+        return cls.from_pools(engine, cluster)
+
+    @classmethod
+    def from_pools(cls, engine: EngineConfig, pools: dict[str, Any]) -> ClusterConfig:
+        """``pools`` maps roles to pool options, plus the optional cluster-wide keys (``name``,
+        ``max_request_attempts``, ``replace_failed_instances``); no pools means 1 prefill + 1 decode."""
+        pools = dict(pools)
+        settings = {key: pools.pop(key) for key in CLUSTER_KEYS if key in pools}
+        if not settings.get("name", True):
+            settings.pop("name")
+        parsed = [PoolConfig.from_options(role, options) for role, options in pools.items()]
+        return cls(engine, parsed or cls().pools, **settings)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **engine_overrides: Any) -> ClusterConfig:
+        return cls.from_dict(read_sections(path), str(path), **engine_overrides)

@@ -1,0 +1,92 @@
+"""A request's state as it moves through the scheduler, the KV cache and the sampler."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+from distserve.core.outputs import RequestMetrics
+from distserve.core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request: prompt plus generated tokens, its block table and its text so far.
+
+    ``token_ids`` holds prompt and output together (the KV cache does not distinguish them);
+    ``num_computed_tokens`` counts the tokens whose KV is in the cache.
+    """
+
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.prompt = prompt
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of full blocks, grown lazily
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hits of the latest allocation
+        self.prefill_steps_waited = 0  # aging for the SJF policy
+        self.num_preemptions = 0
+        self.metrics = RequestMetrics()
+        # Incremental detokenization state.
+        self.output_text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.request_id}, tokens={len(self)}, status={self.status.value})"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks(self, block_size: int) -> int:
+        return (len(self.token_ids) + block_size - 1) // block_size
+
+    def block_tokens(self, index: int, block_size: int) -> list[int]:
+        return self.token_ids[index * block_size : (index + 1) * block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,49 @@
+"""Turns a request into a validated ``Sequence``: tokenizes a text prompt and checks the ids, the
+context length and whether the request can ever fit the KV cache. Engines and the orchestrator
+share it, so a request is refused with the same message wherever it arrives."""
+
+from __future__ import annotations
+
+from distserve.core.sampling_params import SamplingParams
+from distserve.core.sequence import Sequence
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, num_kv_blocks: int, block_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+
+    def process(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> Sequence:
+        """Validate a request and build its sequence; raises ValueError saying what to fix."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer.encode(prompt) if prompt else []
+        else:
+            text, token_ids = None, list(prompt)
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        if not token_ids:
+            raise ValueError("the prompt is empty: pass at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but the model's context is {self.max_model_len}: "
+                f"shorten it to at most {self.max_model_len - 1} tokens"
+            )
+        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        if -(-longest // self.block_size) > self.num_kv_blocks:
+            raise ValueError(
+                f"the request may grow to {longest} tokens, more than the KV cache's "
+                f"{self.num_kv_blocks * self.block_size}: lower max_tokens or give the cache more blocks"
+            )
+        return Sequence(token_ids, params, request_id=request_id, prompt=text, priority=priority)

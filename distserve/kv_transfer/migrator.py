@@ -1,0 +1,158 @@
+"""Hand-over of a prefilled request from a prefill instance to a decode instance.
+
+The prefill instance emits a ``PrefilledRequest`` with the first token; the decode instance
+admits it when it can allocate its blocks, pulls the KV from the prefill instance's ranks over
+pair communicators (``kv_transfer``), and only then starts decoding it. The prefill instance
+frees its blocks when the pull is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from distserve.core.sampling_params import SamplingParams
+from distserve.kv_transfer.plan import KVLayout, TransferPart, plan_transfer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefilledRequest:
+    """What a decode instance needs to take a request over."""
+
+    request_id: str
+    prefill_instance: str  # the Ray actor name of the instance holding the KV
+    prompt: str | None
+    token_ids: list[int]  # prompt, then the first output token
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    priority: int
+    block_table: list[int]  # the prompt's blocks on the prefill instance
+    block_size: int  # the prefill instance's (a decode pool may use another)
+
+
+@dataclass
+class KVEndpoint:
+    """A rank reachable for KV transfers: its Worker actor, or the Instance actor that runs its only
+    rank in process. Both answer ``kv(method, *args)``."""
+
+    handle: Any
+    layout: KVLayout
+
+    def call(self, method: str, *args):
+        return self.handle.kv.remote(method, *args)
+
+
+def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
+    """The cache slots of the first ``num_tokens`` tokens of a sequence with this block table."""
+    return [block_table[i // block_size] * block_size + i % block_size for i in range(num_tokens)]
+
+
+@dataclass
+class MigrationRecord:
+    request_id: str
+    num_tokens: int
+    num_bytes: int  # received by all of this instance's ranks together
+    start: float  # time.time() when the pull began and ended
+    end: float
+
+
+class Migrator:
+    """Decode side: pulls the KV of admitted requests from their prefill instances on its own
+    thread, one request at a time, and reports each one done (or failed) through ``on_done``."""
+
+    MAX_RECORDS = 10_000
+
+    def __init__(
+        self,
+        name: str,
+        endpoints: list[KVEndpoint],
+        block_size: int,
+        on_done: Callable[[str, MigrationRecord | None, str | None], None],
+    ) -> None:
+        self.name = name
+        self.endpoints = endpoints
+        self.block_size = block_size
+        self.on_done = on_done
+        self._records: OrderedDict[str, MigrationRecord] = OrderedDict()
+        self._records_lock = threading.Lock()
+        self._sources: dict[str, tuple[Any, list[KVEndpoint], list[TransferPart]]] = {}
+        self._connected: set[str] = set()
+        self._queue: queue.SimpleQueue[tuple[PrefilledRequest, list[int]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-migrator", daemon=True)
+        self._thread.start()
+
+    def submit(self, prefilled: PrefilledRequest, block_table: list[int]) -> None:
+        self._queue.put((prefilled, list(block_table)))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            prefilled, block_table = item
+            try:
+                record = self._pull(prefilled, block_table)
+            except Exception as e:  # the prefill side died or refused: the request cannot continue here
+                logger.exception("%s: pulling the KV of %s failed", self.name, prefilled.request_id)
+                error = f"KV migration from {prefilled.prefill_instance} failed: {e}"
+                self.on_done(prefilled.request_id, None, error)
+            else:
+                self.on_done(prefilled.request_id, record, None)
+
+    def _source(self, instance_name: str) -> tuple[Any, list[KVEndpoint], list[TransferPart]]:
+        """The prefill instance's handle, its ranks, and which of them send what to which of ours."""
+        if instance_name not in self._sources:
+            handle = ray.get_actor(instance_name)
+            endpoints = ray.get(handle.kv_endpoints.remote())
+            plan = plan_transfer([e.layout for e in endpoints], [e.layout for e in self.endpoints])
+            self._sources[instance_name] = (handle, endpoints, plan)
+        return self._sources[instance_name]
+
+    def _channel(self, instance_name: str, sources: list[KVEndpoint], part: TransferPart) -> str:
+        """The pair communicator of a part, made on first use: both ends join it at once."""
+        channel = f"{instance_name}.{part.src}>{self.name}.{part.dst}"
+        if channel not in self._connected:
+            src, dst = sources[part.src], self.endpoints[part.dst]
+            address = ray.get(src.call("store_address"))
+            ray.get([src.call("connect", channel, True, address), dst.call("connect", channel, False, address)])
+            self._connected.add(channel)
+        return channel
+
+    def records(self) -> dict[str, MigrationRecord]:
+        """The latest pulls, by request id."""
+        with self._records_lock:
+            return dict(self._records)
+
+    def _pull(self, prefilled: PrefilledRequest, block_table: list[int]) -> MigrationRecord:
+        start = time.time()
+        handle, sources, plan = self._source(prefilled.prefill_instance)
+        num_tokens = prefilled.num_prompt_tokens
+        src_slots = token_slots(prefilled.block_table, num_tokens, prefilled.block_size)
+        dst_slots = token_slots(block_table, num_tokens, self.block_size)
+        sends, recvs = [], []
+        for part in plan:
+            channel = self._channel(prefilled.prefill_instance, sources, part)
+            sends.append(sources[part.src].call("send", channel, src_slots, part.layers, part.kv_heads))
+            recvs.append(self.endpoints[part.dst].call("recv", channel, dst_slots, part.layers, part.kv_heads))
+        num_bytes = sum(ray.get(recvs))
+        ray.get(sends)
+        # The prefill instance frees its blocks, unless it did so at its hold deadline already, in
+        # which case they may have been reused during the pull.
+        if not ray.get(handle.release.remote(prefilled.request_id)):
+            raise RuntimeError(f"{prefilled.prefill_instance} freed the KV at its hold deadline")
+        record = MigrationRecord(prefilled.request_id, num_tokens, num_bytes, start, time.time())
+        with self._records_lock:
+            self._records[prefilled.request_id] = record
+            while len(self._records) > self.MAX_RECORDS:
+                self._records.popitem(last=False)
+        return record

@@ -1,0 +1,60 @@
+"""Which rank of one instance sends which KV to which rank of another.
+
+Every rank holds some decoder layers (its pipeline stage) and some KV heads (its tensor parallel
+share, or one replicated head). A transfer plan gives each destination rank the source ranks
+that cover its layers and heads, each (layer, head) from exactly one source, so two instances of
+any TP and PP degrees can hand KV over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from distserve.parallel.ranks import ParallelRank, stage_layers
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The part of the model's KV that one rank holds."""
+
+    layers: range  # model layer indices
+    kv_heads: range  # model KV head indices
+
+
+def rank_layout(num_layers: int, num_kv_heads: int, rank: ParallelRank) -> KVLayout:
+    layers = stage_layers(num_layers, rank.pp_size, rank.pp_rank)
+    if num_kv_heads >= rank.tp_size:
+        per_rank = num_kv_heads // rank.tp_size
+        return KVLayout(layers, range(rank.tp_rank * per_rank, (rank.tp_rank + 1) * per_rank))
+    head = rank.tp_rank * num_kv_heads // rank.tp_size  # replicated: the head this rank's queries read
+    return KVLayout(layers, range(head, head + 1))
+
+
+@dataclass(frozen=True)
+class TransferPart:
+    """Source rank ``src`` sends destination rank ``dst`` these layers and KV heads."""
+
+    src: int
+    dst: int
+    layers: range
+    kv_heads: range
+
+
+def _overlap(a: range, b: range) -> range:
+    return range(max(a.start, b.start), min(a.stop, b.stop))
+
+
+def plan_transfer(sources: list[KVLayout], destinations: list[KVLayout]) -> list[TransferPart]:
+    """Parts that give every destination rank all of its layers and heads, each exactly once.
+
+    Replicated heads on the source side appear on several ranks: the lowest rank sends them.
+    """
+    parts = []
+    for dst, want in enumerate(destinations):
+        covered: set[tuple[range, range]] = set()
+        for src, have in enumerate(sources):
+            layers, heads = _overlap(have.layers, want.layers), _overlap(have.kv_heads, want.kv_heads)
+            if len(layers) and len(heads) and (layers, heads) not in covered:
+                covered.add((layers, heads))
+                parts.append(TransferPart(src, dst, layers, heads))
+    return parts

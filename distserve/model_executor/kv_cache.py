@@ -1,0 +1,96 @@
+"""The paged KV cache tensor of one worker and how many blocks it gets."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from distserve.core.config import CacheConfig
+
+logger = logging.getLogger(__name__)
+
+# On CPU the "free memory" is the whole machine's, shared with everything else: cap the default.
+CPU_KV_CACHE_LIMIT_BYTES = 4 * 2**30
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element
+
+
+class KVCache:
+    """One tensor ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]`` of a worker's own layers and heads.
+
+    Block ``b`` owns slots ``b * block_size ... (b + 1) * block_size - 1``; a flat slot axis lets
+    attention write new K/V with one ``index_copy_`` and gather context with one index. Block ids
+    are the instance's: every rank holds the same blocks, each for its layers and KV heads.
+    """
+
+    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device, layer_ids: range) -> None:
+        if len(layer_ids) != shape.num_layers:
+            raise ValueError(f"{len(layer_ids)} layer ids for a cache of {shape.num_layers} layers")
+        self.shape = shape
+        self.num_blocks = num_blocks
+        self.tensor = torch.zeros(
+            shape.num_layers,
+            2,
+            num_blocks * shape.block_size,
+            shape.num_kv_heads,
+            shape.head_dim,
+            dtype=shape.dtype,
+            device=device,
+        )
+        # Keyed by the model's layer index, which pipeline stages keep from the full model.
+        self.layers = {layer: (self.tensor[i, 0], self.tensor[i, 1]) for i, layer in enumerate(layer_ids)}
+
+
+def free_device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def determine_num_blocks(
+    cache_config: CacheConfig,
+    shape: KVCacheShape,
+    device: torch.device,
+    max_useful_tokens: int,
+    num_cpu_workers: int = 1,
+) -> int:
+    """Blocks from the config, or a share of free memory capped at what the engine can ever fill.
+
+    On CPU the workers of an instance share the machine's memory: each takes its part of the budget.
+    """
+    if cache_config.num_kv_blocks is not None:
+        return cache_config.num_kv_blocks
+    budget = int(free_device_memory(device) * cache_config.kv_cache_memory_fraction)
+    if device.type == "cpu":
+        budget = min(budget, CPU_KV_CACHE_LIMIT_BYTES) // num_cpu_workers
+    from_memory = budget // shape.bytes_per_block
+    useful = -(-max_useful_tokens // shape.block_size)
+    num_blocks = min(from_memory, useful)
+    if num_blocks < 1:
+        raise ValueError(
+            f"no memory left for the KV cache ({budget} bytes for blocks of {shape.bytes_per_block} bytes): "
+            "lower the model size or set num_kv_blocks"
+        )
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%.1f MiB)",
+        num_blocks,
+        shape.block_size,
+        num_blocks * shape.bytes_per_block / 2**20,
+    )
+    return num_blocks

@@ -1,0 +1,143 @@
+"""Turns a scheduled batch into model inputs, runs this rank's part of the transformers model over
+its paged KV cache, and returns the logits of each sequence's last position (on the last pipeline
+stage) or the hidden states for the next stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from distserve.core.sampling_params import SamplingParams
+from distserve.core.sequence import Sequence
+from distserve.model_executor.attention import (
+    AttentionMetadata,
+    ForwardContext,
+    GatherBuffers,
+    PrefillSeqMeta,
+    forward_context,
+)
+from distserve.model_executor.kv_cache import KVCache
+from distserve.parallel.pipeline_parallel import PipelineStage, StageDone
+
+
+@dataclass
+class SeqInput:
+    """What a worker needs of one sequence for one step: small, so it crosses to workers cheaply."""
+
+    token_ids: list[int]  # tokens to run: the uncomputed prompt (prefill) or the newest token (decode)
+    start: int  # position of token_ids[0]; everything before it is in the KV cache
+    block_table: list[int]
+    sampling_params: SamplingParams
+    output_index: int  # which output token the step samples (seeded sampling draws per position)
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence, is_prefill: bool) -> SeqInput:
+        start = seq.num_computed_tokens if is_prefill else seq.num_tokens - 1
+        return cls(seq.token_ids[start:], start, list(seq.block_table), seq.sampling_params, seq.num_output_tokens)
+
+
+@dataclass
+class BatchInput:
+    is_prefill: bool
+    seqs: list[SeqInput]
+
+    @classmethod
+    def from_sequences(cls, is_prefill: bool, seqs: list[Sequence]) -> BatchInput:
+        return cls(is_prefill, [SeqInput.from_sequence(s, is_prefill) for s in seqs])
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+class ModelRunner:
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, stage: PipelineStage | None = None
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.stage = stage
+        self.device = kv_cache.tensor.device
+        self.buffers = GatherBuffers()
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def prepare(self, batch: BatchInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+        """Input ids, positions, attention metadata and the rows whose logits are needed."""
+        return self.prepare_prefill(batch.seqs) if batch.is_prefill else self.prepare_decode(batch.seqs)
+
+    def prepare_prefill(
+        self, seqs: list[SeqInput]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Pack the uncomputed tokens of each sequence; the logit row of each is its last token."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        slot_chunks: list[torch.Tensor] = []
+        position_chunks: list[torch.Tensor] = []
+        metas: list[PrefillSeqMeta] = []
+        last_rows: list[int] = []
+        query_start = 0
+        for seq in seqs:
+            start, end = seq.start, seq.start + len(seq.token_ids)
+            input_ids.extend(seq.token_ids)
+            blocks = self._tensor(seq.block_table)
+            positions = torch.arange(end, device=self.device)
+            slots = blocks[positions // bs] * bs + positions % bs
+            slot_chunks.append(slots[start:])
+            position_chunks.append(positions[start:])
+            metas.append(PrefillSeqMeta(query_start, end - start, end, blocks if start > 0 else None))
+            query_start += end - start
+            last_rows.append(query_start - 1)
+        meta = AttentionMetadata(
+            is_prefill=True, block_size=bs, slot_mapping=torch.cat(slot_chunks), prefill_seqs=metas
+        )
+        return self._tensor(input_ids), torch.cat(position_chunks), meta, self._tensor(last_rows)
+
+    def prepare_decode(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
+        """One new token per sequence; context K/V are gathered through padded block tables."""
+        bs = self.block_size
+        positions = [seq.start for seq in seqs]
+        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        width = max(len(seq.block_table) for seq in seqs)
+        tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
+        positions_t = self._tensor(positions)
+        grid = torch.arange(width * bs, device=self.device)
+        mask = (grid[None, :] <= positions_t[:, None])[:, None, None, :]
+        meta = AttentionMetadata(
+            is_prefill=False,
+            block_size=bs,
+            slot_mapping=self._tensor(slots),
+            decode_block_tables=tables,
+            decode_mask=mask,
+            decode_positions=positions_t,
+        )
+        return self._tensor([seq.token_ids[-1] for seq in seqs]), positions_t, meta, None
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        logit_rows: torch.Tensor | None,
+        received: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[batch, vocab]`` of ``logit_rows`` (all rows when None) on the last stage; on an
+        earlier stage the hidden states ``[tokens, hidden]`` its last layer produced. ``received``
+        is the previous stage's output."""
+        if self.stage is not None:
+            self.stage.received = received
+        try:
+            with forward_context(ForwardContext(meta, self.kv_cache.layers, self.buffers)):
+                out = self.model(
+                    input_ids=input_ids[None],
+                    position_ids=positions[None],
+                    use_cache=False,
+                    logits_to_keep=0 if logit_rows is None else logit_rows,
+                )
+        except StageDone as done:
+            return done.hidden_states
+        return out.logits[0]

@@ -1,0 +1,56 @@
+"""Token sampling for a batch: greedy, temperature, top-k, top-p and per-request seeds.
+
+Seeded requests draw their noise from a generator keyed by (seed, output position), so a
+request's samples do not depend on what it is batched with or on being preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from distserve.core.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator: torch.Generator | None = None
+        self.seed = seed
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
+        """Pick one token per row of ``logits [batch, vocab]``; ``steps[i]`` is row i's output position."""
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            sampled = self._sample(logits[rows], [params[i] for i in random_rows], [steps[i] for i in random_rows])
+            tokens[rows] = sampled
+        return tokens.tolist()
+
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+        logits = logits / temperature[:, None]
+        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+        # One sort serves both filters: top-k cuts by rank, top-p by cumulative probability.
+        top_k = torch.tensor([p.top_k or logits.shape[-1] for p in params], device=device)
+        ranks = torch.arange(logits.shape[-1], device=device)[None, :]
+        drop = ranks >= top_k[:, None]
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        cumulative = probs.cumsum(dim=-1)
+        drop |= (cumulative - probs) >= top_p[:, None]  # keep the smallest prefix reaching top_p
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
+        noise = torch.empty_like(probs)
+        for i, (p, step) in enumerate(zip(params, steps)):
+            noise[i].exponential_(generator=self._generator(p, step, device))
+        choice = (probs / noise).argmax(dim=-1)
+        return sorted_ids.gather(1, choice[:, None]).squeeze(1)
+
+    def _generator(self, params: SamplingParams, step: int, device: torch.device) -> torch.Generator | None:
+        if params.seed is None:
+            if self.generator is None or self.generator.device != device:
+                self.generator = torch.Generator(device=device).manual_seed(self.seed)
+            return self.generator
+        return torch.Generator(device=device).manual_seed(hash((params.seed, step)) & 0x7FFF_FFFF_FFFF_FFFF)

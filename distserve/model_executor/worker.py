@@ -1,0 +1,126 @@
+"""One rank of an instance: its shard of the model, its KV cache, and one step of a batch.
+
+The instance (through an executor) calls the same method on every rank with the same batch;
+ranks exchange activations among themselves (all-reduce inside a stage, send/recv between
+stages) and only the driver rank, TP rank 0 of the last stage, samples and answers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from distserve.core.config import EngineConfig
+from distserve.core.step_metrics import StepTimer
+from distserve.kv_transfer.channel import KVTransfer
+from distserve.kv_transfer.plan import rank_layout
+from distserve.model_executor.kv_cache import KVCache, KVCacheShape, determine_num_blocks
+from distserve.model_executor.model_loader import load_model, resolve_device, resolve_dtype, resolve_model
+from distserve.model_executor.model_runner import BatchInput, ModelRunner
+from distserve.model_executor.sampler import Sampler
+from distserve.parallel.process_group import create_store, init_process_group
+from distserve.parallel.ranks import ParallelRank
+from distserve.parallel.tensor_parallel import local_kv_heads
+from placement.model_presets import model_shape
+
+
+@dataclass
+class ModelOutput:
+    token_ids: list[int]  # one sampled token per sequence of the batch
+    seconds: dict[str, float] = field(default_factory=dict)  # prepare / forward / sample on the driver rank
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        parallel = config.parallel
+        self.config = config
+        self.rank = ParallelRank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, rank)
+        self.device = resolve_device(config.model.device)
+        self._store: dist.TCPStore | None = None
+        if self.device.type == "cpu":
+            # Ray pins actors to one thread. One batch is in flight at a time, so only the TP ranks
+            # of one stage compute at once: they share the machine's cores.
+            threads = parallel.cpu_threads or max(1, (os.cpu_count() or 1) // self.rank.tp_size)
+            torch.set_num_threads(threads)
+
+    def create_store(self) -> tuple[str, int]:
+        """Rank 0 hosts the instance's rendezvous store; returns its address for the other ranks."""
+        self._store = create_store(self.rank.world_size)
+        return self._store.host, self._store.port
+
+    def init_model(self, host: str | None = None, port: int | None = None) -> None:
+        """Join the instance's group (when there is more than one rank) and load this rank's shard."""
+        tp_group = None
+        if self.rank.world_size > 1:
+            tp_group = init_process_group(self.rank, self.device, host, port, self._store)
+        resolved = resolve_model(self.config.model)
+        self.dtype = resolve_dtype(self.config.model.dtype, resolved.hf_config, self.device)
+        model, stage = load_model(
+            resolved,
+            self.device,
+            self.dtype,
+            self.config.model.load_format,
+            self.config.model.seed,
+            self.rank,
+            tp_group,
+        )
+        shape = model_shape(resolved.hf_config.to_dict())
+        self.kv_layout = rank_layout(shape.num_layers, shape.num_kv_heads, self.rank)
+        self.layers = self.kv_layout.layers
+        self.hidden_size = resolved.hf_config.get_text_config().hidden_size
+        self.kv_shape = KVCacheShape(
+            len(self.layers),
+            local_kv_heads(shape.num_kv_heads, self.rank.tp_size),
+            shape.head_dim,
+            self.config.cache.block_size,
+            self.dtype,
+        )
+        self.model, self.stage = model, stage
+        self.sampler = Sampler(self.config.model.seed)
+
+    def determine_num_blocks(self, max_useful_tokens: int) -> int:
+        return determine_num_blocks(
+            self.config.cache, self.kv_shape, self.device, max_useful_tokens, self.rank.world_size
+        )
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = KVCache(self.kv_shape, num_blocks, self.device, self.layers)
+        self.model_runner = ModelRunner(self.model, self.kv_cache, self.config.cache.block_size, self.stage)
+        self.kv_transfer = KVTransfer(self.kv_cache.tensor, self.kv_layout)
+
+    def kv(self, method: str, *args):
+        """A KV transfer call (``KVTransfer.<method>``); it runs beside the steps, on another thread."""
+        return getattr(self.kv_transfer, method)(*args)
+
+    def execute_model(self, batch: BatchInput) -> ModelOutput | None:
+        """Run this rank's part of one step; the driver rank returns the sampled tokens."""
+        timer = StepTimer()
+        runner = self.model_runner
+        input_ids, positions, meta, logit_rows = runner.prepare(batch)
+        timer.lap("prepare")
+        received = None
+        if not self.rank.is_first_stage:
+            received = torch.empty(len(input_ids), self.hidden_size, dtype=self.dtype, device=self.device)
+            dist.recv(received, src=self.rank.peer_in_stage(self.rank.pp_rank - 1))
+        out = runner.forward(input_ids, positions, meta, logit_rows, received)
+        if not self.rank.is_last_stage:
+            dist.send(out.contiguous(), dst=self.rank.peer_in_stage(self.rank.pp_rank + 1))
+            return None
+        if not self.rank.is_driver:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so the forward's time is not booked to sampling
+        timer.lap("forward")
+        tokens = self.sampler(out, [s.sampling_params for s in batch.seqs], [s.output_index for s in batch.seqs])
+        timer.lap("sample")
+        return ModelOutput(tokens, timer.seconds)
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

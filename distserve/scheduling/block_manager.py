@@ -1,0 +1,159 @@
+"""KV block allocation: reference counts, prefix caching by block hash, LRU eviction.
+
+A full block is identified by ``hash((parent_hash, block_tokens))``, so equal hashes mean equal
+prefixes up to hash collisions, which are ruled out by comparing the stored tokens. Freed
+blocks that carry a hash stay findable until reused: the free list is ordered least recently
+freed first, so allocation evicts the coldest cached block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from distserve.core.sequence import Sequence
+
+
+def chain_hash(parent: int, tokens: list[int]) -> int:
+    """The key of a full block: its tokens and, through the parent's key, everything before them."""
+    return hash((parent, tuple(tokens)))
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+        self.prefix_cache_queried_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # Prefix lookup -------------------------------------------------------------------------
+
+    def _block_hash(self, seq: Sequence, index: int) -> int:
+        """Hash of full block ``index`` of ``seq``, memoised on the sequence (its tokens never change)."""
+        hashes = seq.block_hashes
+        while len(hashes) <= index:
+            i = len(hashes)
+            parent = hashes[i - 1] if i else 0
+            hashes.append(chain_hash(parent, seq.block_tokens(i, self.block_size)))
+        return hashes[index]
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of ``seq``.
+
+        Only blocks inside the first ``num_tokens - 1`` tokens count: the last token is always
+        computed, because its logits are needed to sample the next one.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block_id = self.hash_to_block_id.get(self._block_hash(seq, i))
+            if block_id is None:
+                break
+            if self.blocks[block_id].token_ids != tuple(seq.block_tokens(i, self.block_size)):
+                break  # hash collision
+            hits.append(block_id)
+        return hits
+
+    def num_cached_tokens(self, seq: Sequence) -> int:
+        return len(self._cached_prefix(seq)) * self.block_size
+
+    # Allocation ---------------------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq)
+        reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return seq.num_blocks(self.block_size) - len(hits) + reused_free <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all its tokens, sharing cached prefix blocks."""
+        if seq.block_table:
+            raise RuntimeError(f"{seq} already holds blocks")
+        hits = self._cached_prefix(seq)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_block_ids[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        num_full = seq.num_tokens // self.block_size
+        for i in range(len(hits), seq.num_blocks(self.block_size)):
+            block_id = self._take_free_block()
+            seq.block_table.append(block_id)
+            if i < num_full:
+                self._register(seq, i, block_id)
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        self.prefix_cache_queried_tokens += seq.num_tokens
+        self.prefix_cache_hit_tokens += seq.num_cached_tokens
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the KV of ``seq``'s last token has a slot (possibly after taking one new block)."""
+        return len(seq.block_table) >= seq.num_blocks(self.block_size) or self.num_free_blocks > 0
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make room for the KV of ``seq``'s last token; register its block once it is full."""
+        if len(seq.block_table) < seq.num_blocks(self.block_size):
+            seq.block_table.append(self._take_free_block())
+        if seq.num_tokens % self.block_size == 0:
+            index = seq.num_tokens // self.block_size - 1
+            self._register(seq, index, seq.block_table[index])
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks. Tail blocks are freed first so that they are evicted first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids[block_id] = None
+                if block.hash is None:  # nothing to reuse: hand it out before cached blocks
+                    self.free_block_ids.move_to_end(block_id, last=False)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+
+    def _take_free_block(self) -> int:
+        if not self.free_block_ids:
+            raise RuntimeError("out of KV blocks: the scheduler must check can_allocate/can_append first")
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict from the prefix cache
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash = None
+            block.token_ids = ()
+        block.ref_count = 1
+        return block_id
+
+    def _register(self, seq: Sequence, index: int, block_id: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        block = self.blocks[block_id]
+        block.hash = self._block_hash(seq, index)
+        block.token_ids = tuple(seq.block_tokens(index, self.block_size))
+        self.hash_to_block_id[block.hash] = block_id

@@ -1,0 +1,62 @@
+"""Decode scheduling: continuous batching, one token per running sequence per step.
+
+Before each step every running sequence needs a slot for its newest token; when blocks run
+out, the most recently admitted sequences are preempted (their blocks freed, to be recomputed
+later) until the rest fit.
+"""
+
+from __future__ import annotations
+
+from distserve.core.sequence import Sequence, SequenceStatus
+from distserve.scheduling.block_manager import BlockManager
+
+
+class RunningBatch:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    @property
+    def free_seq_slots(self) -> int:
+        return self.max_num_seqs - len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Admit a sequence whose prompt KV is already in this instance's blocks."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> bool:
+        if seq in self.running:
+            self.running.remove(seq)
+            return True
+        return False
+
+    def schedule(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Returns (sequences to decode this step, sequences preempted to make room)."""
+        queue = list(self.running)
+        batch: list[Sequence] = []
+        preempted: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            while not self.block_manager.can_append(seq):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slot(seq)
+                batch.append(seq)
+        return batch, preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1

@@ -1,0 +1,84 @@
+"""Prefill scheduling: batch waiting prompts under a token budget, in the order of a policy.
+
+Policies: ``fcfs`` (arrival order), ``sjf`` (fewest tokens first, with aging: each prefill step
+a prompt waits makes it count ``sjf_aging_tokens`` shorter, so long prompts cannot starve) and
+``priority`` (lowest ``priority`` value first, then arrival). Preempted sequences come back
+through ``resume`` and go before all others: they already waited once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from distserve.core.config import SchedulerConfig
+from distserve.core.sequence import Sequence, SequenceStatus
+from distserve.scheduling.block_manager import BlockManager
+
+
+def policy_key(config: SchedulerConfig) -> Callable[[Sequence], tuple]:
+    if config.policy == "sjf":
+        aging = config.sjf_aging_tokens
+        return lambda s: (s.num_tokens - aging * s.prefill_steps_waited, s.arrival_time, s.seq_id)
+    if config.policy == "priority":
+        return lambda s: (s.priority, s.arrival_time, s.seq_id)
+    return lambda s: (s.arrival_time, s.seq_id)
+
+
+class WaitingQueue:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.key = policy_key(config)
+        self.waiting: list[Sequence] = []
+        self.resumed: deque[Sequence] = deque()
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.resumed)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.resumed.append(seq)
+
+    def remove(self, seq: Sequence) -> bool:
+        for queue in (self.waiting, self.resumed):
+            if seq in queue:
+                queue.remove(seq)
+                return True
+        return False
+
+    def schedule(self, max_seqs: int) -> list[Sequence]:
+        """Pick the next prefill batch and allocate its blocks.
+
+        The batch stops at the first sequence (in policy order) that does not fit the token
+        budget or the free blocks, so a sequence at the head is never overtaken and its wait is
+        bounded. A sequence longer than the whole budget runs alone.
+        """
+        if max_seqs <= 0 or not len(self):
+            return []
+        self.waiting.sort(key=self.key)
+        batch: list[Sequence] = []
+        num_tokens = 0
+        for seq in (*self.resumed, *self.waiting):
+            if len(batch) == max_seqs:
+                break
+            new_tokens = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
+            if batch and num_tokens + new_tokens > self.config.max_num_batched_tokens:
+                break
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            batch.append(seq)
+            num_tokens += new_tokens
+        if batch:
+            scheduled = {s.seq_id for s in batch}
+            self.resumed = deque(s for s in self.resumed if s.seq_id not in scheduled)
+            self.waiting = [s for s in self.waiting if s.seq_id not in scheduled]
+            for seq in self.waiting:
+                seq.prefill_steps_waited += 1
+        return batch
