@@ -233,7 +233,7 @@ def run_engine(engine: LLMEngine, requests: list[Request]) -> list[list[int]]:
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = list(out.token_ids)
+                done[out.request_id] = list(out.output_token_ids)
     return [done[i] for i in ids]
 
 

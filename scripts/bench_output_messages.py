@@ -30,7 +30,7 @@ def step_outputs(batch: int, prompt: int, generated: int) -> list[RequestOutput]
                 request_id=f"cmpl-{i:032x}-0",
                 prompt=None,
                 prompt_token_ids=prompt_ids,
-                token_ids=output_ids,
+                output_token_ids=output_ids,
                 text="".join(chr(97 + t % 26) for t in output_ids) * 4,
                 new_token_ids=output_ids[-1:],
                 new_text="abcd",

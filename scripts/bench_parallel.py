@@ -102,7 +102,7 @@ def run_layout(model_dir: Path, layout: str, args: argparse.Namespace) -> list[T
             while engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished:
-                        outputs[out.request_id] = out.token_ids
+                        outputs[out.request_id] = out.output_token_ids
             records = list(engine.stats.records)[skip:]
             prefill = [r for r in records if r.is_prefill]
             decode = [r for r in records if not r.is_prefill and r.batch_size == batch_size][2:]

@@ -107,7 +107,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(length=st.integers(1, 20), prefix_of=st.integers(0, 10))
     def allocate(self, length, prefix_of):
         # Half the time start from a live sequence's tokens, so prefixes are shared.
-        base = self.live[prefix_of % len(self.live)].token_ids if self.live and prefix_of % 2 else []
+        base = self.live[prefix_of % len(self.live)].all_token_ids if self.live and prefix_of % 2 else []
         tokens = (base + [self.rng.randrange(3) for _ in range(length)])[: max(length, 1)]
         seq = _seq(tokens)
         if self.bm.can_allocate(seq):
@@ -126,7 +126,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.bm.can_append(seq):
             self.bm.append_slot(seq)
         else:
-            seq.token_ids.pop()
+            seq.all_token_ids.pop()
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 100))

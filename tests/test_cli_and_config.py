@@ -102,7 +102,7 @@ def test_dummy_weights_have_the_real_shape_and_serve():
     dummy = dummy_llm.engine.executor.worker.model
     assert {k: v.shape for k, v in real.state_dict().items()} == {k: v.shape for k, v in dummy.state_dict().items()}
     assert not torch.equal(real.lm_head.weight, dummy.lm_head.weight)
-    assert len(dummy_llm.generate("x", SamplingParams(max_tokens=5, ignore_eos=True))[0].token_ids) == 5
+    assert len(dummy_llm.generate("x", SamplingParams(max_tokens=5, ignore_eos=True))[0].output_token_ids) == 5
 
 
 def test_kv_cache_sizing():

@@ -41,14 +41,14 @@ def _check(cluster: Cluster, reference, seed: int) -> None:
     prompts = random_prompts(LENGTHS, reference.config.vocab_size, seed=seed)
     outputs = cluster.generate(prompts, [_greedy(n) for n in MAX_TOKENS])
     for prompt, n, out in zip(prompts, MAX_TOKENS, outputs):
-        assert out.token_ids == reference_greedy(reference, prompt, n), f"prompt of {len(prompt)} tokens"
+        assert out.output_token_ids == reference_greedy(reference, prompt, n), f"prompt of {len(prompt)} tokens"
         assert out.finished and out.finish_reason in ("length", "stop")
         metrics = out.metrics
-        assert len(metrics.token_times) == len(out.token_ids)
+        assert len(metrics.token_times) == len(out.output_token_ids)
         assert metrics.arrival_time <= metrics.prefill_start <= metrics.prefill_end <= metrics.token_times[0]
     migrations = _migrations(cluster)
     for prompt, out in zip(prompts, outputs):
-        if len(out.token_ids) > 1:  # a request that ends with its first token never migrates
+        if len(out.output_token_ids) > 1:  # a request that ends with its first token never migrates
             record = migrations[out.request_id]
             assert record.num_tokens == len(prompt)
             assert record.num_bytes == KV_BYTES_PER_TOKEN * len(prompt)
@@ -90,7 +90,7 @@ def test_small_decode_pool_throttles_prefill_and_loses_nothing(small_cluster, ll
     prompts = random_prompts([150, 180, 200, 170, 160, 190, 140, 175], 1024, seed=2)
     outputs = small_cluster.generate(prompts, _greedy(20))
     for prompt, out in zip(prompts, outputs):
-        assert out.token_ids == reference_greedy(llama, prompt, 20)
+        assert out.output_token_ids == reference_greedy(llama, prompt, 20)
     prefill, decode = small_cluster.info()
     assert prefill.num_throttled_steps > 0  # held KV reached its limit: prefill waited for decode
     # Decode's 60 blocks of 8 tokens hold at most three of these (141+ tokens each): the rest waited.
@@ -129,12 +129,12 @@ def test_cancellation_at_every_stage_frees_every_block(small_cluster):
         return await asyncio.gather(*left), await asyncio.gather(*blockers)
 
     left, blockers = cluster._run(scenario())
-    assert all(len(b[-1].token_ids) == 250 for b in blockers)
+    assert all(len(b[-1].output_token_ids) == 250 for b in blockers)
     cancelled = [seen for seen in left if not seen or not seen[-1].finished]
     stages = {min(len(seen), 2) for seen in cancelled}  # 0: no token yet, 1: first token only, 2: decoding
     assert stages == {0, 1, 2}, stages
     _assert_all_blocks_free(cluster)
-    assert len(cluster.generate("after", _greedy(4))[0].token_ids) >= 1
+    assert len(cluster.generate("after", _greedy(4))[0].output_token_ids) >= 1
 
 
 def test_colocated_cluster_is_the_same_api(ray_cluster, llama):
@@ -142,7 +142,7 @@ def test_colocated_cluster_is_the_same_api(ray_cluster, llama):
         prompts = random_prompts(LENGTHS, 1024, seed=5)
         outputs = cluster.generate(prompts, [_greedy(n) for n in MAX_TOKENS])
         for prompt, n, out in zip(prompts, MAX_TOKENS, outputs):
-            assert out.token_ids == reference_greedy(llama, prompt, n)
+            assert out.output_token_ids == reference_greedy(llama, prompt, n)
             assert out.metrics.migration_start is None
         # Prefix-aware dispatch: X goes to the second instance (the first is busy with Y); a later
         # prompt starting with X's 64 tokens follows it there and finds them cached.
@@ -158,7 +158,7 @@ def test_text_matches_the_offline_engine(small_cluster):
     offline = LLM("tiny-llama").generate(prompts, _greedy(24))
     served = small_cluster.generate(prompts, _greedy(24))
     assert [o.text for o in served] == [o.text for o in offline]
-    assert [o.token_ids for o in served] == [o.token_ids for o in offline]
+    assert [o.output_token_ids for o in served] == [o.output_token_ids for o in offline]
 
 
 def test_bad_requests_are_refused_before_any_instance(small_cluster):
@@ -173,7 +173,7 @@ def test_async_cluster_streams(ray_cluster):
         cluster = await AsyncCluster.start(model="tiny-llama", prefill={}, decode={})
         try:
             chunks = [out async for out in cluster.generate("Hello", _greedy(6))]
-            assert [len(c.token_ids) for c in chunks] == list(range(1, len(chunks) + 1))
+            assert [len(c.output_token_ids) for c in chunks] == list(range(1, len(chunks) + 1))
             assert chunks[-1].finished
         finally:
             await cluster.shutdown()

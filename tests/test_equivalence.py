@@ -14,7 +14,7 @@ def _check(llm, model, prompts, max_tokens):
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens]
     outputs = llm.generate(prompts, params)
     for prompt, n, out in zip(prompts, max_tokens, outputs):
-        assert out.token_ids == reference_greedy(model, prompt, n), f"prompt of {len(prompt)} tokens"
+        assert out.output_token_ids == reference_greedy(model, prompt, n), f"prompt of {len(prompt)} tokens"
         assert out.finish_reason in ("length", "stop")
     assert_all_blocks_free(llm)
     return outputs
@@ -69,6 +69,6 @@ def test_text_prompts_and_detokenized_text(reference_model):
     for prompt, out in zip(prompts, outputs):
         ids = llm.tokenizer.encode(prompt)
         assert out.prompt_token_ids == ids
-        assert out.token_ids == reference_greedy(model, ids, 24)
-        assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        assert out.output_token_ids == reference_greedy(model, ids, 24)
+        assert out.text == llm.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
     assert_all_blocks_free(llm)

@@ -28,7 +28,7 @@ async def _collect(cluster: AsyncCluster, prompt: list[int], progress: dict, key
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
     async for output in cluster.generate(prompt, params):
         tokens += output.new_token_ids
-        assert tokens == output.token_ids  # nothing repeated, nothing skipped
+        assert tokens == output.output_token_ids  # nothing repeated, nothing skipped
         progress[key] = len(tokens)
     return tokens
 
@@ -227,7 +227,7 @@ def test_sampled_requests_rerun_to_the_same_tokens(ray_cluster):
             seen: list[int] = []
             async for output in cluster.generate(prompt, params):
                 seen += output.new_token_ids
-                assert seen == output.token_ids
+                assert seen == output.output_token_ids
                 if len(seen) == 10:
                     _kill(cluster, "decode", ray_cluster)
             assert len(seen) == MAX_TOKENS
@@ -252,7 +252,7 @@ def test_overload_completes_every_request_and_leaks_nothing(ray_cluster, llama):
     async def final(cluster, prompt):
         async for output in cluster.generate(prompt, params):
             last = output
-        return last.token_ids
+        return last.output_token_ids
 
     async def scenario():
         cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=350)

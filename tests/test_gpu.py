@@ -21,7 +21,7 @@ def test_float32_greedy_equals_transformers_on_cuda(family, reference_model):
     prompts = random_prompts(LENGTHS, model.config.vocab_size)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     for prompt, out in zip(prompts, outputs):
-        assert out.token_ids == reference_greedy(model, prompt, 24)
+        assert out.output_token_ids == reference_greedy(model, prompt, 24)
     assert_all_blocks_free(llm)
     model.to("cpu")
 
@@ -31,7 +31,7 @@ def test_bfloat16_serves_and_frees_every_block(family):
     llm = LLM(family, device="cuda", dtype="bfloat16")
     prompts = random_prompts(LENGTHS, 1024)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-    assert all(len(o.token_ids) == 16 for o in outputs)
+    assert all(len(o.output_token_ids) == 16 for o in outputs)
     assert_all_blocks_free(llm)
 
 

@@ -82,7 +82,7 @@ def test_text_stream_equals_offline_engine(client):
     for prompt, offline in zip(prompts, expected):
         completion = client.complete(prompt, max_tokens=24, temperature=0)
         assert completion.text == offline.text
-        assert completion.token_ids == offline.token_ids
+        assert completion.token_ids == offline.output_token_ids
         assert completion.finish_reason == offline.finish_reason
 
 

@@ -111,8 +111,8 @@ def test_completion_equals_offline_greedy_streamed_or_not(server, client, offlin
     [choice] = out.choices
     assert choice.text == ref.text and choice.finish_reason == ref.finish_reason
     num_prompt = len(server.frontend.tokenizer.encode(PROMPT))
-    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (num_prompt, len(ref.token_ids))
-    assert out.usage.total_tokens == num_prompt + len(ref.token_ids)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (num_prompt, len(ref.output_token_ids))
+    assert out.usage.total_tokens == num_prompt + len(ref.output_token_ids)
 
     chunks = list(
         client.completions.create(
@@ -139,7 +139,7 @@ def test_token_id_prompts_give_the_offline_tokens(client, offline):
     )
     assert [c.index for c in out.choices] == [0, 1]
     for choice, prompt, ref in zip(out.choices, prompts, refs):
-        assert (choice.text, choice.token_ids, choice.prompt_token_ids) == (ref.text, ref.token_ids, prompt)
+        assert (choice.text, choice.token_ids, choice.prompt_token_ids) == (ref.text, ref.output_token_ids, prompt)
     assert out.usage.prompt_tokens == sum(map(len, prompts))
 
     stream = client.completions.create(
@@ -147,7 +147,7 @@ def test_token_id_prompts_give_the_offline_tokens(client, offline):
     )
     chunks = [c.choices[0] for c in stream]
     assert chunks[0].prompt_token_ids == prompts[0]
-    assert [t for c in chunks for t in c.token_ids] == refs[0].token_ids
+    assert [t for c in chunks for t in c.token_ids] == refs[0].output_token_ids
 
 
 def test_chat_equals_offline_greedy_on_the_rendered_prompt(server, client, offline):
@@ -158,7 +158,7 @@ def test_chat_equals_offline_greedy_on_the_rendered_prompt(server, client, offli
     [choice] = out.choices
     assert choice.message.role == "assistant" and choice.message.content == ref.text
     assert choice.finish_reason == ref.finish_reason
-    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), len(ref.token_ids))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), len(ref.output_token_ids))
 
     chunks = list(
         client.chat.completions.create(

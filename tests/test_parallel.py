@@ -156,7 +156,7 @@ def test_offline_llm_with_dummy_weights_is_the_same_model_at_any_layout(ray_clus
         sharded = sharded_llm.generate(prompts, params)
     finally:
         sharded_llm.shutdown()
-    assert [o.token_ids for o in sharded] == [o.token_ids for o in single]
+    assert [o.output_token_ids for o in sharded] == [o.output_token_ids for o in single]
 
 
 @pytest.mark.parametrize(
@@ -232,4 +232,4 @@ def test_tied_embeddings_load_into_every_shard(ray_cluster, tied_llama, tp, pp):
     finally:
         llm.shutdown()
     for prompt, out in zip(prompts, outputs):
-        assert out.token_ids == reference_greedy(reference, prompt, 10)
+        assert out.output_token_ids == reference_greedy(reference, prompt, 10)

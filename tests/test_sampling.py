@@ -19,7 +19,7 @@ def prompts():
 
 
 def _tokens(llm, prompts, params):
-    return [o.token_ids for o in llm.generate(prompts, params)]
+    return [o.output_token_ids for o in llm.generate(prompts, params)]
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llm, prompts):
@@ -81,9 +81,9 @@ def test_stop_token_ids_and_max_tokens(llm, prompts):
     stop_at = greedy[6]
     first = greedy.index(stop_at)
     out = llm.generate(prompts[:1], SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[stop_at]))[0]
-    assert out.token_ids == greedy[: first + 1] and out.finish_reason == "stop"
+    assert out.output_token_ids == greedy[: first + 1] and out.finish_reason == "stop"
     out = llm.generate(prompts[:1], SamplingParams(max_tokens=3, temperature=0.0))[0]
-    assert out.token_ids == greedy[:3] and out.finish_reason == "length"
+    assert out.output_token_ids == greedy[:3] and out.finish_reason == "length"
 
 
 def test_eos_stops_unless_ignored(llm, prompts):
@@ -98,9 +98,9 @@ def test_eos_stops_unless_ignored(llm, prompts):
         ignored = llm.generate(prompts[:1], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0]
     finally:
         engine.eos_token_ids = saved
-    assert stopped.token_ids == greedy[: greedy.index(greedy[3]) + 1]
+    assert stopped.output_token_ids == greedy[: greedy.index(greedy[3]) + 1]
     assert stopped.finish_reason == "stop"
-    assert ignored.token_ids == greedy and ignored.finish_reason == "length"
+    assert ignored.output_token_ids == greedy and ignored.finish_reason == "length"
     assert eos in saved
 
 
@@ -117,7 +117,7 @@ def test_stop_strings_cut_the_text(llm):
         prompt, SamplingParams(max_tokens=30, temperature=0.0, stop=stop, include_stop_str_in_output=True)
     )[0]
     assert kept.text == full.text[: full.text.index(stop) + len(stop)]
-    assert len(cut.token_ids) < len(full.token_ids)
+    assert len(cut.output_token_ids) < len(full.output_token_ids)
     assert_all_blocks_free(llm)
 
 
@@ -132,5 +132,5 @@ def test_streamed_text_adds_up(llm):
             tokens.extend(out.new_token_ids)
             final = out
     assert "".join(pieces) == final.text
-    assert tokens == final.token_ids
-    assert final.text == llm.tokenizer.decode(final.token_ids, skip_special_tokens=True)
+    assert tokens == final.output_token_ids
+    assert final.text == llm.tokenizer.decode(final.output_token_ids, skip_special_tokens=True)

@@ -46,20 +46,20 @@ def test_bad_prompts_then_engine_still_serves(llm, prompt, message):
         llm.generate(["fine", prompt], good)
     assert_all_blocks_free(llm)  # the good prompt of the failed call was never queued
     out = llm.generate("still serving", good)[0]
-    assert len(out.token_ids) == 4
+    assert len(out.output_token_ids) == 4
     assert_all_blocks_free(llm)
 
 
 def test_generation_stops_at_the_context_limit(llm):
     out = llm.generate([[5] * 60], SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))[0]
-    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    assert len(out.output_token_ids) == 4 and out.finish_reason == "length"
 
 
 def test_request_larger_than_the_kv_cache():
     small = LLM("tiny-llama", num_kv_blocks=2, block_size=4)
     with pytest.raises(ValueError, match="more than the KV cache's 8: lower max_tokens"):
         small.generate([[5] * 6], SamplingParams(max_tokens=5))
-    assert small.generate([[5] * 3], SamplingParams(max_tokens=5))[0].token_ids
+    assert small.generate([[5] * 3], SamplingParams(max_tokens=5))[0].output_token_ids
 
 
 def test_duplicate_request_id(llm):
@@ -98,7 +98,7 @@ def test_missing_tokenizer(tmp_path):
         LLM(str(model_dir))
     # With an explicit tokenizer the same directory loads.
     llm = LLM(str(model_dir), tokenizer=str(ensure_tiny_model("tiny-llama")))
-    assert llm.generate("hi", SamplingParams(max_tokens=2))[0].token_ids
+    assert llm.generate("hi", SamplingParams(max_tokens=2))[0].output_token_ids
 
 
 def test_directory_without_config(tmp_path):

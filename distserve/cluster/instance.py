@@ -324,7 +324,7 @@ def _aborted(prefilled: PrefilledRequest) -> RequestOutput:
         request_id=prefilled.request_id,
         prompt=prefilled.prompt,
         prompt_token_ids=prefilled.token_ids[: prefilled.num_prompt_tokens],
-        token_ids=prefilled.token_ids[prefilled.num_prompt_tokens :],
+        output_token_ids=prefilled.token_ids[prefilled.num_prompt_tokens :],
         text="",
         new_token_ids=[],
         new_text="",

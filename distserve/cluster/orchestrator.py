@@ -76,7 +76,7 @@ class RequestState:
     cancelled: bool = False
     # What a re-run needs, and how far the client has got.
     prompt: str | None = None
-    token_ids: list[int] = field(default_factory=list)  # the prompt's
+    prompt_token_ids: list[int] = field(default_factory=list)
     params: SamplingParams | None = None
     priority: int = 0
     engine_id: str = ""  # the id instances know this run by: request_id, then request_id.retryN
@@ -97,8 +97,8 @@ class RequestState:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
-            prompt_token_ids=self.token_ids,
-            token_ids=list(self.run_token_ids),
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=list(self.run_token_ids),
             text=self.run_text,
             new_token_ids=delta.new_token_ids,
             new_text=delta.new_text,
@@ -109,15 +109,15 @@ class RequestState:
 
     def unseen(self, output: RequestOutput) -> RequestOutput | None:
         """``output`` with only what the client does not have yet; None when that is nothing."""
-        if len(output.token_ids) <= self.delivered_tokens and not output.finished:
+        if len(output.output_token_ids) <= self.delivered_tokens and not output.finished:
             return None
         output = dataclasses.replace(
             output,
             request_id=self.request_id,
-            new_token_ids=output.token_ids[self.delivered_tokens :],
+            new_token_ids=output.output_token_ids[self.delivered_tokens :],
             new_text=output.text[self.delivered_text :],
         )
-        self.delivered_tokens = max(self.delivered_tokens, len(output.token_ids))
+        self.delivered_tokens = max(self.delivered_tokens, len(output.output_token_ids))
         self.delivered_text = max(self.delivered_text, len(output.text))
         return output
 
@@ -194,7 +194,11 @@ class Orchestrator:
         if role := self._unavailable_role():
             raise InstanceFailure(f"no {role} instance is available to serve the request")
         state = RequestState(
-            request_id, seq.num_prompt_tokens, params.max_tokens, prompt=seq.prompt, token_ids=seq.token_ids,
+            request_id,
+            seq.num_prompt_tokens,
+            params.max_tokens,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
             params=params,
             priority=priority,
         )
@@ -221,11 +225,11 @@ class Orchestrator:
         """Send the request (its current run) to a prefill instance, waiting for a replacement when
         none is healthy."""
         pool = await self._healthy("colocated" if not self.config.disaggregated else "prefill")
-        entry = self._pick_prefill(pool, state.token_ids)
+        entry = self._pick_prefill(pool, state.prompt_token_ids)
         state.prefill = entry
         entry.load_tokens += self._load(state)
         try:
-            await entry.handle.add_request.remote(state.token_ids, state.params, state.engine_id, state.priority)
+            await entry.handle.add_request.remote(state.prompt_token_ids, state.params, state.engine_id, state.priority)
         except ValueError:
             raise
         except Exception as e:  # the instance died under the call
@@ -336,7 +340,7 @@ class Orchestrator:
         output = state.add(delta)
         now = time.time()
         # A re-run repeats tokens the request already has: time only the ones past them.
-        state.metrics.token_times.extend([now] * (len(output.token_ids) - len(state.metrics.token_times)))
+        state.metrics.token_times.extend([now] * (len(output.output_token_ids) - len(state.metrics.token_times)))
         for name, value in zip(STAGE_TIMES, delta.stage_times):
             if value is not None:
                 setattr(state.metrics, name, value)

@@ -41,7 +41,7 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]  # all output tokens so far
+    output_token_ids: list[int]  # all output tokens so far
     text: str  # all output text so far
     new_token_ids: list[int]  # tokens added by this step
     new_text: str  # text added by this step

@@ -19,7 +19,7 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request: prompt plus generated tokens, its block table and its text so far.
 
-    ``token_ids`` holds prompt and output together (the KV cache does not distinguish them);
+    ``all_token_ids`` holds prompt and output together (the KV cache does not distinguish them);
     ``num_computed_tokens`` counts the tokens whose KV is in the cache.
     """
 
@@ -37,7 +37,7 @@ class Sequence:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.prompt = prompt
-        self.token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.priority = priority
@@ -57,36 +57,40 @@ class Sequence:
         self.read_offset = 0
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.all_token_ids)
 
     def __repr__(self) -> str:
         return f"Sequence(id={self.request_id}, tokens={len(self)}, status={self.status.value})"
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.all_token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def last_token_id(self) -> int:
-        return self.token_ids[-1]
+        return self.all_token_ids[-1]
 
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
     def num_blocks(self, block_size: int) -> int:
-        return (len(self.token_ids) + block_size - 1) // block_size
+        return (len(self.all_token_ids) + block_size - 1) // block_size
 
     def block_tokens(self, index: int, block_size: int) -> list[int]:
-        return self.token_ids[index * block_size : (index + 1) * block_size]
+        return self.all_token_ids[index * block_size : (index + 1) * block_size]
 
     def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -24,7 +24,7 @@ class Detokenizer:
     def step(self, seq: Sequence) -> str:
         """Append the text of ``seq``'s newest token(s) to ``seq.output_text``; return what was added."""
         skip = seq.sampling_params.skip_special_tokens
-        ids = seq.token_ids
+        ids = seq.all_token_ids
         prefix = self.tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
         full = self.tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
         if full.endswith("\ufffd"):  # an incomplete character: wait for the tokens that finish it

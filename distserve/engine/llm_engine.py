@@ -184,7 +184,7 @@ class LLMEngine:
         # Split the executor's time into the driver rank's phases and the rest (calls, transfers).
         timer.seconds["dispatch"] = timer.seconds.pop("execute") - sum(output.seconds.values())
         timer.seconds.update(output.seconds)
-        tokens = output.token_ids
+        tokens = output.sampled_token_ids
         outputs = [self._append_token(seq, token) for seq, token in zip(batch.seqs, tokens)]
         timer.lap("postprocess")
         self.stats.add(StepRecord(batch.is_prefill, len(batch.seqs), model_input.num_tokens, timer.seconds))
@@ -212,7 +212,7 @@ class LLMEngine:
                 seq.request_id,
                 self.name,
                 seq.prompt,
-                list(seq.token_ids),
+                list(seq.all_token_ids),
                 seq.num_prompt_tokens,
                 params,
                 seq.priority,
@@ -232,10 +232,10 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
             text=seq.output_text,
-            new_token_ids=seq.token_ids[len(seq.token_ids) - num_new :] if num_new else [],
+            new_token_ids=seq.all_token_ids[len(seq.all_token_ids) - num_new :] if num_new else [],
             new_text=delta,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,

@@ -63,7 +63,7 @@ def response_from_output(output: RequestOutput) -> pb.GenerateResponse:
         response.usage.CopyFrom(
             pb.Usage(
                 prompt_tokens=len(output.prompt_token_ids),
-                completion_tokens=len(output.token_ids),
+                completion_tokens=len(output.output_token_ids),
                 cached_prompt_tokens=output.num_cached_tokens,
             )
         )

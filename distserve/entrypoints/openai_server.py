@@ -366,7 +366,7 @@ async def _run_choices(
 def _usage(call: _Call, finals: dict[int, RequestOutput]) -> dict[str, int]:
     # A prompt is counted once however many samples it has.
     prompt = sum(len(out.prompt_token_ids) for i, out in finals.items() if i % call.n == 0)
-    completion = sum(len(out.token_ids) for out in finals.values())
+    completion = sum(len(out.output_token_ids) for out in finals.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -377,7 +377,7 @@ def _choice(call: _Call, index: int, output: RequestOutput) -> dict[str, Any]:
         choice = {"index": index, "text": output.text}
     choice.update(logprobs=None, finish_reason=output.finish_reason)
     if call.return_token_ids:
-        choice.update(prompt_token_ids=output.prompt_token_ids, token_ids=output.token_ids)
+        choice.update(prompt_token_ids=output.prompt_token_ids, token_ids=output.output_token_ids)
     return choice
 
 

@@ -55,7 +55,7 @@ class ServingMetrics:
         m = output.metrics
         self.requests.labels(output.finish_reason).inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.generation_tokens.inc(len(output.token_ids))
+        self.generation_tokens.inc(len(output.output_token_ids))
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
         if m.tpot is not None:

@@ -25,8 +25,8 @@ from distserve.parallel.pipeline_parallel import PipelineStage, StageDone
 class SeqInput:
     """What a worker needs of one sequence for one step: small, so it crosses to workers cheaply."""
 
-    token_ids: list[int]  # tokens to run: the uncomputed prompt (prefill) or the newest token (decode)
-    start: int  # position of token_ids[0]; everything before it is in the KV cache
+    input_token_ids: list[int]  # tokens to run: the uncomputed prompt (prefill) or the newest token (decode)
+    start: int  # position of input_token_ids[0]; everything before it is in the KV cache
     block_table: list[int]
     sampling_params: SamplingParams
     output_index: int  # which output token the step samples (seeded sampling draws per position)
@@ -34,7 +34,7 @@ class SeqInput:
     @classmethod
     def from_sequence(cls, seq: Sequence, is_prefill: bool) -> SeqInput:
         start = seq.num_computed_tokens if is_prefill else seq.num_tokens - 1
-        return cls(seq.token_ids[start:], start, list(seq.block_table), seq.sampling_params, seq.num_output_tokens)
+        return cls(seq.all_token_ids[start:], start, list(seq.block_table), seq.sampling_params, seq.num_output_tokens)
 
 
 @dataclass
@@ -48,7 +48,7 @@ class BatchInput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.seqs)
+        return sum(len(s.input_token_ids) for s in self.seqs)
 
 
 class ModelRunner:
@@ -81,8 +81,8 @@ class ModelRunner:
         last_rows: list[int] = []
         query_start = 0
         for seq in seqs:
-            start, end = seq.start, seq.start + len(seq.token_ids)
-            input_ids.extend(seq.token_ids)
+            start, end = seq.start, seq.start + len(seq.input_token_ids)
+            input_ids.extend(seq.input_token_ids)
             blocks = self._tensor(seq.block_table)
             positions = torch.arange(end, device=self.device)
             slots = blocks[positions // bs] * bs + positions % bs
@@ -114,7 +114,7 @@ class ModelRunner:
             decode_mask=mask,
             decode_positions=positions_t,
         )
-        return self._tensor([seq.token_ids[-1] for seq in seqs]), positions_t, meta, None
+        return self._tensor([seq.input_token_ids[-1] for seq in seqs]), positions_t, meta, None
 
     @torch.inference_mode()
     def forward(

@@ -29,7 +29,7 @@ from placement.model_presets import model_shape
 
 @dataclass
 class ModelOutput:
-    token_ids: list[int]  # one sampled token per sequence of the batch
+    sampled_token_ids: list[int]  # one per sequence of the batch
     seconds: dict[str, float] = field(default_factory=dict)  # prepare / forward / sample on the driver rank
 
 
