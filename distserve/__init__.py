@@ -18,6 +18,9 @@ _EXPORTS = {
     "RequestOutput": "distserve.core.outputs",
     "SamplingParams": "distserve.core.sampling_params",
     "SchedulerConfig": "distserve.core.config",
+    "Role": "distserve.core.role",
+    "RequestError": "distserve.core.errors",
+    "InstanceFailure": "distserve.core.errors",
 }
 
 __all__ = list(_EXPORTS)

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 
 from distserve.benchmark.command import add_bench_args
-from distserve.benchmark.profiler import add_profile_args, cmd_profile
+from distserve.benchmark.profiler import add_profile_args
 from distserve.cluster.config import POOL_FLAGS
 from distserve.core.config import FIELD_SECTION, SECTIONS, EngineConfig
 from distserve.core.sampling_params import SamplingParams
@@ -80,18 +80,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from distserve.entrypoints.llm import LLM
 
     params = SamplingParams(**_sampling_options(args))
-    engine = LLM(config=_engine_config(args)).engine  # LLM refuses a one-phase scheduler here
+    engine = LLM(config=_engine_config(args)).engine  # LLM refuses a one-phase role here
     try:
         for i, prompt in enumerate(args.prompts):
             engine.add_request(prompt, params, request_id=str(i))
         stream = len(args.prompts) == 1
-        texts: dict[str, str] = {}
+        texts = {str(i): "" for i in range(len(args.prompts))}
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for delta in engine.step():
                 if stream:
-                    print(out.new_text, end="", flush=True)
-                if out.finished:
-                    texts[out.request_id] = out.text
+                    print(delta.new_text, end="", flush=True)
+                texts[delta.request_id] += delta.new_text
     finally:
         engine.shutdown()
     if stream:
@@ -168,6 +167,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
     return 0 if health == "SERVING" and not any(i.failure for i in info.instances) else 1
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from distserve.benchmark.profiler import cmd_profile as run
+
+    return run(args, _engine_config(args))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -229,12 +229,11 @@ def build_engine(model_dir: Path, requests: list[Request], args: argparse.Namesp
 def run_engine(engine: LLMEngine, requests: list[Request]) -> list[list[int]]:
     params = [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in requests]
     ids = [engine.add_request(r.prompt, p) for r, p in zip(requests, params)]
-    done: dict[str, list[int]] = {}
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = list(out.output_token_ids)
-    return [done[i] for i in ids]
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.new_token_ids
+    return [tokens[i] for i in ids]
 
 
 def bench_distserve(

@@ -1,6 +1,6 @@
 """What one decode step's outputs cost to send from an instance to the orchestrator: whole
 ``RequestOutput``s (the prompt and everything generated so far, every step) against the
-``RequestDelta``s instances send (the step's new token and text), converted from the same outputs.
+``RequestDelta``s engines emit (the step's new token and text), for the same step.
 
     python scripts/bench_output_messages.py [--batch 128] [--prompt 1000] [--generated 256]
 
@@ -15,7 +15,7 @@ import pickle
 import random
 import time
 
-from distserve.core.outputs import RequestDelta, RequestMetrics, RequestOutput
+from distserve.core.outputs import STAGE_TIMES, RequestDelta, RequestMetrics, RequestOutput
 
 
 def step_outputs(batch: int, prompt: int, generated: int) -> list[RequestOutput]:
@@ -54,6 +54,15 @@ def cost(outputs: list[RequestOutput], convert, repeats: int) -> tuple[int, floa
     return len(data), best
 
 
+def _delta(output: RequestOutput) -> RequestDelta:
+    """The delta an engine emits for the step that produced ``output``."""
+    times = tuple(getattr(output.metrics, name) for name in STAGE_TIMES)
+    return RequestDelta(
+        output.request_id, 0, output.new_token_ids, output.new_text, output.finished, output.finish_reason,
+        output.num_cached_tokens, None, times,
+    )  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=128, help="requests in the decode step")
@@ -63,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     outputs = step_outputs(args.batch, args.prompt, args.generated)
     whole_bytes, whole_s = cost(outputs, list, args.repeats)
-    delta_bytes, delta_s = cost(outputs, lambda outs: [RequestDelta.of(o) for o in outs], args.repeats)
+    delta_bytes, delta_s = cost(outputs, lambda outs: [_delta(o) for o in outs], args.repeats)
     print(f"{args.batch} requests, {args.prompt} prompt + {args.generated} generated tokens each, one step:")
     print(f"  RequestOutput: {whole_bytes / 1024:8.1f} KiB  {whole_s * 1e3:6.2f} ms")
     print(f"  RequestDelta:  {delta_bytes / 1024:8.1f} KiB  {delta_s * 1e3:6.2f} ms")

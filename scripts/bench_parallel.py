@@ -98,11 +98,10 @@ def run_layout(model_dir: Path, layout: str, args: argparse.Namespace) -> list[T
             params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
             ids = [engine.add_request(p, params) for p in prompts]
             skip = len(engine.stats.records)
-            outputs: dict[str, list[int]] = {}
+            outputs: dict[str, list[int]] = {i: [] for i in ids}
             while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        outputs[out.request_id] = out.output_token_ids
+                for delta in engine.step():
+                    outputs[delta.request_id] += delta.new_token_ids
             records = list(engine.stats.records)[skip:]
             prefill = [r for r in records if r.is_prefill]
             decode = [r for r in records if not r.is_prefill and r.batch_size == batch_size][2:]

@@ -133,12 +133,12 @@ def test_cluster_yaml_pools(tmp_path):
     names = [name for name, _ in config.instance_configs()]
     assert names == ["demo-prefill-0", "demo-prefill-1", "demo-decode-0"]
     prefill, decode = config.instance_configs()[0][1], config.instance_configs()[2][1]
-    assert (prefill.scheduler.scheduler, prefill.parallel.tensor_parallel_size, prefill.cache.block_size) == (
+    assert (prefill.scheduler.role, prefill.parallel.tensor_parallel_size, prefill.cache.block_size) == (
         "prefill",
         2,
         8,
     )
-    assert (decode.scheduler.scheduler, decode.scheduler.max_num_seqs, decode.parallel.tensor_parallel_size) == (
+    assert (decode.scheduler.role, decode.scheduler.max_num_seqs, decode.parallel.tensor_parallel_size) == (
         "decode",
         64,
         1,
@@ -148,7 +148,7 @@ def test_cluster_yaml_pools(tmp_path):
         ("cluster: {colocated: {}, decode: {}}", "a prefill and a decode pool"),
         ("cluster: {prefill: {instances: 0}, decode: {}}", "at least one instance"),
         ("cluster: {prefill: {block_sise: 8}, decode: {}}", "unknown option"),
-        ("cluster: {prefill: {scheduler: decode}, decode: {}}", "leave 'scheduler' out"),
+        ("cluster: {prefill: {role: decode}, decode: {}}", "leave 'role' out"),
         ("cluster: {router: {}}", "role must be one of"),
     ]:
         path.write_text(text)
@@ -156,6 +156,6 @@ def test_cluster_yaml_pools(tmp_path):
             ClusterConfig.from_yaml(path)
 
 
-def test_generate_refuses_a_one_phase_scheduler(capsys):
-    assert main(["generate", "--scheduler", "decode", "x"]) == 2
+def test_generate_refuses_a_one_phase_role(capsys):
+    assert main(["generate", "--role", "decode", "x"]) == 2
     assert "needs a disaggregated cluster" in capsys.readouterr().err

@@ -186,14 +186,14 @@ def test_a_pull_that_fails_ends_the_request_with_an_error(ray_cluster):
     reports the request as failed, not as cancelled."""
     from distserve import EngineConfig
     from distserve.cluster.instance import launch_instance
-    from distserve.kv_transfer.migrator import PrefilledRequest
+    from distserve.core.handover import Handover
 
     ray = ray_cluster
-    config = EngineConfig.from_flat(model="tiny-llama", scheduler="decode", block_size=8, num_kv_blocks=16)
+    config = EngineConfig.from_flat(model="tiny-llama", role="decode", block_size=8, num_kv_blocks=16)
     decode = launch_instance(config, "orphan-decode")
     try:
-        prefilled = PrefilledRequest("orphan", "no-such-instance", None, [5] * 40 + [6], 40, _greedy(8), 0, [0] * 5, 8)
-        ray.get(decode.add_prefilled.remote(prefilled))
+        handover = Handover("orphan", 0, "no-such-instance", None, [5] * 40, [6], _greedy(8), 0, [0] * 5, 8)
+        ray.get(decode.add_handover.remote(handover))
         outputs = []
         deadline = time.monotonic() + 10
         while not any(o.finished for o in outputs):
@@ -213,16 +213,17 @@ async def _call(method, *args):
 def test_orchestrator_turns_an_error_finish_into_a_failure():
     """An output that ends with "error" reaches the client as InstanceFailure, not as a result, once
     the request has no run left."""
-    from distserve import ClusterConfig
-    from distserve.cluster.orchestrator import InstanceState, Orchestrator, RequestState
+    from distserve import ClusterConfig, EngineConfig, Role
+    from distserve.cluster.orchestrator import Orchestrator, RequestState
+    from distserve.cluster.routing import InstanceState
+    from distserve.core.errors import InstanceFailure
     from distserve.core.outputs import RequestDelta
-    from distserve.engine.executor import InstanceFailure
 
     async def route() -> RequestState:
         orchestrator = Orchestrator(ClusterConfig(max_request_attempts=1))
-        decode = InstanceState("decode-0", "decode", handle=None, info=None)
-        state = orchestrator.requests["r"] = RequestState("r", num_prompt_tokens=3, max_tokens=4)
-        failed = RequestDelta("r", [], "", True, "error", 0)
+        decode = InstanceState("decode-0", Role.DECODE, handle=None, info=None, config=EngineConfig())
+        state = orchestrator.requests["r"] = RequestState("r", None, [5, 6, 7], SamplingParams(max_tokens=4))
+        failed = RequestDelta("r", 0, [], "", True, "error", 0)
         orchestrator._route(decode, failed)
         await asyncio.gather(*orchestrator._background)
         assert not orchestrator.requests

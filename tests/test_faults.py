@@ -12,7 +12,7 @@ import pytest
 from conftest import random_prompts, reference_greedy
 
 from distserve import AsyncCluster, SamplingParams
-from distserve.engine.executor import InstanceFailure
+from distserve.core.errors import InstanceFailure
 
 MAX_TOKENS = 60
 
@@ -184,7 +184,7 @@ def test_replacement_that_cannot_start_fails_requests_with_a_reason(ray_cluster,
     """The model directory is gone when the decode instance dies: each try to start a replacement
     fails, so the requests waiting for one end with InstanceFailure (UNAVAILABLE) well before the
     replacement wait runs out, the dead instance stays in status saying why, and no block is held."""
-    from distserve.cluster.orchestrator import REPLACEMENT_ATTEMPTS, REPLACEMENT_WAIT_S
+    from distserve.cluster.failover import REPLACEMENT_ATTEMPTS, REPLACEMENT_WAIT_S
     from distserve.model_executor.tiny_models import ensure_tiny_model
 
     model_dir = tmp_path / "llama"
@@ -274,7 +274,7 @@ def test_kv_held_past_its_deadline_is_freed_and_a_late_pull_refused(ray_cluster)
     from distserve.cluster.instance import launch_instance
 
     config = EngineConfig.from_flat(
-        model="tiny-llama", scheduler="prefill", block_size=8, num_kv_blocks=32, kv_hold_timeout=0.5
+        model="tiny-llama", role="prefill", block_size=8, num_kv_blocks=32, kv_hold_timeout=0.5
     )
     prefill = launch_instance(config, "hold-deadline-prefill")
     try:
@@ -284,12 +284,12 @@ def test_kv_held_past_its_deadline_is_freed_and_a_late_pull_refused(ray_cluster)
         while not any(o.finished for o in outputs):
             assert time.monotonic() - started < 10
             outputs += ray.get(prefill.get_outputs.remote(0.5))
-        assert outputs[0].prefilled is not None  # the first token, with the hand-over
+        assert outputs[0].handover is not None  # the first token, with the hand-over
         assert [o.finish_reason for o in outputs if o.finished] == ["error"]
         assert 0.5 <= time.monotonic() - started < 3.0
         info = ray.get(prefill.info.remote())
         assert info.num_free_blocks == info.num_blocks and info.num_held == 0
-        assert ray.get(prefill.release.remote("held")) is False
+        assert ray.get(prefill.release_kv.remote("held", 0)) is False
     finally:
         ray_cluster.kill(prefill)
 

@@ -157,7 +157,7 @@ def test_launch_config_precedence(tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        ({"scheduler": "prefill"}, "sets its scheduler"),
+        ({"role": "prefill"}, "leave --role out"),
         ({"colocated_instances": 2, "prefill_instances": 1}, "not both"),
         ({"grpc_port": 70000}, "grpc_port"),
         ({"tls_cert": "/nonexistent.pem", "tls_key": "/nonexistent.key"}, "does not exist"),

@@ -9,7 +9,7 @@ from conftest import random_prompts, reference_greedy
 
 from distserve import LLM, EngineConfig, SamplingParams
 from distserve.cluster.instance import launch_instance
-from distserve.engine.executor import InstanceFailure
+from distserve.core.errors import InstanceFailure
 from distserve.parallel.ranks import ParallelRank, stage_layers
 from distserve.parallel.tensor_parallel import _split
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from distserve.benchmark.profiler import add_profile_args, cmd_profile, decode_grid, prefill_grid
-from distserve.cli import add_dataclass_args
+from distserve.benchmark.profiler import add_profile_args, decode_grid, prefill_grid
+from distserve.cli import add_dataclass_args, cmd_profile
 from distserve.core.config import SECTIONS
 from placement.fitted import FittedLatency, fit, nnls
 

@@ -5,6 +5,7 @@ import torch
 from conftest import assert_all_blocks_free, random_prompts
 
 from distserve import LLM, SamplingParams
+from distserve.core.outputs import OutputBuilder
 from distserve.model_executor.sampler import Sampler
 
 
@@ -121,13 +122,34 @@ def test_stop_strings_cut_the_text(llm):
     assert_all_blocks_free(llm)
 
 
+def test_streamed_text_never_shows_a_stop_string(llm):
+    """Text is streamed as it is decoded, yet what was streamed is exactly the final (cut) text: a
+    stop string that spans several steps never shows its first characters before it completes."""
+    engine = llm.engine
+    prompt = "The cache block"
+    full = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0))[0]
+    visible = full.text.replace("\ufffd", "")
+    for start in range(2, 12):
+        stop = visible[start : start + 4]
+        engine.add_request(prompt, SamplingParams(max_tokens=30, temperature=0.0, stop=[stop]), "streamed")
+        builder, streamed = OutputBuilder("streamed", prompt, []), ""
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                streamed += builder.add(delta).new_text
+                assert stop not in streamed
+        assert streamed == full.text[: full.text.index(stop)]
+    assert_all_blocks_free(llm)
+
+
 def test_streamed_text_adds_up(llm):
     engine = llm.engine
     engine.add_request("Hello world, the server", SamplingParams(max_tokens=25, temperature=0.0), "stream")
+    builder = OutputBuilder("stream", None, [])
     pieces, tokens = [], []
     final = None
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for delta in engine.step():
+            out = builder.add(delta)
             pieces.append(out.new_text)
             tokens.extend(out.new_token_ids)
             final = out

@@ -112,7 +112,7 @@ def profile_engine(
     blocks_per_batch += [batch * -(-context // bs) for batch, context in decode_points]
     executor = UniprocExecutor(config, max(blocks_per_batch) * bs)
     rng = random.Random(config.model.seed)
-    vocab_size = resolved.hf_config.get_text_config().vocab_size
+    vocab_size = resolved.shape.vocab_size
     params = SamplingParams()
 
     def batch_input(is_prefill: bool, contexts: list[int]) -> BatchInput | None:
@@ -195,10 +195,8 @@ def run_profile(
     return fit(prefill, decode, meta)
 
 
-def cmd_profile(args: argparse.Namespace) -> int:
-    from distserve.cli import _engine_config
-
-    config = _engine_config(args)
+def cmd_profile(args: argparse.Namespace, config: EngineConfig) -> int:
+    """``distserve profile`` with the engine ``config`` its flags give."""
     max_context_len = args.max_context_len or 2 * args.max_prompt_len
     fitted = run_profile(config, args.max_prompt_len, max_context_len, args.max_batch_size, args.repeats, print)
     a, b, c = fitted.prefill

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from distserve.core.config import FIELD_SECTION, EngineConfig, read_sections
+from distserve.core.role import ROLES, Role
 
-ROLES = ("prefill", "decode", "colocated")
 CLUSTER_KEYS = ("name", "max_request_attempts", "replace_failed_instances")
 # Per-pool CLI flags of ``distserve launch``: (flag dest, role, pool key);
 # ``--prefill-tensor-parallel-size`` is ``cluster.prefill.tensor_parallel_size``.
@@ -38,7 +38,7 @@ POOL_FLAGS = [
 
 @dataclass
 class PoolConfig:
-    role: str
+    role: Role
     instances: int = 1
     options: dict[str, Any] = field(default_factory=dict)  # flat engine options for this pool only
 
@@ -49,15 +49,14 @@ class PoolConfig:
         return cls(role, options.pop("instances", 1), options)
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"a pool's role must be one of {', '.join(ROLES)}, got '{self.role}'")
+        self.role = Role.parse(self.role)
         if not isinstance(self.instances, int) or self.instances < 1:
             raise ValueError(f"the {self.role} pool needs at least one instance, got {self.instances}")
         unknown = sorted(set(self.options) - set(FIELD_SECTION))
         if unknown:
             raise ValueError(f"unknown option(s) {', '.join(unknown)} in the {self.role} pool")
-        if "scheduler" in self.options:
-            raise ValueError(f"the {self.role} pool's role sets its scheduler: leave 'scheduler' out")
+        if "role" in self.options:
+            raise ValueError(f"the {self.role} pool sets its instances' role: leave 'role' out")
 
 
 @dataclass
@@ -77,24 +76,25 @@ class ClusterConfig:
             raise ValueError(f"replace_failed_instances must be true or false, got {self.replace_failed_instances!r}")
         roles = [pool.role for pool in self.pools]
         if len(set(roles)) != len(roles):
-            raise ValueError(f"each role may have one pool, got {roles}")
-        if sorted(roles) not in (["decode", "prefill"], ["colocated"]):
+            raise ValueError(f"each role may have one pool, got {[str(r) for r in roles]}")
+        if sorted(roles) not in ([Role.DECODE, Role.PREFILL], [Role.COLOCATED]):
             raise ValueError(
-                f"a cluster has a prefill and a decode pool (disaggregated) or one colocated pool, got {roles}"
+                "a cluster has a prefill and a decode pool (disaggregated) or one colocated pool, "
+                f"got {[str(r) for r in roles]}"
             )
 
     @property
     def disaggregated(self) -> bool:
-        return any(pool.role == "prefill" for pool in self.pools)
+        return any(pool.role is Role.PREFILL for pool in self.pools)
 
-    def pool(self, role: str) -> PoolConfig | None:
+    def pool(self, role: Role) -> PoolConfig | None:
         return next((pool for pool in self.pools if pool.role == role), None)
 
     def instance_configs(self) -> list[tuple[str, EngineConfig]]:
         """(actor name, engine config) of every instance."""
         base = {key: value for section in self.engine.to_dict().values() for key, value in section.items()}
         return [
-            (f"{self.name}-{pool.role}-{i}", EngineConfig.from_flat(**{**base, **pool.options, "scheduler": pool.role}))
+            (f"{self.name}-{pool.role}-{i}", EngineConfig.from_flat(**{**base, **pool.options, "role": pool.role}))
             for pool in self.pools
             for i in range(pool.instances)
         ]

@@ -13,10 +13,11 @@ from typing import Any
 
 import yaml
 
+from distserve.core.role import ROLES, Role
+
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-SCHEDULERS = ("colocated", "prefill", "decode")
 POLICIES = ("fcfs", "sjf", "priority")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -63,7 +64,9 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    scheduler: str = option("colocated", "which phases this instance runs", SCHEDULERS)
+    role: Role = option(
+        Role.COLOCATED, "which phases this instance runs (in a cluster, its pool sets it)", ROLES
+    )
     policy: str = option("fcfs", "prefill queue order", POLICIES)
     max_num_batched_tokens: int = option(4096, "prefill token budget per batch (DistServe's L_m)")
     max_num_seqs: int = option(256, "most sequences running at once")
@@ -82,7 +85,7 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
-        _check_choice("scheduler", self.scheduler, SCHEDULERS)
+        self.role = Role.parse(self.role)
         _check_choice("policy", self.policy, POLICIES)
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
@@ -160,7 +163,8 @@ class EngineConfig:
         return cls.from_flat(**flat)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """Sections of plain values (roles as their names), as YAML holds them."""
+        return dataclasses.asdict(self, dict_factory=lambda items: {k: _plain(v) for k, v in items})
 
 
 SECTIONS: dict[str, type] = {
@@ -178,6 +182,10 @@ def read_sections(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)}, ...)")
     return data
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Role) else value
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:

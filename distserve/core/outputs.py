@@ -1,12 +1,16 @@
-"""What the engine hands back for a request after each step."""
+"""What a request produces: per-step deltas inside the system, whole outputs for callers.
+
+An engine emits one ``RequestDelta`` per request per step: the new tokens and text only, so a
+message stays the same size however long the request grows. Whoever hands results to a caller
+(the offline ``LLM``, the orchestrator) adds the deltas up into ``RequestOutput``s with an
+``OutputBuilder``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
 
-if TYPE_CHECKING:
-    from distserve.kv_transfer.migrator import PrefilledRequest
+from distserve.core.handover import Handover
 
 
 @dataclass
@@ -38,48 +42,75 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
+    """A request's output so far, as a caller sees it."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # all output tokens so far
     text: str  # all output text so far
-    new_token_ids: list[int]  # tokens added by this step
-    new_text: str  # text added by this step
+    new_token_ids: list[int]  # tokens added since the previous output
+    new_text: str  # text added since the previous output
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort" (cancelled) or "error" (could not go on) once finished
     num_cached_tokens: int  # prompt tokens served from the prefix cache
-    prefilled: PrefilledRequest | None = None  # from a prefill instance: what decode needs to take over
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
 
+# The RequestMetrics fields an engine stamps; a delta carries them as a tuple, which pickles in
+# about half the time of a dataclass.
 STAGE_TIMES = ("prefill_start", "prefill_end", "migration_start", "migration_end")
 
 
 @dataclass
 class RequestDelta:
-    """What one step adds to a request, as an instance sends it to the orchestrator: new tokens and
-    text only, so a message stays the same size however long the request grows (a RequestOutput
-    repeats the prompt and everything generated so far). The orchestrator keeps the rest."""
+    """What one step adds to one run of a request, as an engine emits it."""
 
     request_id: str
+    attempt: int  # the run it belongs to: deltas of an abandoned run are told apart by it
     new_token_ids: list[int]
     new_text: str
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int
-    prefilled: PrefilledRequest | None = None
-    # RequestMetrics' STAGE_TIMES: a tuple pickles in about half the time of a dataclass.
+    handover: Handover | None = None  # from a prefill instance, with the first token: for the decode side
     stage_times: tuple[float | None, ...] = (None,) * len(STAGE_TIMES)
 
-    @classmethod
-    def of(cls, output: RequestOutput) -> RequestDelta:
-        return cls(
-            output.request_id,
-            output.new_token_ids,
-            output.new_text,
-            output.finished,
-            output.finish_reason,
-            output.num_cached_tokens,
-            output.prefilled,
-            tuple(getattr(output.metrics, name) for name in STAGE_TIMES),
+
+class OutputBuilder:
+    """Adds up one run's deltas into the ``RequestOutput`` a caller sees."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        metrics: RequestMetrics | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.text = ""
+        self.metrics = metrics or RequestMetrics()  # shared with the caller, who may stamp more times
+
+    def add(self, delta: RequestDelta) -> RequestOutput:
+        """The whole output so far, ``delta`` included; its metrics are a snapshot."""
+        self.output_token_ids += delta.new_token_ids
+        self.text += delta.new_text
+        for name, value in zip(STAGE_TIMES, delta.stage_times):
+            if value is not None:
+                setattr(self.metrics, name, value)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=list(self.output_token_ids),
+            text=self.text,
+            new_token_ids=delta.new_token_ids,
+            new_text=delta.new_text,
+            finished=delta.finished,
+            finish_reason=delta.finish_reason,
+            num_cached_tokens=delta.num_cached_tokens,
+            metrics=replace(self.metrics, token_times=list(self.metrics.token_times)),
         )

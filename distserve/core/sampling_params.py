@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from distserve.core.errors import RequestError
+
 
 @dataclass
 class SamplingParams:
@@ -29,17 +31,25 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
+            raise RequestError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+            raise RequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+            raise RequestError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise RequestError("stop strings must be non-empty")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise RequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+
+    @property
+    def stop_text_holdback(self) -> int:
+        """Characters of output text held back while a request runs: they may begin a stop string,
+        which is cut from the text with everything after it once complete."""
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
 
     @property
     def greedy(self) -> bool:

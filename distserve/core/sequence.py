@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 
+from distserve.core.handover import Handover
 from distserve.core.outputs import RequestMetrics
 from distserve.core.sampling_params import SamplingParams
 
@@ -33,9 +34,11 @@ class Sequence:
         prompt: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        attempt: int = 0,
     ) -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
+        self.attempt = attempt  # which run of the request (re-runs after a failure count up)
         self.prompt = prompt
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -53,8 +56,23 @@ class Sequence:
         self.metrics = RequestMetrics()
         # Incremental detokenization state.
         self.output_text = ""
+        self.num_text_sent = 0  # characters of output_text already in deltas
         self.prefix_offset = 0
         self.read_offset = 0
+
+    @classmethod
+    def from_handover(cls, handover: Handover) -> Sequence:
+        """A prefilled request as the decode side runs it: prompt and the tokens prefill sampled."""
+        seq = cls(
+            handover.prompt_token_ids,
+            handover.sampling_params,
+            handover.request_id,
+            handover.prompt,
+            handover.priority,
+            attempt=handover.attempt,
+        )
+        seq.all_token_ids += handover.output_token_ids
+        return seq
 
     def __len__(self) -> int:
         return len(self.all_token_ids)

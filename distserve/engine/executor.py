@@ -14,6 +14,7 @@ import os
 from typing import Any, Protocol
 
 from distserve.core.config import EngineConfig
+from distserve.core.errors import InstanceFailure
 from distserve.kv_transfer.migrator import KVEndpoint
 from distserve.model_executor.model_runner import BatchInput
 from distserve.model_executor.worker import ModelOutput, Worker
@@ -23,10 +24,6 @@ logger = logging.getLogger(__name__)
 PLACEMENT_TIMEOUT_S = 120.0
 HEALTH_TIMEOUT_S = 30.0
 WORKER_CONCURRENCY = 4  # a step, plus KV transfers and health pings beside it
-
-
-class InstanceFailure(RuntimeError):
-    """A worker of the instance died or failed; the instance cannot serve any more."""
 
 
 class Executor(Protocol):

@@ -4,6 +4,7 @@ share it, so a request is refused with the same message wherever it arrives."""
 
 from __future__ import annotations
 
+from distserve.core.errors import RequestError
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.sequence import Sequence
 
@@ -22,28 +23,29 @@ class InputProcessor:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        attempt: int = 0,
     ) -> Sequence:
-        """Validate a request and build its sequence; raises ValueError saying what to fix."""
+        """Validate a request and build its sequence; raises RequestError saying what to fix."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt) if prompt else []
         else:
             text, token_ids = None, list(prompt)
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+                raise RequestError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if not token_ids:
-            raise ValueError("the prompt is empty: pass at least one token")
+            raise RequestError("the prompt is empty: pass at least one token")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(
+            raise RequestError(
                 f"the prompt has {len(token_ids)} tokens but the model's context is {self.max_model_len}: "
                 f"shorten it to at most {self.max_model_len - 1} tokens"
             )
         longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
         if -(-longest // self.block_size) > self.num_kv_blocks:
-            raise ValueError(
+            raise RequestError(
                 f"the request may grow to {longest} tokens, more than the KV cache's "
                 f"{self.num_kv_blocks * self.block_size}: lower max_tokens or give the cache more blocks"
             )
-        return Sequence(token_ids, params, request_id=request_id, prompt=text, priority=priority)
+        return Sequence(token_ids, params, request_id=request_id, prompt=text, priority=priority, attempt=attempt)

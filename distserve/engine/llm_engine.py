@@ -1,5 +1,6 @@
-"""The engine core of one instance: validate and queue requests, then step the scheduler, the
-model runner, the sampler and the output processing, one batch at a time."""
+"""The engine core of one instance: validate and queue requests, then step the role's scheduler,
+the executor, the sampler and the output processing, one batch at a time. It emits each step's
+deltas; the offline ``LLM`` and the orchestrator add them up into outputs."""
 
 from __future__ import annotations
 
@@ -10,56 +11,63 @@ import time
 from transformers import GenerationConfig
 
 from distserve.core.config import EngineConfig
-from distserve.core.outputs import RequestOutput
+from distserve.core.errors import RequestError
+from distserve.core.handover import Handover
+from distserve.core.outputs import STAGE_TIMES, RequestDelta
+from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.sequence import Sequence, SequenceStatus
 from distserve.core.step_metrics import StepRecord, StepStats, StepTimer
+from distserve.engine.decode_role import DecodeRole, KVPuller
 from distserve.engine.detokenizer import Detokenizer, find_stop_string
 from distserve.engine.executor import make_executor
 from distserve.engine.input_processor import InputProcessor
-from distserve.kv_transfer.migrator import PrefilledRequest
+from distserve.engine.prefill_role import PrefillRole
+from distserve.engine.role import ColocatedRole, InstanceRole
 from distserve.model_executor.model_loader import ResolvedModel, load_tokenizer, resolve_model
 from distserve.model_executor.model_runner import BatchInput
 from distserve.parallel.ranks import check_parallel_config
 from distserve.scheduling.block_manager import BlockManager
-from distserve.scheduling.prefill_only_scheduler import PrefillOnlyScheduler
-from distserve.scheduling.scheduler import PrefillFirstScheduler
+from distserve.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
+ROLE_CLASSES: dict[Role, type[InstanceRole]] = {
+    Role.COLOCATED: ColocatedRole,
+    Role.PREFILL: PrefillRole,
+    Role.DECODE: DecodeRole,
+}
+
 
 class LLMEngine:
-    """Scheduler, block manager and output processing of one instance; the model runs in its executor."""
+    """One instance's requests, block manager and output processing, in the role it plays; the
+    model runs in its executor."""
 
     def __init__(self, config: EngineConfig, max_step_records: int = 0, name: str = "engine") -> None:
         self.config = config
         self.name = name
-        self.role = config.scheduler.scheduler
         resolved = resolve_model(config.model)
-        check_parallel_config(resolved.hf_config, config.parallel)
+        check_parallel_config(resolved.hf_config, resolved.shape, config.parallel)
         self.tokenizer = load_tokenizer(resolved)
         self.max_model_len = resolved.max_model_len
-        self.vocab_size = resolved.hf_config.vocab_size
+        self.vocab_size = resolved.shape.vocab_size
         self.eos_token_ids = self._eos_token_ids(resolved)
         max_tokens = config.scheduler.max_num_seqs * self.max_model_len
         self.executor = make_executor(config, max_tokens, name)
         num_blocks = self.executor.num_blocks
-        # A decode instance fills blocks by pulls that finish after allocation: sharing them through
-        # the prefix cache could hand out blocks whose KV has not arrived yet.
-        prefix_caching = config.cache.enable_prefix_caching and self.role != "decode"
-        self.block_manager = BlockManager(num_blocks, config.cache.block_size, prefix_caching)
-        self.scheduler: PrefillFirstScheduler | PrefillOnlyScheduler
-        if self.role == "prefill":
-            self.scheduler = PrefillOnlyScheduler(config.scheduler, self.block_manager)
-        else:  # a decode instance recomputes preempted requests itself, through the same prefill queue
-            self.scheduler = PrefillFirstScheduler(config.scheduler, self.block_manager)
+        self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, num_blocks, config.cache.block_size
         )
-        self.requests: dict[str, Sequence] = {}
-        self.admitting: dict[str, Sequence] = {}  # decode: blocks allocated, KV being pulled
+        self.requests: dict[str, Sequence] = {}  # every request this engine has, by id: one run each
+        self.kv_puller: KVPuller | None = None  # how a decode role pulls KV: the instance's migrator
         self.stats = StepStats(max_step_records)
+        self.role = self._make_role(config.scheduler.role)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.role.scheduler
 
     def _eos_token_ids(self, resolved: ResolvedModel) -> frozenset[int]:
         try:
@@ -74,6 +82,22 @@ class LLMEngine:
                 ids.update(value)
         return frozenset(ids)
 
+    def _make_role(self, role: Role) -> InstanceRole:
+        role_class = ROLE_CLASSES[role]
+        # Prefix caching follows the role: a decode role must not share blocks whose KV is still arriving.
+        self.block_manager.set_prefix_caching(self.config.cache.enable_prefix_caching and role_class.prefix_caching)
+        return role_class(self)
+
+    def change_role(self, role: Role | str) -> None:
+        """Play ``role`` from now on, keeping the weights, the KV cache and the executor. Only an idle
+        role can be left (nothing queued, running, held or arriving): drain it first."""
+        role = Role.parse(role)
+        if not self.role.is_idle():
+            raise RuntimeError(f"{self.name} still has requests as a {self.role.role} instance: drain it first")
+        self.config = dataclasses.replace(self.config, scheduler=dataclasses.replace(self.config.scheduler, role=role))
+        self.role = self._make_role(role)
+        logger.info("%s is a %s instance now", self.name, role)
+
     def shutdown(self) -> None:
         self.executor.shutdown()
 
@@ -85,16 +109,32 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        attempt: int = 0,
     ) -> Sequence:
-        """Validate a request and build its sequence; raises ValueError saying what to fix."""
-        return self.input_processor.process(prompt, params, request_id, priority)
+        """Validate a request and build its sequence; raises RequestError saying what to fix."""
+        return self.input_processor.process(prompt, params, request_id, priority, attempt)
+
+    def register(self, seq: Sequence) -> None:
+        """Track ``seq`` and start its detokenization (past any output it already has). A later run
+        of a request replaces an earlier one still here; the same run twice is refused."""
+        current = self.requests.get(seq.request_id)
+        if current is not None:
+            if current.attempt >= seq.attempt:
+                raise RequestError(f"request id '{seq.request_id}' is already in use")
+            self.abort_request(seq.request_id, current.attempt)
+        self.detokenizer.start(seq)
+        if seq.num_output_tokens:  # text the client has had already
+            self.detokenizer.step(seq)
+            self._unsent_text(seq)
+        self.requests[seq.request_id] = seq
 
     def add_sequence(self, seq: Sequence) -> None:
-        if seq.request_id in self.requests:
-            raise ValueError(f"request id '{seq.request_id}' is already in use")
-        self.detokenizer.start(seq)
-        self.requests[seq.request_id] = seq
-        self.scheduler.add(seq)
+        self.register(seq)
+        try:
+            self.role.add(seq)
+        except BaseException:
+            self.forget(seq)
+            raise
 
     def add_request(
         self,
@@ -107,68 +147,54 @@ class LLMEngine:
         self.add_sequence(seq)
         return seq.request_id
 
-    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
-        """Stop a request wherever it is and free its blocks; None if it is not running here.
+    def add_handover(self, handover: Handover) -> None:
+        """Decode: take a prefilled request over; it decodes once its KV has been pulled."""
+        self.role.add_handover(handover)
+
+    def release_kv(self, request_id: str, attempt: int) -> bool:
+        """Prefill: decode has pulled this run's KV, which can go; False when it went already (at the
+        hold deadline, or aborted), so what was pulled cannot be trusted. Safe from any thread."""
+        return self.role.release_kv(request_id, attempt)
+
+    def pull_done(
+        self, request_id: str, attempt: int, start: float | None, end: float | None, error: str | None
+    ) -> list[RequestDelta]:
+        """Decode: a run's KV pull ended (``error`` None: it arrived); the deltas that follow."""
+        return self.role.pull_done(request_id, attempt, start, end, error)
+
+    def abort_request(self, request_id: str, attempt: int | None = None, reason: str = "abort") -> RequestDelta | None:
+        """Stop a request (``attempt``: only that run) wherever it is and free its blocks; its final
+        delta, or None when it is not here or its end comes later (KV still arriving).
 
         ``reason`` is "abort" when a client cancels, "error" when the request cannot go on here.
         """
         seq = self.requests.get(request_id)
-        if seq is None:
+        if seq is None or (attempt is not None and seq.attempt != attempt):
             return None
-        self._finish(seq, reason)
-        return self._output(seq, 0, "")
+        return self.role.abort(seq, reason)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.role.has_work()
 
-    # Disaggregation ---------------------------------------------------------------------------
+    def tick(self) -> list[RequestDelta]:
+        """The role's housekeeping between steps: KV pulled or expired (prefill), admissions (decode)."""
+        return self.role.tick(time.monotonic())
 
-    def release_prefilled(self, request_id: str) -> bool:
-        """Prefill: a decode instance has pulled the request's KV; free its blocks."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
-            return False
-        seq.status = SequenceStatus.FINISHED
-        self.scheduler.finish(seq)
-        return True
+    def finish(self, seq: Sequence, reason: str) -> RequestDelta:
+        """End ``seq`` with ``reason``, free its blocks; its final delta."""
+        self._finish(seq, reason)
+        return self._delta(seq, [], "")
 
-    def admit_prefilled(self, prefilled: PrefilledRequest) -> Sequence | None:
-        """Decode: allocate blocks for a prefilled request, or None while there is no room.
-
-        The request decodes only after ``start_decoding``, once its KV has been pulled into them.
-        """
-        if prefilled.request_id in self.requests:
-            raise ValueError(f"request id '{prefilled.request_id}' is already in use")
-        if len(self.scheduler.decode) + len(self.admitting) >= self.config.scheduler.max_num_seqs:
-            return None
-        prompt_ids = prefilled.token_ids[: prefilled.num_prompt_tokens]
-        seq = Sequence(
-            prompt_ids, prefilled.sampling_params, prefilled.request_id, prefilled.prompt, prefilled.priority
-        )
-        self.detokenizer.start(seq)
-        for token in prefilled.token_ids[prefilled.num_prompt_tokens :]:
-            seq.append_token(token)
-            self.detokenizer.step(seq)  # the prefill instance already sent this text
-        if not self.block_manager.can_allocate(seq):
-            return None
-        self.block_manager.allocate(seq)
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self.requests[seq.request_id] = seq
-        self.admitting[seq.request_id] = seq
-        return seq
-
-    def start_decoding(self, request_id: str, migration_start: float, migration_end: float) -> None:
-        """Decode: the request's KV has arrived; it joins the running batch."""
-        seq = self.admitting.pop(request_id)
-        seq.metrics.migration_start, seq.metrics.migration_end = migration_start, migration_end
-        self.scheduler.decode.add(seq)
+    def forget(self, seq: Sequence) -> None:
+        if self.requests.get(seq.request_id) is seq:
+            del self.requests[seq.request_id]
 
     # Stepping -----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; returns an output for every sequence that advanced."""
+    def step(self) -> list[RequestDelta]:
+        """Run one batch; returns a delta for every sequence that advanced."""
         timer = StepTimer()
-        batch = self.scheduler.schedule()
+        batch = self.role.schedule()
         timer.lap("schedule")
         if not batch.seqs:
             return []
@@ -184,61 +210,56 @@ class LLMEngine:
         # Split the executor's time into the driver rank's phases and the rest (calls, transfers).
         timer.seconds["dispatch"] = timer.seconds.pop("execute") - sum(output.seconds.values())
         timer.seconds.update(output.seconds)
-        tokens = output.sampled_token_ids
-        outputs = [self._append_token(seq, token) for seq, token in zip(batch.seqs, tokens)]
+        deltas = [
+            self._append_token(seq, token, batch.is_prefill) for seq, token in zip(batch.seqs, output.sampled_token_ids)
+        ]
         timer.lap("postprocess")
         self.stats.add(StepRecord(batch.is_prefill, len(batch.seqs), model_input.num_tokens, timer.seconds))
-        return outputs
+        return deltas
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: int, after_prefill: bool) -> RequestDelta:
         seq.append_token(token)
         seq.num_computed_tokens = seq.num_tokens - 1
-        delta = self.detokenizer.step(seq)
+        text = self.detokenizer.step(seq)
         params = seq.sampling_params
         reason = None
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             reason = "stop"
-        elif params.stop:
-            text_before = len(seq.output_text) - len(delta)
-            if find_stop_string(seq, delta) is not None:
-                reason, delta = "stop", seq.output_text[text_before:]
+        elif params.stop and find_stop_string(seq, text) is not None:
+            reason = "stop"
         if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
             self._finish(seq, reason)
-        output = self._output(seq, 1, delta)
-        if reason is None and self.role == "prefill":
-            output.prefilled = PrefilledRequest(
-                seq.request_id,
-                self.name,
-                seq.prompt,
-                list(seq.all_token_ids),
-                seq.num_prompt_tokens,
-                params,
-                seq.priority,
-                list(seq.block_table),
-                self.config.cache.block_size,
-            )
-        return output
+            return self._delta(seq, [token], self._unsent_text(seq))
+        handover = self.role.after_prefill(seq) if after_prefill else None
+        return self._delta(seq, [token], self._unsent_text(seq), handover)
+
+    @staticmethod
+    def _unsent_text(seq: Sequence) -> str:
+        """Output text no delta has carried yet; while the request runs, less what may begin a stop
+        string (sent text cannot be taken back when the stop string completes)."""
+        end = len(seq.output_text) - (0 if seq.is_finished else seq.sampling_params.stop_text_holdback)
+        if end <= seq.num_text_sent:
+            return ""
+        text, seq.num_text_sent = seq.output_text[seq.num_text_sent : end], end
+        return text
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.scheduler.finish(seq)
-        self.admitting.pop(seq.request_id, None)
-        del self.requests[seq.request_id]
+        self.role.finish(seq)
+        self.forget(seq)
 
-    def _output(self, seq: Sequence, num_new: int, delta: str) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
-            text=seq.output_text,
-            new_token_ids=seq.all_token_ids[len(seq.all_token_ids) - num_new :] if num_new else [],
-            new_text=delta,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            metrics=dataclasses.replace(seq.metrics),
+    def _delta(self, seq: Sequence, tokens: list[int], text: str, handover: Handover | None = None) -> RequestDelta:
+        return RequestDelta(
+            seq.request_id,
+            seq.attempt,
+            tokens,
+            text,
+            seq.is_finished,
+            seq.finish_reason,
+            seq.num_cached_tokens,
+            handover,
+            tuple(getattr(seq.metrics, name) for name in STAGE_TIMES),
         )

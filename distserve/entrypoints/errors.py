@@ -3,9 +3,13 @@ frontends refuse a request the same way."""
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
-from distserve.engine.executor import InstanceFailure
+from distserve.core.errors import InstanceFailure, RequestError
+
+logger = logging.getLogger(__name__)
 
 
 class ServingError(Exception):
@@ -39,11 +43,13 @@ class Unavailable(ServingError):
 
 
 def to_serving_error(error: BaseException) -> ServingError:
-    """The client-facing form of an error raised while serving a request."""
+    """The client-facing form of an error raised while serving a request. Only a ``RequestError`` is
+    the client's fault; anything unforeseen is an internal error, its traceback logged here."""
     if isinstance(error, ServingError):
         return error
-    if isinstance(error, (ValueError, TypeError)):
+    if isinstance(error, RequestError):
         return InvalidRequest(str(error))
     if isinstance(error, InstanceFailure):
         return Unavailable(str(error))
+    logger.error("internal error serving a request", exc_info=error)
     return ServingError(f"internal error: {type(error).__name__}: {error}")

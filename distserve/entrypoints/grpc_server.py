@@ -12,8 +12,9 @@ from grpc_reflection.v1alpha import reflection
 
 from distserve.cluster.instance import InstanceInfo
 from distserve.core.outputs import RequestOutput
+from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
-from distserve.entrypoints.errors import InvalidRequest, ServingError
+from distserve.entrypoints.errors import InvalidRequest, ServingError, to_serving_error
 from distserve.entrypoints.frontend import Frontend
 from distserve.entrypoints.server_config import ServerConfig
 from distserve.v1 import distserve_pb2 as pb
@@ -28,7 +29,7 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # answer them RESOURCE_EXHAUSTED; each queued call costs a few KiB.
 MAX_QUEUED_CALLS = 16384
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
-_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "colocated": pb.ROLE_COLOCATED}
+_ROLES = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE, Role.COLOCATED: pb.ROLE_COLOCATED}
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "skip_special_tokens")
 
 
@@ -115,8 +116,9 @@ class DistServeServicer(pb_grpc.DistServeServicer):
         try:
             prompt = _prompt_from_proto(request)
             params = sampling_params_from_proto(request.sampling_params)
-        except (ServingError, ValueError) as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Exception as e:
+            error = to_serving_error(e)
+            await context.abort(error.grpc_code, str(error))
         outputs = self.frontend.generate(prompt, params, request.request_id or None, request.priority)
         # aclosing: a cancelled call closes the stream at once, which cancels the request.
         async with contextlib.aclosing(outputs):

@@ -51,8 +51,8 @@ def load_launch_config(
     if notes:
         logger.info("plan %s: %s", plan, notes)
     flags = dict(flags or {})
-    if "scheduler" in flags:
-        raise ValueError("each pool's role sets its scheduler: leave --scheduler out, use the pool flags")
+    if "role" in flags:
+        raise ValueError("each pool sets its instances' role: leave --role out, use the pool flags")
     server = dict(data.pop("server", None) or {})
     unknown = sorted(set(server) - SERVER_FIELDS)
     if unknown:

@@ -10,7 +10,8 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from distserve.core.config import EngineConfig
-from distserve.core.outputs import RequestOutput
+from distserve.core.outputs import OutputBuilder, RequestOutput
+from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 
@@ -22,9 +23,9 @@ class LLM:
             config = EngineConfig.from_flat(model=model, **options)
         elif options:
             raise ValueError("pass either config or keyword options, not both")
-        if config.scheduler.scheduler != "colocated":
+        if config.scheduler.role is not Role.COLOCATED:
             raise ValueError(
-                f"an offline LLM runs both phases in one engine: scheduler '{config.scheduler.scheduler}' "
+                f"an offline LLM runs both phases in one engine: role '{config.scheduler.role}' "
                 "needs a disaggregated cluster"
             )
         self.engine = LLMEngine(config)
@@ -55,12 +56,14 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
         seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        builders = {seq.request_id: OutputBuilder(seq.request_id, seq.prompt, seq.prompt_token_ids) for seq in seqs}
         results: dict[str, RequestOutput] = {}
         try:
             for seq in seqs:
                 self.engine.add_sequence(seq)
             while len(results) < len(seqs):
-                for output in self.engine.step():
+                for delta in self.engine.step():
+                    output = builders[delta.request_id].add(delta)
                     if output.finished:
                         results[output.request_id] = output
         finally:

@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from jinja2 import TemplateError
 
+from distserve.core.errors import RequestError
 from distserve.core.outputs import RequestOutput
 from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.errors import ServingError
@@ -40,8 +41,8 @@ DEFAULT_CHAT_TEMPLATE = (
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
-class RequestError(Exception):
-    """A refusal, with the fields of OpenAI's error body."""
+class HTTPError(Exception):
+    """An HTTP error answer, with the fields of OpenAI's error body."""
 
     def __init__(
         self,
@@ -55,7 +56,7 @@ class RequestError(Exception):
         self.status, self.error_type, self.param, self.code = status, error_type, param, code
 
     @classmethod
-    def of(cls, error: ServingError) -> RequestError:
+    def of(cls, error: ServingError) -> HTTPError:
         return cls(str(error), error.http_status, error.error_type)
 
     def body(self) -> dict[str, Any]:
@@ -137,18 +138,18 @@ def _parse_fields(
 ) -> dict[str, Any]:
     """The body's fields with a value (null means the default), each checked for its type."""
     if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+        raise HTTPError(f"the request body must be a JSON object, got {type(body).__name__}")
     fields = {}
     for name, value in body.items():
         if name in unsupported:
             if value is not None and not unsupported[name](value):
-                raise RequestError(f"'{name}' is not supported by this server", param=name)
+                raise HTTPError(f"'{name}' is not supported by this server", param=name)
         elif name not in known:
-            raise RequestError(f"unknown field '{name}'", param=name)
+            raise HTTPError(f"unknown field '{name}'", param=name)
         elif value is not None:
             what, ok = known[name]
             if not ok(value):
-                raise RequestError(f"'{name}' must be {what}, got {json.dumps(value)}", param=name)
+                raise HTTPError(f"'{name}' must be {what}, got {json.dumps(value)}", param=name)
             fields[name] = value
     return fields
 
@@ -156,7 +157,7 @@ def _parse_fields(
 def _check_model(frontend: Frontend, fields: dict[str, Any]) -> None:
     model = fields.get("model", frontend.model_name)
     if model != frontend.model_name:
-        raise RequestError(
+        raise HTTPError(
             f"the model '{model}' does not exist: this server serves '{frontend.model_name}'",
             404,
             param="model",
@@ -166,7 +167,7 @@ def _check_model(frontend: Frontend, fields: dict[str, Any]) -> None:
 
 def _sampling_params(fields: dict[str, Any], max_tokens_field: str, max_tokens: int) -> SamplingParams:
     if max_tokens < 1:
-        raise RequestError(f"'{max_tokens_field}' must be >= 1, got {max_tokens}", param=max_tokens_field)
+        raise HTTPError(f"'{max_tokens_field}' must be >= 1, got {max_tokens}", param=max_tokens_field)
     top_k = fields.get("top_k", 0)
     try:
         return SamplingParams(
@@ -181,8 +182,8 @@ def _sampling_params(fields: dict[str, Any], max_tokens_field: str, max_tokens: 
             include_stop_str_in_output=fields.get("include_stop_str_in_output", False),
             skip_special_tokens=fields.get("skip_special_tokens", True),
         )
-    except ValueError as e:
-        raise RequestError(str(e)) from e
+    except RequestError as e:
+        raise HTTPError(str(e)) from e
 
 
 def _completion_prompts(value: Any) -> list[str | list[int]]:
@@ -193,7 +194,7 @@ def _completion_prompts(value: Any) -> list[str | list[int]]:
             return [value]
         if _all(value, str) or all(isinstance(p, list) and all(_is_int(t) for t in p) for p in value):
             return value
-    raise RequestError(
+    raise HTTPError(
         "'prompt' must be a string, a list of token ids, or a non-empty list of strings or of token-id lists",
         param="prompt",
     )
@@ -201,24 +202,24 @@ def _completion_prompts(value: Any) -> list[str | list[int]]:
 
 def _chat_messages(value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list) or not value:
-        raise RequestError("'messages' must be a non-empty list of messages", param="messages")
+        raise HTTPError("'messages' must be a non-empty list of messages", param="messages")
     messages = []
     for i, m in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise RequestError(f"'{where}' must be an object with 'role' and 'content'", param=where)
+            raise HTTPError(f"'{where}' must be an object with 'role' and 'content'", param=where)
         extra = sorted(set(m) - {"role", "content", "name"})
         if extra:
-            raise RequestError(f"'{where}' has an unsupported field '{extra[0]}'", param=f"{where}.{extra[0]}")
+            raise HTTPError(f"'{where}' has an unsupported field '{extra[0]}'", param=f"{where}.{extra[0]}")
         role = m.get("role")
         if role not in CHAT_ROLES:
-            raise RequestError(
+            raise HTTPError(
                 f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}", param=f"{where}.role"
             )
         message = {"role": role, "content": _message_text(m.get("content"), f"{where}.content")}
         if "name" in m:
             if not isinstance(m["name"], str):
-                raise RequestError(f"'{where}.name' must be a string", param=f"{where}.name")
+                raise HTTPError(f"'{where}.name' must be a string", param=f"{where}.name")
             message["name"] = m["name"]
         messages.append(message)
     return messages
@@ -233,14 +234,14 @@ def _message_text(content: Any, where: str) -> str:
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(
+                raise HTTPError(
                     f"'{where}' has the part {json.dumps(part)}: only text parts (type 'text' with a string "
                     "'text') are supported",
                     param=where,
                 )
             texts.append(part["text"])
         return "\n".join(texts)
-    raise RequestError(f"'{where}' must be a string or a list of text parts", param=where)
+    raise HTTPError(f"'{where}' must be a string or a list of text parts", param=where)
 
 
 def render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
@@ -251,7 +252,7 @@ def render_chat(tokenizer, messages: list[dict[str, str]]) -> str:
             messages, chat_template=template, tokenize=False, add_generation_prompt=True
         )
     except TemplateError as e:
-        raise RequestError(f"the chat template refused the messages: {e}", param="messages") from e
+        raise HTTPError(f"the chat template refused the messages: {e}", param="messages") from e
 
 
 # -- running a request ---------------------------------------------------------------------------
@@ -273,18 +274,18 @@ def _common(fields: dict[str, Any]) -> tuple[int, bool, bool, bool]:
     """(n, stream, include_usage, return_token_ids) of a request."""
     n = fields.get("n", 1)
     if not 1 <= n <= MAX_N:
-        raise RequestError(f"'n' must be in [1, {MAX_N}], got {n}", param="n")
+        raise HTTPError(f"'n' must be in [1, {MAX_N}], got {n}", param="n")
     stream = fields.get("stream", False)
     options = fields.get("stream_options")
     if options is not None and not stream:
-        raise RequestError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+        raise HTTPError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     options = options or {}
     extra = sorted(set(options) - {"include_usage"})
     if extra:
-        raise RequestError(f"unknown field 'stream_options.{extra[0]}'", param=f"stream_options.{extra[0]}")
+        raise HTTPError(f"unknown field 'stream_options.{extra[0]}'", param=f"stream_options.{extra[0]}")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
-        raise RequestError("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
+        raise HTTPError("'stream_options.include_usage' must be a boolean", param="stream_options.include_usage")
     return n, stream, include_usage, fields.get("return_token_ids", False)
 
 
@@ -301,7 +302,7 @@ def _parse_completion(frontend: Frontend, body: Any) -> _Call:
     fields = _parse_fields(body, COMPLETION_FIELDS, COMPLETION_UNSUPPORTED)
     _check_model(frontend, fields)
     if "prompt" not in fields:
-        raise RequestError("'prompt' is required", param="prompt")
+        raise HTTPError("'prompt' is required", param="prompt")
     prompts = _completion_prompts(fields["prompt"])
     n, stream, include_usage, return_token_ids = _common(fields)
     # No request can outgrow the context, and a bound keeps absurd values out of load estimates.
@@ -314,7 +315,7 @@ def _parse_chat(frontend: Frontend, body: Any) -> _Call:
     fields = _parse_fields(body, CHAT_FIELDS, CHAT_UNSUPPORTED)
     _check_model(frontend, fields)
     if "messages" not in fields:
-        raise RequestError("'messages' is required", param="messages")
+        raise HTTPError("'messages' is required", param="messages")
     tokenizer = frontend.tokenizer
     # The template writes any special tokens the model expects (BOS...); encoding must not add them again.
     prompt = tokenizer.encode(render_chat(tokenizer, _chat_messages(fields["messages"])), add_special_tokens=False)
@@ -451,15 +452,15 @@ async def _respond(request: web.Request, frontend: Frontend, call: _Call) -> web
         except ConnectionError:
             pass  # the client left; closing `outputs` cancels its requests
         except Exception as e:
-            error = RequestError.of(e) if isinstance(e, ServingError) else _internal(e)
+            error = HTTPError.of(e) if isinstance(e, ServingError) else _internal(e)
             with suppress(ConnectionError):
                 await response.write(_sse(error.body()))
         return response
 
 
-def _internal(error: Exception) -> RequestError:
+def _internal(error: Exception) -> HTTPError:
     logger.exception("internal error serving a request", exc_info=error)
-    return RequestError(f"internal error: {type(error).__name__}: {error}", 500, "internal_error")
+    return HTTPError(f"internal error: {type(error).__name__}: {error}", 500, "internal_error")
 
 
 # -- the application -----------------------------------------------------------------------------
@@ -474,15 +475,15 @@ def build_app(frontend: Frontend) -> web.Application:
             if request.path.startswith("/v1/") or request.path == "/metrics":
                 frontend.authenticate(request.headers.get("Authorization"))
             return await handler(request)
-        except RequestError as e:
+        except HTTPError as e:
             error = e
         except ServingError as e:
-            error = RequestError.of(e)
+            error = HTTPError.of(e)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
             error_type = "invalid_request_error" if e.status < 500 else "internal_error"
-            error = RequestError(f"{e.reason}: {request.method} {request.path}", e.status, error_type)
+            error = HTTPError(f"{e.reason}: {request.method} {request.path}", e.status, error_type)
         except Exception as e:
             error = _internal(e)
         return web.json_response(error.body(), status=error.status)
@@ -491,7 +492,7 @@ def build_app(frontend: Frontend) -> web.Application:
         try:
             return json.loads(await request.read())
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise RequestError(f"the request body is not valid JSON: {e}") from e
+            raise HTTPError(f"the request body is not valid JSON: {e}") from e
 
     async def completions(request: web.Request) -> web.StreamResponse:
         return await _respond(request, frontend, _parse_completion(frontend, await read_json(request)))

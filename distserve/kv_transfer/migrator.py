@@ -1,9 +1,9 @@
-"""Hand-over of a prefilled request from a prefill instance to a decode instance.
+"""The decode side of a hand-over: pulling a prefilled request's KV from the prefill instance.
 
-The prefill instance emits a ``PrefilledRequest`` with the first token; the decode instance
-admits it when it can allocate its blocks, pulls the KV from the prefill instance's ranks over
-pair communicators (``kv_transfer``), and only then starts decoding it. The prefill instance
-frees its blocks when the pull is done.
+The decode role admits a ``Handover`` when it can allocate its blocks and gives it to the
+``Migrator``, which pulls the KV from the prefill instance's ranks over pair communicators
+(``channel``) on its own thread, tells the prefill instance to free its blocks, and reports the
+pull done or failed. The decode role starts decoding the request only then.
 """
 
 from __future__ import annotations
@@ -19,25 +19,10 @@ from typing import Any
 
 import ray
 
-from distserve.core.sampling_params import SamplingParams
-from distserve.kv_transfer.plan import KVLayout, TransferPart, plan_transfer
+from distserve.core.handover import Handover
+from distserve.kv_transfer.plan import KVLayout, TransferPart, plan_transfer, token_slots
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PrefilledRequest:
-    """What a decode instance needs to take a request over."""
-
-    request_id: str
-    prefill_instance: str  # the Ray actor name of the instance holding the KV
-    prompt: str | None
-    token_ids: list[int]  # prompt, then the first output token
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    priority: int
-    block_table: list[int]  # the prompt's blocks on the prefill instance
-    block_size: int  # the prefill instance's (a decode pool may use another)
 
 
 @dataclass
@@ -52,11 +37,6 @@ class KVEndpoint:
         return self.handle.kv.remote(method, *args)
 
 
-def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
-    """The cache slots of the first ``num_tokens`` tokens of a sequence with this block table."""
-    return [block_table[i // block_size] * block_size + i % block_size for i in range(num_tokens)]
-
-
 @dataclass
 class MigrationRecord:
     request_id: str
@@ -68,7 +48,8 @@ class MigrationRecord:
 
 class Migrator:
     """Decode side: pulls the KV of admitted requests from their prefill instances on its own
-    thread, one request at a time, and reports each one done (or failed) through ``on_done``."""
+    thread, one request at a time, and reports each one done (or failed) through ``on_done(request
+    id, attempt, record, error)``."""
 
     MAX_RECORDS = 10_000
 
@@ -77,7 +58,7 @@ class Migrator:
         name: str,
         endpoints: list[KVEndpoint],
         block_size: int,
-        on_done: Callable[[str, MigrationRecord | None, str | None], None],
+        on_done: Callable[[str, int, MigrationRecord | None, str | None], None],
     ) -> None:
         self.name = name
         self.endpoints = endpoints
@@ -87,27 +68,27 @@ class Migrator:
         self._records_lock = threading.Lock()
         self._sources: dict[str, tuple[Any, list[KVEndpoint], list[TransferPart]]] = {}
         self._connected: set[str] = set()
-        self._queue: queue.SimpleQueue[tuple[PrefilledRequest, list[int]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Handover, list[int]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"{name}-migrator", daemon=True)
         self._thread.start()
 
-    def submit(self, prefilled: PrefilledRequest, block_table: list[int]) -> None:
-        self._queue.put((prefilled, list(block_table)))
+    def submit(self, handover: Handover, block_table: list[int]) -> None:
+        self._queue.put((handover, list(block_table)))
 
     def stop(self) -> None:
         self._queue.put(None)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            prefilled, block_table = item
+            handover, block_table = item
             try:
-                record = self._pull(prefilled, block_table)
+                record = self._pull(handover, block_table)
             except Exception as e:  # the prefill side died or refused: the request cannot continue here
-                logger.exception("%s: pulling the KV of %s failed", self.name, prefilled.request_id)
-                error = f"KV migration from {prefilled.prefill_instance} failed: {e}"
-                self.on_done(prefilled.request_id, None, error)
+                logger.exception("%s: pulling the KV of %s failed", self.name, handover.request_id)
+                error = f"KV migration from {handover.prefill_instance} failed: {e}"
+                self.on_done(handover.request_id, handover.attempt, None, error)
             else:
-                self.on_done(prefilled.request_id, record, None)
+                self.on_done(handover.request_id, handover.attempt, record, None)
 
     def _source(self, instance_name: str) -> tuple[Any, list[KVEndpoint], list[TransferPart]]:
         """The prefill instance's handle, its ranks, and which of them send what to which of ours."""
@@ -133,26 +114,26 @@ class Migrator:
         with self._records_lock:
             return dict(self._records)
 
-    def _pull(self, prefilled: PrefilledRequest, block_table: list[int]) -> MigrationRecord:
+    def _pull(self, handover: Handover, block_table: list[int]) -> MigrationRecord:
         start = time.time()
-        handle, sources, plan = self._source(prefilled.prefill_instance)
-        num_tokens = prefilled.num_prompt_tokens
-        src_slots = token_slots(prefilled.block_table, num_tokens, prefilled.block_size)
+        handle, sources, plan = self._source(handover.prefill_instance)
+        num_tokens = handover.num_prompt_tokens
+        src_slots = token_slots(handover.block_table, num_tokens, handover.block_size)
         dst_slots = token_slots(block_table, num_tokens, self.block_size)
         sends, recvs = [], []
         for part in plan:
-            channel = self._channel(prefilled.prefill_instance, sources, part)
+            channel = self._channel(handover.prefill_instance, sources, part)
             sends.append(sources[part.src].call("send", channel, src_slots, part.layers, part.kv_heads))
             recvs.append(self.endpoints[part.dst].call("recv", channel, dst_slots, part.layers, part.kv_heads))
         num_bytes = sum(ray.get(recvs))
         ray.get(sends)
         # The prefill instance frees its blocks, unless it did so at its hold deadline already, in
         # which case they may have been reused during the pull.
-        if not ray.get(handle.release.remote(prefilled.request_id)):
-            raise RuntimeError(f"{prefilled.prefill_instance} freed the KV at its hold deadline")
-        record = MigrationRecord(prefilled.request_id, num_tokens, num_bytes, start, time.time())
+        if not ray.get(handle.release_kv.remote(handover.request_id, handover.attempt)):
+            raise RuntimeError(f"{handover.prefill_instance} no longer held the KV (hold deadline or abort)")
+        record = MigrationRecord(handover.request_id, num_tokens, num_bytes, start, time.time())
         with self._records_lock:
-            self._records[prefilled.request_id] = record
+            self._records[handover.request_id] = record
             while len(self._records) > self.MAX_RECORDS:
                 self._records.popitem(last=False)
         return record

@@ -58,3 +58,8 @@ def plan_transfer(sources: list[KVLayout], destinations: list[KVLayout]) -> list
                 covered.add((layers, heads))
                 parts.append(TransferPart(src, dst, layers, heads))
     return parts
+
+
+def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
+    """The cache slots of the first ``num_tokens`` tokens of a sequence with this block table."""
+    return [block_table[i // block_size] * block_size + i % block_size for i in range(num_tokens)]

@@ -24,7 +24,7 @@ from distserve.model_executor.tiny_models import TINY_MODELS, ensure_tiny_model
 from distserve.parallel.pipeline_parallel import PipelineStage
 from distserve.parallel.ranks import ParallelRank, stage_layers
 from distserve.parallel.tensor_parallel import Shard, shard_model
-from placement.model_presets import MODEL_PRESETS
+from placement.model_presets import MODEL_PRESETS, ModelShape, model_shape
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class ResolvedModel:
     model_dir: Path | None  # None for presets, which have no files
     tokenizer_dir: Path
     max_model_len: int
+    shape: ModelShape  # the sizes every part of the runtime reads: layers, heads, head size, vocabulary
 
 
 def _known_names() -> str:
@@ -81,10 +82,11 @@ def resolve_model(config: ModelConfig) -> ResolvedModel:
         )
 
     tokenizer_dir = _resolve_tokenizer_dir(config, model_dir)
-    context = hf_config.max_position_embeddings
+    shape = model_shape(hf_config.get_text_config().to_dict())
+    context = shape.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > context:
         raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's context of {context} positions")
-    return ResolvedModel(hf_config, model_dir, tokenizer_dir, config.max_model_len or context)
+    return ResolvedModel(hf_config, model_dir, tokenizer_dir, config.max_model_len or context, shape)
 
 
 def _resolve_tokenizer_dir(config: ModelConfig, model_dir: Path | None) -> Path:
@@ -141,15 +143,15 @@ def load_model(
         model = AutoModelForCausalLM.from_config(
             resolved.hf_config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
         )
-    shards = shard_model(model, rank.tp_size, rank.tp_rank, tp_group) if rank.tp_size > 1 else {}
+    shards = shard_model(model, resolved.shape, rank.tp_size, rank.tp_rank, tp_group) if rank.tp_size > 1 else {}
     names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(name)
     stage = None
     if rank.pp_size > 1:
-        num_layers = resolved.hf_config.get_text_config().num_hidden_layers
+        num_layers = resolved.shape.num_layers
         layers = stage_layers(num_layers, rank.pp_size, rank.pp_rank)
-        stage = PipelineStage(model, layers, rank.is_first_stage, rank.is_last_stage)
+        stage = PipelineStage(model, num_layers, layers, rank.is_first_stage, rank.is_last_stage)
     if load_format == "dummy" or resolved.model_dir is None:
         source: _WeightSource = _DummyWeights(resolved.hf_config, seed, device)
     else:

@@ -24,7 +24,6 @@ from distserve.model_executor.sampler import Sampler
 from distserve.parallel.process_group import create_store, init_process_group
 from distserve.parallel.ranks import ParallelRank
 from distserve.parallel.tensor_parallel import local_kv_heads
-from placement.model_presets import model_shape
 
 
 @dataclass
@@ -67,10 +66,10 @@ class Worker:
             self.rank,
             tp_group,
         )
-        shape = model_shape(resolved.hf_config.to_dict())
+        shape = resolved.shape
         self.kv_layout = rank_layout(shape.num_layers, shape.num_kv_heads, self.rank)
         self.layers = self.kv_layout.layers
-        self.hidden_size = resolved.hf_config.get_text_config().hidden_size
+        self.hidden_size = shape.hidden_size
         self.kv_shape = KVCacheShape(
             len(self.layers),
             local_kv_heads(shape.num_kv_heads, self.rank.tp_size),

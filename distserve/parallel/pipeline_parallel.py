@@ -35,9 +35,9 @@ class ZeroEmbedding(nn.Module):
 class PipelineStage:
     """Installs a stage's slicing and hooks on a model; ``received`` feeds its first layer."""
 
-    def __init__(self, model: nn.Module, layers: range, is_first: bool, is_last: bool) -> None:
+    def __init__(self, model: nn.Module, num_layers: int, layers: range, is_first: bool, is_last: bool) -> None:
         self.received: torch.Tensor | None = None
-        parent, attr, all_layers = find_decoder_layers(model)
+        parent, attr, all_layers = find_decoder_layers(model, num_layers)
         own = nn.ModuleList(all_layers[i] for i in layers)
         setattr(parent, attr, own)
         if not is_first:
@@ -60,9 +60,8 @@ def _finish(module: nn.Module, args: tuple, output) -> None:
     raise StageDone(hidden[0])
 
 
-def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
-    """The module list of decoder layers (the one with ``num_hidden_layers`` entries) and its owner."""
-    num_layers = model.config.get_text_config().num_hidden_layers
+def find_decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, str, nn.ModuleList]:
+    """The module list of decoder layers (the one with ``num_layers`` entries) and its owner."""
     found = [
         (name, module)
         for name, module in model.named_modules()

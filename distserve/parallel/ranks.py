@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from distserve.core.config import ParallelConfig
 from distserve.parallel.tensor_parallel import check_tensor_parallel
+from placement.model_presets import ModelShape
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     return range(start, start + base + (pp_rank < extra))
 
 
-def check_parallel_config(hf_config, parallel: ParallelConfig) -> None:
+def check_parallel_config(hf_config, shape: ModelShape, parallel: ParallelConfig) -> None:
     """Raise ValueError when the model cannot run at these degrees, before any worker starts."""
-    check_tensor_parallel(hf_config, parallel.tensor_parallel_size)
-    stage_layers(hf_config.get_text_config().num_hidden_layers, parallel.pipeline_parallel_size, 0)
+    check_tensor_parallel(hf_config, shape, parallel.tensor_parallel_size)
+    stage_layers(shape.num_layers, parallel.pipeline_parallel_size, 0)

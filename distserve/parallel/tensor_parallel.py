@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from placement.model_presets import ModelShape
+
 # Plans for families whose transformers config carries none, keyed by model_type; keys are
 # relative to the base model, as transformers' own plans are.
 OWN_TP_PLANS: dict[str, dict[str, str]] = {
@@ -92,7 +94,7 @@ class GatheredColumnLinear(nn.Linear):
         return torch.cat(parts, dim=-1)
 
 
-def check_tensor_parallel(hf_config, tp_size: int) -> None:
+def check_tensor_parallel(hf_config, shape: ModelShape, tp_size: int) -> None:
     """Raise ValueError, naming the family, when ``tp_size`` ranks cannot shard this model."""
     config = hf_config.get_text_config()
     if tp_size == 1:
@@ -103,8 +105,7 @@ def check_tensor_parallel(hf_config, tp_size: int) -> None:
             "base_model_tp_plan and distserve has no plan of its own for it; use tensor_parallel_size 1 "
             "(pipeline parallelism works for any family)"
         )
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    num_heads, num_kv_heads = shape.num_heads, shape.num_kv_heads
     if num_heads % tp_size:
         raise ValueError(
             f"{config.model_type} has {num_heads} attention heads, which {tp_size} tensor parallel ranks cannot share"
@@ -147,12 +148,10 @@ def _head_dim(parent: nn.Module) -> int | None:
     return None
 
 
-def shard_model(model: nn.Module, tp_size: int, tp_rank: int, group) -> dict[str, Shard]:
+def shard_model(model: nn.Module, shape: ModelShape, tp_size: int, tp_rank: int, group) -> dict[str, Shard]:
     """Replace the plan's linears by this rank's shards (still on meta); returns each sharded parameter's slice."""
-    check_tensor_parallel(model.config, tp_size)
-    config = model.config.get_text_config()
-    num_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    check_tensor_parallel(model.config, shape, tp_size)
+    model_type = model.config.model_type
     plan = [(_pattern(key), style) for key, style in tp_plan(model).items()]
     shards: dict[str, Shard] = {}
     attention_modules: set[nn.Module] = set()
@@ -171,10 +170,10 @@ def shard_model(model: nn.Module, tp_size: int, tp_rank: int, group) -> dict[str
                 shards[f"{name}.weight"] = Shard(0, start, start + rows, module.num_embeddings)
             continue
         if style not in LINEAR_STYLES:
-            raise ValueError(f"tensor parallel style '{style}' of {name} ({config.model_type}) is not supported")
+            raise ValueError(f"tensor parallel style '{style}' of {name} ({model_type}) is not supported")
         if type(module) is not nn.Linear:
             raise ValueError(
-                f"{name} of {config.model_type} is a {type(module).__name__}, not a Linear: it cannot be sharded"
+                f"{name} of {model_type} is a {type(module).__name__}, not a Linear: it cannot be sharded"
             )
         head_dim = _head_dim(parent)
         unit = head_dim or 1
@@ -199,7 +198,7 @@ def shard_model(model: nn.Module, tp_size: int, tp_rank: int, group) -> dict[str
         setattr(parent, attr, new)
         if head_dim is not None:
             attention_modules.add(parent)
-    heads, kv_heads = num_heads // tp_size, local_kv_heads(num_kv_heads, tp_size)
+    heads, kv_heads = shape.num_heads // tp_size, local_kv_heads(shape.num_kv_heads, tp_size)
     for attn in attention_modules:
         # Families that reshape with an explicit head count (OPT: num_heads) must see the local one.
         for attr, value in (

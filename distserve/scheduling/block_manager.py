@@ -48,6 +48,14 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Turn prefix caching on or off; off forgets every cached block (they stay free)."""
+        self.enable_prefix_caching = enabled
+        if not enabled:
+            for block in self.blocks:
+                block.hash, block.token_ids = None, ()
+            self.hash_to_block_id.clear()
+
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 

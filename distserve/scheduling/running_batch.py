@@ -15,30 +15,30 @@ class RunningBatch:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
-        self.running: list[Sequence] = []
+        self.seqs: list[Sequence] = []
         self.num_preemptions = 0
 
     def __len__(self) -> int:
-        return len(self.running)
+        return len(self.seqs)
 
     @property
     def free_seq_slots(self) -> int:
-        return self.max_num_seqs - len(self.running)
+        return self.max_num_seqs - len(self.seqs)
 
     def add(self, seq: Sequence) -> None:
         """Admit a sequence whose prompt KV is already in this instance's blocks."""
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.seqs.append(seq)
 
     def remove(self, seq: Sequence) -> bool:
-        if seq in self.running:
-            self.running.remove(seq)
+        if seq in self.seqs:
+            self.seqs.remove(seq)
             return True
         return False
 
     def schedule(self) -> tuple[list[Sequence], list[Sequence]]:
         """Returns (sequences to decode this step, sequences preempted to make room)."""
-        queue = list(self.running)
+        queue = list(self.seqs)
         batch: list[Sequence] = []
         preempted: list[Sequence] = []
         while queue:
@@ -55,7 +55,7 @@ class RunningBatch:
         return batch, preempted
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        self.seqs.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

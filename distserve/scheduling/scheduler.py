@@ -1,9 +1,16 @@
-"""Both phases in one instance, vLLM-style: a prefill batch whenever one can be formed,
-otherwise a decode step. This is the baseline that disaggregation is measured against."""
+"""The schedulers an instance's role runs: what the next step computes.
+
+``PrefillFirstScheduler`` runs both phases (colocated and decode instances): a prefill batch
+whenever one can be formed, otherwise a decode step of every running sequence. A decode
+instance needs it too, because a sequence it preempts is recomputed through the prefill queue.
+``PrefillOnlyScheduler`` (prefill instances) runs prompts only: a sequence leaves it with its
+first token, and its blocks go with it to the role that holds them for decode.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from distserve.core.config import SchedulerConfig
 from distserve.core.sequence import Sequence
@@ -18,44 +25,96 @@ class ScheduledBatch:
     is_prefill: bool
 
 
-class PrefillFirstScheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
-        self.block_manager = block_manager
-        self.prefill = WaitingQueue(config, block_manager)
-        self.decode = RunningBatch(block_manager, config.max_num_seqs)
+class Scheduler(Protocol):
+    """What an engine step needs of a scheduler."""
 
     @property
-    def num_preemptions(self) -> int:
-        return self.decode.num_preemptions
+    def num_waiting(self) -> int: ...
 
     @property
-    def num_waiting(self) -> int:
-        return len(self.prefill)
+    def num_running(self) -> int: ...
 
     @property
-    def num_running(self) -> int:
-        return len(self.decode)
+    def num_preemptions(self) -> int: ...
 
     def has_unfinished(self) -> bool:
-        return bool(len(self.prefill) or len(self.decode))
+        """Whether a step has work."""
 
     def add(self, seq: Sequence) -> None:
-        self.prefill.add(seq)
+        """Queue a sequence for prefill."""
 
     def schedule(self) -> ScheduledBatch:
-        batch = self.prefill.schedule(self.decode.free_seq_slots)
-        if batch:
-            for seq in batch:
-                self.decode.add(seq)
-            return ScheduledBatch(batch, is_prefill=True)
-        seqs, preempted = self.decode.schedule()
-        for seq in reversed(preempted):
-            self.prefill.resume(seq)
-        return ScheduledBatch(seqs, is_prefill=False)
+        """The next batch, its blocks allocated; empty when nothing can run."""
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence wherever it is and free its blocks."""
-        if not self.decode.remove(seq):
-            self.prefill.remove(seq)
+
+
+class PrefillFirstScheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.block_manager = block_manager
+        self.waiting = WaitingQueue(config, block_manager)
+        self.running = RunningBatch(block_manager, config.max_num_seqs)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.running.num_preemptions
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(len(self.waiting) or len(self.running))
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.add(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = self.waiting.schedule(self.running.free_seq_slots)
+        if batch:
+            for seq in batch:
+                self.running.add(seq)
+            return ScheduledBatch(batch, is_prefill=True)
+        seqs, preempted = self.running.schedule()
+        for seq in reversed(preempted):
+            self.waiting.resume(seq)
+        return ScheduledBatch(seqs, is_prefill=False)
+
+    def finish(self, seq: Sequence) -> None:
+        if not self.running.remove(seq):
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.block_manager.free(seq)
+
+
+class PrefillOnlyScheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.block_manager = block_manager
+        self.waiting = WaitingQueue(config, block_manager)
+        self.max_num_seqs = config.max_num_seqs
+
+    num_preemptions = 0  # a prefill batch allocates all its blocks up front: nothing to preempt
+    num_running = 0  # a prefill batch runs within one step
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(len(self.waiting))
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.add(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        return ScheduledBatch(self.waiting.schedule(self.max_num_seqs), is_prefill=True)
+
+    def finish(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
         if seq.block_table:
             self.block_manager.free(seq)

@@ -1,0 +1,150 @@
+"""What happens when an instance dies: it is replaced, and the requests that needed it run again.
+
+A dead instance (its long poll raised: the actor died, or it reported its workers failed) is
+replaced by a new actor under a new name (``<cluster>-<role>-rN``), tried ``REPLACEMENT_ATTEMPTS``
+times with backoff. Each request that still needed it is aborted where else it was (freeing its
+blocks there) and run again from its prompt as its next attempt, up to ``max_request_attempts``
+runs. A request whose KV had already reached its decode instance no longer needs the prefill
+side and goes on. While no instance of a role is left but one is starting, requests wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+import ray
+
+from distserve.cluster.instance import launch_instance
+from distserve.cluster.routing import InstanceState
+from distserve.core.errors import InstanceFailure
+from distserve.core.role import Role
+
+if TYPE_CHECKING:
+    from distserve.cluster.orchestrator import Orchestrator, RequestState
+
+logger = logging.getLogger(__name__)
+
+# How long a request waits for a replacement when no healthy instance of the role it needs is left.
+REPLACEMENT_WAIT_S = 60.0
+# Starting a replacement is tried this many times, waiting twice as long after each failure.
+REPLACEMENT_ATTEMPTS = 3
+REPLACEMENT_BACKOFF_S = 1.0
+
+
+class Failover:
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self.orchestrator = orchestrator
+        self._replacing: dict[Role, int] = {}  # replacements under way, by role
+        self._pool_changed = asyncio.Condition()  # notified when a replacement comes up or gives up
+        self._generation = 0  # numbers replacement actors' names
+
+    def instance_failed(self, entry: InstanceState, error: BaseException) -> None:
+        """``entry`` is gone: replace it (if configured) and re-run (or fail) what needed it."""
+        orchestrator = self.orchestrator
+        entry.failure = str(error)
+        logger.error("instance %s failed: %s", entry.name, error)
+        if orchestrator.config.replace_failed_instances and not orchestrator.closed:
+            self._replacing[entry.role] = self._replacing.get(entry.role, 0) + 1
+            orchestrator.spawn(self._replace(entry))
+        for state in list(orchestrator.requests.values()):
+            if state.finished or entry not in (state.prefill, state.decode):
+                continue
+            if entry is state.prefill and entry is not state.decode and state.metrics.migration_end is not None:
+                continue  # its KV is on the decode instance already: it no longer needs the prefill side
+            failure = InstanceFailure(f"instance {entry.name} failed: {error}")
+            orchestrator.spawn(self.rerun(state, state.attempt, failure))
+
+    async def healthy(self, role: Role) -> list[InstanceState]:
+        """The healthy instances of ``role``; while there are none but a replacement is starting, wait
+        for it (up to REPLACEMENT_WAIT_S)."""
+        pool = self.orchestrator.pool(role)
+        if pool or not self._replacing.get(role):
+            return pool
+        async with self._pool_changed:
+            try:
+                await asyncio.wait_for(
+                    self._pool_changed.wait_for(lambda: self.orchestrator.pool(role) or not self._replacing.get(role)),
+                    REPLACEMENT_WAIT_S,
+                )
+            except TimeoutError:
+                pass
+        return self.orchestrator.pool(role)
+
+    def unavailable_role(self) -> Role | None:
+        """A role the cluster needs with no healthy instance and no replacement starting."""
+        roles = (Role.PREFILL, Role.DECODE) if self.orchestrator.config.disaggregated else (Role.COLOCATED,)
+        return next((r for r in roles if not self.orchestrator.pool(r) and not self._replacing.get(r)), None)
+
+    async def rerun(self, state: RequestState, attempt: int, error: InstanceFailure) -> None:
+        """Free the failed run's (``attempt``'s) blocks on the instances still up, then run the request
+        again from its prompt as its next attempt, so outputs of the old run still in flight are told
+        apart. Another failure of the same run, reported while or after this one re-runs it, is ignored."""
+        orchestrator = self.orchestrator
+        if state.finished or state.cancelled or state.attempt != attempt or state.rerunning:
+            return
+        state.rerunning = True
+        try:
+            targets = [s for s in (state.prefill, state.decode) if s is not None]
+            orchestrator.unassign(state)
+            await orchestrator.abort_run(targets, state.request_id, attempt)
+            final = None
+            if state.attempt + 1 >= orchestrator.config.max_request_attempts:
+                final = error
+            elif role := self.unavailable_role():
+                final = InstanceFailure(f"{error}; no {role} instance is left to run it again")
+            if final is not None:  # no run left: the request ends with the failure
+                orchestrator.forget(state)
+                state.queue.put_nowait(final)
+                return
+            state.new_attempt()
+            logger.warning("%s; re-running %s (run %d)", error, state.request_id, state.attempt + 1)
+        finally:
+            state.rerunning = False
+        try:
+            await orchestrator.submit(state)
+        except Exception as e:
+            state.queue.put_nowait(e)
+
+    async def _replace(self, failed: InstanceState) -> None:
+        """Start a new instance in place of ``failed``, under a new actor name (peers know each other
+        by name), and poll it once its model is loaded. After the last failed try the dead instance
+        stays listed, with why it was not replaced."""
+        orchestrator = self.orchestrator
+        try:
+            try:
+                ray.kill(failed.handle)  # a failed worker may leave the actor itself up
+            except Exception:
+                pass
+            entry = await self._launch_replacement(failed)
+            if entry is None:
+                return
+            if orchestrator.closed:
+                ray.kill(entry.handle)
+                return
+            orchestrator.add_instance(entry, replacing=failed)
+            logger.info("%s replaces %s", entry.name, failed.name)
+        finally:
+            self._replacing[failed.role] -= 1
+            async with self._pool_changed:
+                self._pool_changed.notify_all()
+
+    async def _launch_replacement(self, failed: InstanceState) -> InstanceState | None:
+        loop = asyncio.get_running_loop()
+        for attempt in range(REPLACEMENT_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(REPLACEMENT_BACKOFF_S * 2 ** (attempt - 1))
+            if self.orchestrator.closed:
+                return None
+            self._generation += 1
+            name = f"{self.orchestrator.config.name}-{failed.role}-r{self._generation}"
+            try:
+                handle = await loop.run_in_executor(None, launch_instance, failed.config, name)
+                return InstanceState(name, failed.role, handle, await handle.info.remote(), failed.config)
+            except Exception as e:
+                logger.error("could not replace %s (try %d of %d): %s", failed.name, attempt + 1,
+                             REPLACEMENT_ATTEMPTS, e)  # fmt: skip
+                error = e
+        failed.failure = f"{failed.failure}; not replaced after {REPLACEMENT_ATTEMPTS} tries: {error}"
+        return None

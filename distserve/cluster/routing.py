@@ -1,0 +1,64 @@
+"""Which instance gets a request: prefill goes where the prompt's prefix is likely cached unless
+that instance is much busier, decode goes to the instance with the most room.
+
+Load is counted in tokens (prompt plus the most a request may generate) per KV token an
+instance can hold, so instances of different sizes fill alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from distserve.cluster.instance import InstanceInfo
+from distserve.cluster.prefix_index import PrefixIndex
+from distserve.core.config import EngineConfig
+from distserve.core.errors import InstanceFailure
+from distserve.core.role import Role
+
+# A prefix-cache hit wins over a less loaded instance unless its load (per KV token) is higher by more.
+PREFIX_LOAD_SLACK = 0.25
+
+
+@dataclass
+class InstanceState:
+    """The orchestrator's view of one instance."""
+
+    name: str
+    role: Role
+    handle: Any
+    info: InstanceInfo
+    config: EngineConfig  # what a replacement is started with
+    load_tokens: int = 0  # tokens of the requests assigned to it and not yet done with it
+    failure: str | None = None
+
+    @property
+    def load(self) -> float:
+        return self.load_tokens / (self.info.num_blocks * self.info.block_size)
+
+
+class Router:
+    def __init__(self, block_size: int) -> None:
+        self.prefix_index = PrefixIndex(block_size)
+
+    def pick_prefill(self, pool: list[InstanceState], prompt_token_ids: list[int]) -> InstanceState:
+        """The instance of ``pool`` that was sent the longest prefix of this prompt, unless it is much
+        busier than the least loaded one, which gets the request otherwise."""
+        least = self.least_loaded(pool)
+        hashes = self.prefix_index.block_hashes(prompt_token_ids)
+        matched = {s.name: self.prefix_index.matched_blocks(s.name, hashes) for s in pool}
+        best = max(pool, key=lambda s: (matched[s.name], -s.load))
+        hit = matched[best.name] > 0
+        entry = best if hit and best.load <= least.load + PREFIX_LOAD_SLACK else least
+        self.prefix_index.add(entry.name, hashes)
+        return entry
+
+    def pick_decode(self, pool: list[InstanceState]) -> InstanceState:
+        """The decode instance with the most room for a handed-over request."""
+        return self.least_loaded(pool)
+
+    @staticmethod
+    def least_loaded(pool: list[InstanceState]) -> InstanceState:
+        if not pool:
+            raise InstanceFailure("no instance is available to serve the request")
+        return min(pool, key=lambda s: s.load)

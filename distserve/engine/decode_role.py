@@ -1,0 +1,155 @@
+"""The decode role: take prefilled requests over from prefill instances, pull their KV, decode.
+
+A handed-over request is admitted when its blocks can be allocated (in arrival order, so a large
+request is not overtaken for ever), its KV is pulled into them by the instance's ``KVPuller``,
+and only then does it join the running batch. Decoding is continuous batching; a request the
+batch preempts is recomputed here through the prefill queue. No prefix cache: blocks fill by
+pulls that finish after allocation, and sharing them could hand out KV that has not arrived.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Protocol
+
+from distserve.core.handover import Handover
+from distserve.core.outputs import RequestDelta
+from distserve.core.role import Role
+from distserve.core.sequence import Sequence
+from distserve.engine.role import InstanceRole, RoleStats
+from distserve.scheduling.block_manager import BlockManager
+from distserve.scheduling.scheduler import PrefillFirstScheduler
+
+if TYPE_CHECKING:
+    from distserve.engine.llm_engine import LLMEngine
+
+RunKey = tuple[str, int]  # (request id, attempt)
+
+
+class KVPuller(Protocol):
+    def submit(self, handover: Handover, block_table: list[int]) -> None:
+        """Start pulling the prompt's KV into ``block_table``; its end is reported to ``DecodeRole.pull_done``."""
+
+
+class DecodeAdmission:
+    """Handed-over requests from arrival to their first decode step.
+
+    PENDING (waiting for blocks, in arrival order) -> PULLING (blocks allocated, KV arriving) ->
+    decoding. Cancelled while PENDING, a request leaves at once; while PULLING its blocks are
+    being written, so it leaves when the pull ends. A failed pull ends the request with "error".
+    Runs are keyed by (request id, attempt): a re-run may arrive while an abandoned run of the
+    same request is still being written.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.pending: deque[tuple[Sequence, Handover]] = deque()
+        self.pulling: dict[RunKey, Sequence] = {}
+        self.cancelled: set[RunKey] = set()
+        self.num_waits = 0  # times the head of the queue found no room
+        self._waiting_head: Sequence | None = None
+
+    def __len__(self) -> int:
+        return len(self.pending) + len(self.pulling)
+
+    def add(self, seq: Sequence, handover: Handover) -> None:
+        self.pending.append((seq, handover))
+
+    def admit(self, num_running: int) -> list[tuple[Sequence, Handover]]:
+        """Allocate blocks for pending requests, in order, while sequence slots and blocks allow;
+        the admitted ones, now PULLING."""
+        admitted = []
+        while self.pending:
+            seq, handover = self.pending[0]
+            room = num_running + len(self.pulling) < self.max_num_seqs
+            if not room or not self.block_manager.can_allocate(seq):
+                if self._waiting_head is not seq:
+                    self._waiting_head = seq
+                    self.num_waits += 1
+                break
+            self.pending.popleft()
+            self.block_manager.allocate(seq)
+            seq.num_computed_tokens = seq.num_prompt_tokens  # the pull brings the prompt's KV
+            self.pulling[_key(seq)] = seq
+            admitted.append((seq, handover))
+        return admitted
+
+    def cancel(self, seq: Sequence) -> bool:
+        """True when the request left at once; False when it leaves at the end of its pull."""
+        for entry in self.pending:
+            if entry[0] is seq:
+                self.pending.remove(entry)
+                return True
+        if self.pulling.get(_key(seq)) is seq:
+            self.cancelled.add(_key(seq))
+            return False
+        return True
+
+    def done(self, key: RunKey, error: str | None) -> tuple[Sequence, str | None] | None:
+        """A pull ended: the request and how it ends now ("abort" cancelled, "error" failed), or
+        None for its reason when it goes on to decode. None when no such pull is under way."""
+        seq = self.pulling.pop(key, None)
+        if seq is None:
+            return None
+        if key in self.cancelled:
+            self.cancelled.discard(key)
+            return seq, "abort"
+        return seq, None if error is None else "error"
+
+
+def _key(seq: Sequence) -> RunKey:
+    return seq.request_id, seq.attempt
+
+
+class DecodeRole(InstanceRole):
+    role = Role.DECODE
+    prefix_caching = False
+
+    def __init__(self, engine: LLMEngine) -> None:
+        config = engine.config.scheduler
+        super().__init__(engine, PrefillFirstScheduler(config, engine.block_manager))
+        self.admission = DecodeAdmission(engine.block_manager, config.max_num_seqs)
+
+    def add(self, seq: Sequence) -> None:
+        raise self._not_this_role("new prompts go to prefill or colocated instances")
+
+    def add_handover(self, handover: Handover) -> None:
+        seq = Sequence.from_handover(handover)
+        self.engine.register(seq)
+        self.admission.add(seq, handover)
+
+    def tick(self, now: float) -> list[RequestDelta]:
+        admitted = self.admission.admit(self.scheduler.num_running)
+        if admitted and self.engine.kv_puller is None:
+            raise RuntimeError(f"{self.engine.name}: a decode engine needs a KV puller to take requests over")
+        for seq, handover in admitted:
+            self.engine.kv_puller.submit(handover, list(seq.block_table))
+        return []
+
+    def pull_done(
+        self, request_id: str, attempt: int, start: float | None, end: float | None, error: str | None
+    ) -> list[RequestDelta]:
+        """The KV of a run has arrived (``error`` None) or could not be pulled; ``start`` and ``end``
+        are the pull's wall-clock times."""
+        result = self.admission.done((request_id, attempt), error)
+        if result is None:
+            return []
+        seq, reason = result
+        if reason is not None:
+            return [self.engine.finish(seq, reason)]
+        seq.metrics.migration_start, seq.metrics.migration_end = start, end
+        self.scheduler.running.add(seq)
+        return []
+
+    def abort(self, seq: Sequence, reason: str) -> RequestDelta | None:
+        if self.admission.cancel(seq):
+            return self.engine.finish(seq, reason)
+        self.engine.forget(seq)  # its id is free for a re-run; the pull's end finishes it
+        return None
+
+    def is_idle(self) -> bool:
+        return super().is_idle() and not len(self.admission)
+
+    def stats(self) -> RoleStats:
+        return RoleStats(num_pending=len(self.admission), num_admission_waits=self.admission.num_waits)

@@ -1,0 +1,104 @@
+"""An engine's role: what it does with the requests it is given.
+
+The engine (block manager, detokenizer, executor, output deltas) is the same in every role; the
+role object decides what a step schedules and what happens around it, and holds the role's own
+state machine (``PrefillRole``: the KV held for decode; ``DecodeRole``: the admission of
+handed-over requests). An engine swaps its role object to change role while running, once the
+old one holds nothing (``LLMEngine.change_role``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from distserve.core.handover import Handover
+from distserve.core.outputs import RequestDelta
+from distserve.core.role import Role
+from distserve.core.sequence import Sequence
+from distserve.scheduling.scheduler import PrefillFirstScheduler, ScheduledBatch, Scheduler
+
+if TYPE_CHECKING:
+    from distserve.engine.llm_engine import LLMEngine
+
+
+@dataclass
+class RoleStats:
+    """The role's own counters, as ``InstanceInfo`` reports them."""
+
+    num_held: int = 0  # prefill: prefilled requests whose KV waits for decode to pull it
+    num_pending: int = 0  # decode: handed-over requests waiting for blocks or for their KV
+    num_throttled_steps: int = 0  # prefill: steps that admitted nothing because held KV passed its limit
+    num_admission_waits: int = 0  # decode: handed-over requests that had to wait for free blocks
+
+
+class InstanceRole:
+    """Behaviour shared by all roles; a subclass overrides what its role does differently."""
+
+    role: Role
+    prefix_caching = True  # whether the role may share KV blocks through the prefix cache
+
+    def __init__(self, engine: LLMEngine, scheduler: Scheduler) -> None:
+        self.engine = engine
+        self.scheduler = scheduler
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.engine.name})"
+
+    def add(self, seq: Sequence) -> None:
+        """A new request, to run from its prompt."""
+        self.scheduler.add(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        return self.scheduler.schedule()
+
+    def has_work(self) -> bool:
+        """Whether a step can run."""
+        return self.scheduler.has_unfinished()
+
+    def is_idle(self) -> bool:
+        """Nothing queued, running, held or arriving: the engine may change role."""
+        return not self.has_work() and not self.engine.requests
+
+    def after_prefill(self, seq: Sequence) -> Handover | None:
+        """Called when an unfinished request has sampled its token after a prefill (its first, or
+        the next after a recompute); a prefill role keeps its KV for decode and returns the hand-over."""
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted request wherever the role has it and free its blocks."""
+        self.scheduler.finish(seq)
+
+    def abort(self, seq: Sequence, reason: str) -> RequestDelta | None:
+        """Stop ``seq``; its final delta, or None when that comes later (decode: KV still arriving)."""
+        return self.engine.finish(seq, reason)
+
+    def tick(self, now: float) -> list[RequestDelta]:
+        """Housekeeping between steps (``now``: ``time.monotonic()``); the deltas it produced."""
+        return []
+
+    def stats(self) -> RoleStats:
+        return RoleStats()
+
+    def _not_this_role(self, what: str) -> RuntimeError:
+        return RuntimeError(f"{self.engine.name} is a {self.role} instance: {what}")
+
+    def add_handover(self, handover: Handover) -> None:
+        raise self._not_this_role("only decode instances take requests over from prefill")
+
+    def pull_done(
+        self, request_id: str, attempt: int, start: float | None, end: float | None, error: str | None
+    ) -> list[RequestDelta]:
+        raise self._not_this_role("only decode instances pull KV")
+
+    def release_kv(self, request_id: str, attempt: int) -> bool:
+        raise self._not_this_role("only prefill instances hold KV for decode")
+
+
+class ColocatedRole(InstanceRole):
+    """Both phases of its own requests in one instance: the vLLM-style baseline."""
+
+    role = Role.COLOCATED
+
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__(engine, PrefillFirstScheduler(engine.config.scheduler, engine.block_manager))

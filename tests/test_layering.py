@@ -1,0 +1,110 @@
+"""The layers of the code base, checked from its imports: no layer imports one above it, the plain
+layers stay free of torch and Ray, placement stays free of the serving system, and the runtime
+reads model shapes in one place."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Bottom to top; a module may import its own layer's package and the layers below it.
+LAYERS = [
+    ["core"],  # configs, sampling params, requests, outputs, roles, errors
+    ["scheduling", "parallel"],  # who runs and which blocks it holds; ranks, groups, sharding
+    ["kv_transfer"],  # how KV crosses between instances
+    ["model_executor"],  # the model on one rank: loading, KV cache, attention, runner, sampler, worker
+    ["engine"],  # one instance's engine, its roles and executor
+    ["cluster"],  # instances as Ray actors, orchestrator, routing, failover, Cluster API
+    ["v1"],  # the gRPC API's generated stubs
+    ["entrypoints"],  # servers, clients, launch, the offline LLM
+    ["benchmark"],  # distserve bench and profile
+    ["cli"],  # the distserve command
+]
+LEVEL = {package: level for level, packages in enumerate(LAYERS) for package in packages}
+PLAIN = ("core", "scheduling")  # importable without torch, Ray or transformers
+HEAVY = ("torch", "ray", "transformers")
+# Fields of a Hugging Face config that fix a model's shape: read once, into ResolvedModel.shape.
+SHAPE_FIELDS = {
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "n_layer",
+    "n_head",
+    "n_embd",
+    "n_positions",
+}
+SHAPE_READER = "distserve/model_executor/model_loader.py"
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module ``path`` imports, at the top or inside functions."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def _layer(path: Path) -> str | None:
+    """The layer package of a distserve module; None for the package's own __init__."""
+    parts = path.relative_to(ROOT / "distserve").with_suffix("").parts
+    if parts == ("__init__",):
+        return None
+    return parts[0]
+
+
+def _runtime_modules() -> list[Path]:
+    return [p for p in _modules("distserve") if _layer(p) is not None]
+
+
+def test_every_module_belongs_to_a_layer():
+    unknown = {str(p.relative_to(ROOT)) for p in _runtime_modules() if _layer(p) not in LEVEL}
+    assert not unknown, f"modules outside the layers of LAYERS: {sorted(unknown)}"
+
+
+@pytest.mark.parametrize("path", _runtime_modules(), ids=lambda p: str(p.relative_to(ROOT / "distserve")))
+def test_no_layer_imports_a_higher_one(path):
+    own = _layer(path)
+    upward = []
+    for name in _imports(path):
+        parts = name.split(".")
+        if parts[0] != "distserve" or len(parts) < 2 or parts[1] == own:
+            continue
+        if parts[1] not in LEVEL or LEVEL[parts[1]] >= LEVEL[own]:
+            upward.append(name)
+    assert not upward, f"{own} (layer {LEVEL[own]}) imports {upward}"
+
+
+@pytest.mark.parametrize("package", PLAIN)
+def test_plain_layers_need_neither_torch_nor_ray(package):
+    for path in _modules(f"distserve/{package}"):
+        heavy = [n for n in _imports(path) if n.split(".")[0] in HEAVY]
+        assert not heavy, f"{path.relative_to(ROOT)} imports {heavy}"
+
+
+def test_placement_imports_neither_the_serving_system_nor_torch_nor_ray():
+    for path in _modules("placement"):
+        bad = [n for n in _imports(path) if n.split(".")[0] in (*HEAVY, "distserve")]
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_the_runtime_reads_model_shapes_in_one_place():
+    readers = {}
+    for path in _runtime_modules():
+        fields = {
+            node.attr
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr in SHAPE_FIELDS
+        }
+        if fields:
+            readers[str(path.relative_to(ROOT))] = sorted(fields)
+    assert set(readers) <= {SHAPE_READER}, f"model shape read outside {SHAPE_READER}: {readers}"
