@@ -35,6 +35,18 @@ def test_bfloat16_serves_and_frees_every_block(family):
     assert_all_blocks_free(llm)
 
 
+def test_prefill_and_decode_engines_hand_over_kv_on_cuda(reference_model):
+    """A prefill engine and a decode engine on the GPU, the KV moved between their CUDA caches:
+    greedy output equal to transformers."""
+    from test_roles import check_hand_over
+
+    model = reference_model("tiny-llama").to("cuda")
+    try:
+        check_hand_over(model, device="cuda", dtype="float32")
+    finally:
+        model.to("cpu")
+
+
 def test_instance_actor_on_cuda_equals_transformers(ray_cluster, reference_model):
     """The instance path (a Ray actor holding the GPU, its step loop, long-polled outputs) on CUDA."""
     from distserve import EngineConfig

@@ -174,16 +174,21 @@ class InProcessPuller:
         return deltas
 
 
-def _engines(**decode_options) -> tuple[LLMEngine, LLMEngine, InProcessPuller]:
-    prefill = LLMEngine(EngineConfig.from_flat(model="tiny-llama", role="prefill", block_size=8, num_kv_blocks=64))
-    options = {"model": "tiny-llama", "role": "decode", "block_size": BLOCK, "num_kv_blocks": 128, **decode_options}
-    decode = LLMEngine(EngineConfig.from_flat(**options), name="decode")
+def make_engines(**options) -> tuple[LLMEngine, LLMEngine, InProcessPuller]:
+    """A prefill and a decode engine of tiny-llama with different block sizes, and the transfer between them."""
+    prefill = LLMEngine(
+        EngineConfig.from_flat(model="tiny-llama", role="prefill", block_size=8, num_kv_blocks=64, **options)
+    )
+    decode = LLMEngine(
+        EngineConfig.from_flat(model="tiny-llama", role="decode", block_size=BLOCK, num_kv_blocks=128, **options),
+        name="decode",
+    )
     puller = InProcessPuller(prefill, decode)
     decode.kv_puller = puller
     return prefill, decode, puller
 
 
-def _serve(prefill, decode, puller, builders: dict[str, OutputBuilder], pull: bool = True) -> dict[str, RequestOutput]:
+def serve(prefill, decode, puller, builders: dict[str, OutputBuilder], pull: bool = True) -> dict[str, RequestOutput]:
     """Step both engines until every request has finished; the final outputs."""
     finals: dict[str, RequestOutput] = {}
     while len(finals) < len(builders):
@@ -202,25 +207,30 @@ def llama(reference_model):
     return reference_model("tiny-llama")
 
 
-def test_prefill_and_decode_engines_hand_over_to_the_greedy_output(llama):
-    prefill, decode, puller = _engines()
-    prompts = random_prompts([1, 5, 8, 17, 40, 64, 130], llama.config.vocab_size, seed=2)
+def check_hand_over(model, **options) -> None:
+    """Requests prefilled by one engine and decoded by another end equal to ``model.generate``."""
+    prefill, decode, puller = make_engines(**options)
+    prompts = random_prompts([1, 5, 8, 17, 40, 64, 130], model.config.vocab_size, seed=2)
     builders = {}
     for i, prompt in enumerate(prompts):
         prefill.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0), f"r{i}")
         builders[f"r{i}"] = OutputBuilder(f"r{i}", None, prompt)
-    finals = _serve(prefill, decode, puller, builders)
+    finals = serve(prefill, decode, puller, builders)
     for i, prompt in enumerate(prompts):
         output = finals[f"r{i}"]
-        assert output.output_token_ids == reference_greedy(llama, prompt, 12)
+        assert output.output_token_ids == reference_greedy(model, prompt, 12)
         if len(output.output_token_ids) > 1:  # it went on past its first token: on decode
             assert output.metrics.migration_end == 2.0
     for engine in (prefill, decode):
         assert_all_blocks_free(engine)
 
 
+def test_prefill_and_decode_engines_hand_over_to_the_greedy_output(llama):
+    check_hand_over(llama)
+
+
 def test_decode_cancelled_while_its_kv_arrives_frees_both_sides():
-    prefill, decode, puller = _engines()
+    prefill, decode, puller = make_engines()
     prefill.add_request(list(range(3, 40)), SamplingParams(max_tokens=12, temperature=0.0), "gone")
     (delta,) = prefill.step()
     decode.add_handover(delta.handover)
@@ -236,7 +246,7 @@ def test_decode_cancelled_while_its_kv_arrives_frees_both_sides():
 
 
 def test_kv_held_past_its_deadline_fails_the_request_and_the_pull():
-    prefill, decode, puller = _engines()
+    prefill, decode, puller = make_engines()
     prefill.role.hold.timeout = 0.05
     prefill.add_request(list(range(3, 30)), SamplingParams(max_tokens=4, temperature=0.0), "late")
     (delta,) = prefill.step()
@@ -252,7 +262,7 @@ def test_kv_held_past_its_deadline_fails_the_request_and_the_pull():
 
 
 def test_a_rerun_supersedes_an_abandoned_run_on_the_same_engine(llama):
-    prefill, decode, puller = _engines()
+    prefill, decode, puller = make_engines()
     prompt = random_prompts([33], llama.config.vocab_size, seed=5)[0]
     params = SamplingParams(max_tokens=6, temperature=0.0)
     prefill.add_request(prompt, params, "r")
@@ -267,14 +277,14 @@ def test_a_rerun_supersedes_an_abandoned_run_on_the_same_engine(llama):
     decode.add_handover(first.handover)  # the abandoned run reaches decode too...
     decode.add_handover(second.handover)  # ...and the later run replaces it there
     builders["r"].add(second)
-    final = _serve(prefill, decode, puller, builders)["r"]
+    final = serve(prefill, decode, puller, builders)["r"]
     assert final.output_token_ids == reference_greedy(llama, prompt, 6)
     for engine in (prefill, decode):
         assert_all_blocks_free(engine)
 
 
 def test_an_idle_engine_changes_role_without_reloading(llama):
-    prefill, decode, puller = _engines()
+    prefill, decode, puller = make_engines()
     executor = prefill.executor
     prefill.add_request(list(range(3, 20)), SamplingParams(max_tokens=4, temperature=0.0), "held")
     prefill.step()
@@ -285,7 +295,7 @@ def test_an_idle_engine_changes_role_without_reloading(llama):
     assert prefill.executor is executor and prefill.block_manager.enable_prefix_caching
     prompt = random_prompts([50], llama.config.vocab_size, seed=7)[0]
     prefill.add_request(prompt, SamplingParams(max_tokens=10, temperature=0.0), "colocated")
-    finals = _serve(prefill, decode, puller, {"colocated": OutputBuilder("colocated", None, prompt)})
+    finals = serve(prefill, decode, puller, {"colocated": OutputBuilder("colocated", None, prompt)})
     assert finals["colocated"].output_token_ids == reference_greedy(llama, prompt, 10)
     decode.change_role(Role.PREFILL)
     assert decode.block_manager.enable_prefix_caching and decode.role.role is Role.PREFILL
