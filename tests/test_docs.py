@@ -51,3 +51,18 @@ def test_reliability_doc_names_tests_that_exist_and_every_fault_test():
     }
     assert named and named <= defined, sorted(named - defined)
     assert {t for t in defined if t[0] in ("test_faults", "test_fuzz")} <= named
+
+
+def test_architecture_doc_maps_every_module():
+    """The module map names each module of distserve/ and placement/ once, and only modules that exist."""
+    root = Path(__file__).parent.parent
+    text = (DOC.parent / "architecture.md").read_text()
+    mapped = re.findall(r"^\| `([\w/.]+)` \|", text, flags=re.MULTILINE)
+    assert len(mapped) == len(set(mapped)), "a module is mapped twice"
+    modules = {str(path.relative_to(root / "distserve")) for path in (root / "distserve").rglob("*.py")} | {
+        str(path.relative_to(root)) for path in (root / "placement").glob("*.py")
+    }
+    modules = {m for m in modules if not m.endswith("__init__.py") and not m.startswith("v1/")}
+    modules -= {"placement/__main__.py"}
+    assert modules <= set(mapped), sorted(modules - set(mapped))
+    assert set(mapped) - {"v1/"} <= modules, sorted(set(mapped) - {"v1/"} - modules)
