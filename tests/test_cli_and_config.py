@@ -74,6 +74,12 @@ def test_every_flag_is_a_config_key_and_back(tmp_path):
         EngineConfig.from_yaml(path)
 
 
+def test_model_names_match_in_any_case():
+    assert resolve_model(ModelConfig(model="Tiny-Llama")).model_dir == resolve_model(ModelConfig()).model_dir
+    preset = resolve_model(ModelConfig(model="Llama-2-7B", load_format="dummy"))
+    assert preset.hf_config.num_hidden_layers == MODEL_PRESETS["llama-2-7b"]["num_hidden_layers"]
+
+
 @pytest.mark.parametrize(
     "name, billions",
     [
