@@ -53,7 +53,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, rename: dict[
         else:
             kwargs["type"] = kind
         default = f.default if f.default is not dataclasses.MISSING else None
-        parser.add_argument(_flag(dest), help=f"{help_text} (default: {default})".strip(), **kwargs)
+        flags = (_flag(dest), *f.metadata.get("aliases", ()))
+        parser.add_argument(*flags, help=f"{help_text} (default: {default})".strip(), **kwargs)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -20,9 +20,9 @@ import numpy as np
 
 from placement.deployment import Deployment
 from placement.fitted import FittedLatency
-from placement.hardware import GPUS, ClusterSpec, cluster_from_dict, load_hardware
+from placement.hardware import GPUS, ClusterSpec, cluster_from_dict, gpu_preset_name, load_hardware
 from placement.latency import InstanceModels, Parallelism
-from placement.model_presets import MODEL_PRESETS, ModelShape, model_shape
+from placement.model_presets import MODEL_PRESETS, ModelShape, find_model_preset, model_shape
 from placement.plan_file import plan_document, read_plan, write_plan
 from placement.planner import (
     Prediction,
@@ -64,8 +64,9 @@ def load_model_shape(model: str) -> ModelShape:
         if not config_file.exists():
             raise UsageError(f"{path} has no config.json: it is not a Hugging Face model directory")
         return model_shape(json.loads(config_file.read_text()))
-    if model.lower() in MODEL_PRESETS:
-        return model_shape(MODEL_PRESETS[model.lower()])
+    preset = find_model_preset(model)
+    if preset is not None:
+        return model_shape(preset)
     raise UsageError(f"unknown model {model!r}: pass a model directory or a preset ({', '.join(MODEL_PRESETS)})")
 
 
@@ -342,6 +343,11 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _gpu_name(text: str) -> str:
+    # An unknown name passes through unchanged, for argparse's "invalid choice" message.
+    return gpu_preset_name(text) or text
+
+
 def _positive(kind: type):
     def parse(text: str):
         value = kind(text)
@@ -358,7 +364,8 @@ def search_parser(prog: str = "distserve place") -> argparse.ArgumentParser:
         "--model", required=True, help=f"model directory (config.json) or preset: {', '.join(MODEL_PRESETS)}"
     )
     hw = p.add_argument_group("cluster")
-    hw.add_argument("--gpu", default="A100-80GB", choices=sorted(GPUS), help="GPU type (default: A100-80GB)")
+    hw.add_argument("--gpu", default="A100-80GB", type=_gpu_name, choices=sorted(GPUS),
+                    help="GPU type, in any case (default: A100-80GB)")
     hw.add_argument("--nodes", type=_positive(int), default=1, help="nodes (default: 1)")
     hw.add_argument("--gpus-per-node", type=_positive(int), default=8, help="GPUs per node (default: 8)")
     hw.add_argument("--intra-node-bandwidth", type=_positive(float), help="bytes/s per GPU within a node")

@@ -44,6 +44,13 @@ GPUS: dict[str, GPUSpec] = {
     "L40S": GPUSpec("L40S", 362e12, 0.864e12, 48 * _GIB),
 }
 
+_GPU_NAMES = {name.lower(): name for name in GPUS}
+
+
+def gpu_preset_name(name: str) -> str | None:
+    """The canonical spelling of a GPU preset, matched case-insensitively (``a100-80gb`` is ``A100-80GB``)."""
+    return _GPU_NAMES.get(name.lower())
+
 
 @dataclass(frozen=True)
 class _NodeLinks:
@@ -127,9 +134,10 @@ def _gpu_fields(data: dict[str, Any], where: str) -> dict[str, Any]:
 def gpu_from_value(value: str | dict[str, Any], overrides: dict[str, Any] | None = None) -> GPUSpec:
     """A preset name (``"A100-80GB"``) or a full ``{name, flops, memory_bandwidth, memory_gib}``, then overrides."""
     if isinstance(value, str):
-        if value not in GPUS:
+        preset = gpu_preset_name(value)
+        if preset is None:
             raise ValueError(f"gpu: unknown GPU {value!r}; presets: {', '.join(GPUS)}")
-        fields = vars(GPUS[value]).copy()
+        fields = vars(GPUS[preset]).copy()
     elif isinstance(value, dict):
         fields = _gpu_fields(value, "gpu")
         missing = sorted({"name", "flops", "memory_bandwidth", "memory_bytes"} - set(fields))
@@ -150,7 +158,7 @@ def cluster_from_dict(data: dict[str, Any]) -> ClusterSpec:
         if key not in data:
             raise ValueError(f"hardware: missing {key}")
     gpu = gpu_from_value(data["gpu"], data.get("gpu_overrides"))
-    links = _NODE_LINKS.get(gpu.name)
+    links = _NODE_LINKS.get(gpu_preset_name(gpu.name))
     bandwidths = {}
     for key in ("intra_node_bandwidth", "inter_node_bandwidth"):
         if key in data:

@@ -119,6 +119,11 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def find_model_preset(name: str) -> dict[str, Any] | None:
+    """The preset of a model name, matched case-insensitively (``Llama-2-7B`` is ``llama-2-7b``)."""
+    return MODEL_PRESETS.get(name.lower())
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What placement needs to know of a model: sizes that set FLOPs, weight bytes and KV bytes."""

@@ -11,7 +11,7 @@ import yaml
 
 from placement.deployment import Deployment
 from placement.latency import Parallelism
-from placement.model_presets import MODEL_PRESETS
+from placement.model_presets import find_model_preset
 
 
 def _pool(par: Parallelism, count: int, per_node: int, options: dict[str, Any]) -> dict[str, Any]:
@@ -32,7 +32,7 @@ def plan_document(
 ) -> dict[str, Any]:
     """The plan as a mapping: ``model:`` and ``cluster:`` sections for the engine, ``plan:`` notes."""
     model_section: dict[str, Any] = {"model": model}
-    if model.lower() in MODEL_PRESETS and not Path(model).is_dir():
+    if find_model_preset(model) is not None and not Path(model).is_dir():
         model_section["load_format"] = "dummy"
     return {
         "model": model_section,

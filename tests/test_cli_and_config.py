@@ -74,6 +74,26 @@ def test_every_flag_is_a_config_key_and_back(tmp_path):
         EngineConfig.from_yaml(path)
 
 
+def test_launch_port_is_the_http_port_as_in_vllm(capsys):
+    from distserve.cli import build_parser
+    from distserve.entrypoints.launch import SERVER_FIELDS, load_launch_config
+
+    for flag in ("--port", "--http-port"):
+        args = build_parser().parse_args(["launch", flag, "9000"])
+        _, server = load_launch_config(flags={k: v for k, v in vars(args).items() if k in SERVER_FIELDS})
+        assert server.http_port == 9000 and server.grpc_port == 50051
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", "--help"])
+    assert exit_info.value.code == 0
+    assert "--http-port HTTP_PORT, --port HTTP_PORT" in capsys.readouterr().out
+
+
+def test_model_names_match_in_any_case():
+    assert resolve_model(ModelConfig(model="Tiny-Llama")).model_dir == resolve_model(ModelConfig()).model_dir
+    preset = resolve_model(ModelConfig(model="Llama-2-7B", load_format="dummy"))
+    assert preset.hf_config.num_hidden_layers == MODEL_PRESETS["llama-2-7b"]["num_hidden_layers"]
+
+
 @pytest.mark.parametrize(
     "name, billions",
     [

@@ -1,8 +1,12 @@
 """The disaggregated cluster end to end: orchestrator, prefill and decode pools, KV migration."""
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 from conftest import random_prompts, reference_greedy
 
@@ -233,3 +237,68 @@ def test_orchestrator_turns_an_error_finish_into_a_failure():
     item = state.queue.get_nowait()
     assert isinstance(item, InstanceFailure) and "failed on decode-0" in str(item)
     assert state.queue.empty()
+
+
+# Two clusters one after the other, in a process of their own (the test session's Ray would hide a
+# Ray that dies with the first cluster): the second reuses the Ray the first started.
+_SCRIPT_START = """
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import psutil
+import ray
+
+from distserve import AsyncCluster, Cluster, SamplingParams
+
+PARAMS = SamplingParams(max_tokens=3, temperature=0.0)
+ray_nodes = []
+
+def check(out):
+    assert len(out.output_token_ids) == 3 and out.finished
+    ray_nodes.append(ray.get_runtime_context().get_node_id())
+"""
+_SCRIPT_END = """
+assert len(ray_nodes) == 2 and ray_nodes[0] == ray_nodes[1], ray_nodes
+print("ray pids", *[p.pid for p in psutil.Process().children()])
+"""
+_TWO_CLUSTERS = {
+    "Cluster": """
+for _ in range(2):
+    with Cluster(model="tiny-llama", block_size=8, num_kv_blocks=64) as cluster:
+        [out] = cluster.generate([5, 6, 7], PARAMS)
+    check(out)
+""",
+    "asyncio.run-on-threads": """
+async def generate_once():
+    cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=64)
+    try:
+        return [out async for out in cluster.generate([5, 6, 7], PARAMS)][-1]
+    finally:
+        await cluster.shutdown()
+
+for _ in range(2):  # each loop on a thread of its own, which ends with it
+    with ThreadPoolExecutor(1) as thread:
+        check(thread.submit(asyncio.run, generate_once()).result())
+""",
+}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("clusters", _TWO_CLUSTERS.values(), ids=_TWO_CLUSTERS.keys())
+def test_clusters_one_after_another_reuse_the_ray_they_start(clusters):
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    script = _SCRIPT_START + clusters + _SCRIPT_END
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    ray_pids = [int(pid) for pid in result.stdout.split("ray pids", 1)[1].split()]
+    assert ray_pids, "no local Ray was started"
+    deadline = time.monotonic() + 10
+    while any(map(_alive, ray_pids)):  # Ray's atexit hook stops them with the process
+        assert time.monotonic() < deadline, f"Ray processes outlived the script: {list(filter(_alive, ray_pids))}"
+        time.sleep(0.2)

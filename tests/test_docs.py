@@ -24,7 +24,8 @@ def test_configuration_doc_lists_every_server_key_and_launch_flag():
     text = DOC.read_text()
     for f in dataclasses.fields(ServerConfig):
         assert f"`server.{f.name}`" in text
-        assert f"`--{f.name.replace('_', '-')}`" in text
+        for flag in (f"--{f.name.replace('_', '-')}", *f.metadata["aliases"]):
+            assert f"`{flag}`" in text
     for dest, role, key in POOL_FLAGS:
         assert f"`--{dest.replace('_', '-')}` | `cluster.{role}.{key}`" in text
 

@@ -193,6 +193,12 @@ def test_custom_gpu_needs_its_links():
     assert cluster.gpu == GPUSpec("X1", 1e15, 5e12, 192 * GIB)
 
 
+def test_gpu_names_match_in_any_case():
+    cluster = cluster_from_dict({"gpu": "h100-80gb", "num_nodes": 1, "gpus_per_node": 8})
+    assert cluster == cluster_from_dict({"gpu": "H100-80GB", "num_nodes": 1, "gpus_per_node": 8})
+    assert cluster.gpu.name == "H100-80GB"
+
+
 @pytest.mark.parametrize(
     ("data", "field"),
     [

@@ -246,6 +246,20 @@ def test_cli_without_rate_fills_the_cluster(tmp_path, capsys):
     assert deployment.gpus + min(deployment.prefill.gpus, deployment.decode.gpus) > 4
 
 
+def test_cli_takes_gpu_and_model_names_in_any_case(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    args = ["--model", "OPT-13B", "--gpu", "a100-80gb", *SEARCH[2:], "--affinity", "high", "--out", str(plan)]
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert "A100-80GB" in out and "a100-80gb" not in out
+    _, notes, document = read_plan(plan)
+    assert notes["hardware"]["gpu"]["name"] == "A100-80GB"
+    assert document["model"]["load_format"] == "dummy"  # still known as a preset
+    with pytest.raises(SystemExit):
+        main([*SEARCH, "--gpu", "a100"])
+    assert "invalid choice: 'a100' (choose from 'A100-40GB', 'A100-80GB'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -11,8 +11,6 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-import ray
-
 from distserve.cluster.background_loop import BackgroundLoop
 from distserve.cluster.config import CLUSTER_KEYS, ROLES, ClusterConfig
 from distserve.cluster.instance import InstanceInfo
@@ -20,6 +18,7 @@ from distserve.cluster.orchestrator import Orchestrator
 from distserve.core.config import EngineConfig
 from distserve.core.outputs import RequestOutput
 from distserve.core.sampling_params import SamplingParams
+from distserve.engine.ray_runtime import ensure_ray_async
 
 
 def make_cluster_config(config: ClusterConfig | None = None, **options: Any) -> ClusterConfig:
@@ -41,8 +40,7 @@ class AsyncCluster:
     @classmethod
     async def start(cls, config: ClusterConfig | None = None, **options: Any) -> AsyncCluster:
         """Launch the instances on the current Ray cluster (a local one is started if none runs)."""
-        if not ray.is_initialized():
-            ray.init()
+        await ensure_ray_async()
         cluster = cls(make_cluster_config(config, **options))
         await cluster.orchestrator.start()
         return cluster

@@ -22,8 +22,10 @@ POLICIES = ("fcfs", "sjf", "priority")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 
-def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
+    """A config field that is also a CLI flag; ``aliases`` are further spellings of the flag
+    (``("--port",)``), for names users bring from other servers."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
 
 
 @dataclass

@@ -89,8 +89,9 @@ class RayExecutor:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if not ray.is_initialized():
-            ray.init()
+        from distserve.engine.ray_runtime import ensure_ray
+
+        ensure_ray()
         self.name = name
         parallel = config.parallel
         device = cluster_device(config)

@@ -15,7 +15,8 @@ API_KEY_ENV = "DISTSERVE_API_KEY"
 class ServerConfig:
     host: str = option("127.0.0.1", "address the gRPC and HTTP servers bind (loopback unless told otherwise)")
     grpc_port: int = option(50051, "gRPC port (0 picks a free one)")
-    http_port: int = option(8000, "OpenAI-compatible HTTP and /metrics port (0 picks a free one)")
+    # --port as well, as vLLM spells it
+    http_port: int = option(8000, "OpenAI-compatible HTTP and /metrics port (0 picks a free one)", aliases=("--port",))
     api_key: str | None = option(None, f"key clients must send as 'Bearer KEY' (default: ${API_KEY_ENV})")
     tls_cert: str | None = option(None, "PEM certificate chain: serve gRPC and HTTP over TLS (with tls_key)")
     tls_key: str | None = option(None, "PEM private key of tls_cert")

@@ -24,7 +24,7 @@ from distserve.model_executor.tiny_models import TINY_MODELS, ensure_tiny_model
 from distserve.parallel.pipeline_parallel import PipelineStage
 from distserve.parallel.ranks import ParallelRank, stage_layers
 from distserve.parallel.tensor_parallel import Shard, shard_model
-from placement.model_presets import MODEL_PRESETS, ModelShape, model_shape
+from placement.model_presets import MODEL_PRESETS, ModelShape, find_model_preset, model_shape
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +66,14 @@ def resolve_model(config: ModelConfig) -> ResolvedModel:
             raise ValueError(f"{path} has no config.json: it is not a Hugging Face model directory")
         model_dir = path
         hf_config = AutoConfig.from_pretrained(path)
-    elif config.model in TINY_MODELS:
-        model_dir = ensure_tiny_model(config.model)
+    elif config.model.lower() in TINY_MODELS:
+        model_dir = ensure_tiny_model(config.model.lower())
         hf_config = AutoConfig.from_pretrained(model_dir)
-    elif config.model.lower() in MODEL_PRESETS:
+    elif (preset := find_model_preset(config.model)) is not None:
         if config.load_format != "dummy":
             raise ValueError(f"'{config.model}' is a preset (shapes only, no weights here): add --load-format dummy")
         model_dir = None
-        facts = dict(MODEL_PRESETS[config.model.lower()])
+        facts = dict(preset)
         hf_config = AutoConfig.for_model(facts.pop("model_type"), **facts)
     else:
         raise ValueError(
