@@ -261,7 +261,9 @@ class Orchestrator:
 
     def _route(self, entry: InstanceState, delta: RequestDelta) -> None:
         state = self.requests.get(delta.request_id)
-        if state is None or state.cancelled or delta.attempt != state.attempt:
+        # While a run is being abandoned (``rerunning``), its aborts' final deltas are on their way:
+        # none of them may end the request.
+        if state is None or state.cancelled or state.rerunning or delta.attempt != state.attempt:
             if not delta.finished:
                 # Calls to an instance may run out of order: an abort can overtake the run it cancels,
                 # which then starts after all; a failed-over run may still be going. Stop it there.

@@ -205,7 +205,9 @@ class LLMEngine:
         if batch.is_prefill:
             ended = time.time()
             for seq in batch.seqs:
-                if seq.metrics.prefill_end is None:  # the first prefill, not a recompute
+                # The first prefill, not a recompute: on a decode instance a preempted request has its
+                # first token (from prefill) and its own prefill times, which must stay.
+                if seq.num_output_tokens == 0:
                     seq.metrics.prefill_start, seq.metrics.prefill_end = started, ended
         # Split the executor's time into the driver rank's phases and the rest (calls, transfers).
         timer.seconds["dispatch"] = timer.seconds.pop("execute") - sum(output.seconds.values())
