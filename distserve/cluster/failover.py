@@ -48,6 +48,7 @@ class Failover:
         if orchestrator.config.replace_failed_instances and not orchestrator.closed:
             self._replacing[entry.role] = self._replacing.get(entry.role, 0) + 1
             orchestrator.spawn(self._replace(entry))
+        orchestrator.spawn(self._tell_peers(entry))
         for state in list(orchestrator.requests.values()):
             if state.finished or entry not in (state.prefill, state.decode):
                 continue
@@ -55,6 +56,12 @@ class Failover:
                 continue  # its KV is on the decode instance already: it no longer needs the prefill side
             failure = InstanceFailure(f"instance {entry.name} failed: {error}")
             orchestrator.spawn(self.rerun(state, state.attempt, failure))
+
+    async def _tell_peers(self, failed: InstanceState) -> None:
+        """Every live instance drops its KV channels to ``failed`` (their communicators and what the
+        migrator cached); one that cannot answer is gone too and will be told nothing."""
+        peers = [s for s in self.orchestrator.instances if s is not failed and s.failure is None]
+        await asyncio.gather(*(s.handle.forget_peer.remote(failed.name) for s in peers), return_exceptions=True)
 
     async def healthy(self, role: Role) -> list[InstanceState]:
         """The healthy instances of ``role``; while there are none but a replacement is starting, wait

@@ -121,6 +121,16 @@ class Instance:
     def kv_endpoints(self) -> list[KVEndpoint]:
         return self.engine.executor.kv_endpoints(ray.get_runtime_context().current_actor)
 
+    def forget_peer(self, name: str) -> None:
+        """Instance ``name`` is gone: drop every KV channel to or from it and what the migrator knows of it."""
+        self.migrator.forget(name)
+        self.engine.executor.call_kv("drop_peer", name)
+
+    def kv_peers(self) -> dict[str, Any]:
+        """What this instance keeps for KV transfers: the migrator's prefill sources and their channels,
+        and each rank's channels and staging bytes."""
+        return {"sources": self.migrator.sources(), "ranks": self.engine.executor.call_kv("peers")}
+
     def migrations(self) -> dict[str, MigrationRecord]:
         """Decode: the latest KV pulls, by request id."""
         return self.migrator.records()

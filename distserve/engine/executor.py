@@ -37,6 +37,9 @@ class Executor(Protocol):
 
     def kv_endpoints(self, instance: Any) -> list[KVEndpoint]: ...
 
+    def call_kv(self, method: str, *args) -> list:
+        """``KVTransfer.<method>`` on every rank; their answers in rank order."""
+
     def shutdown(self) -> None: ...
 
 
@@ -76,6 +79,9 @@ class UniprocExecutor:
     def kv_endpoints(self, instance: Any) -> list[KVEndpoint]:
         """The only rank runs in the instance actor, which forwards ``kv`` calls to it."""
         return [KVEndpoint(instance, self.worker.kv_layout)]
+
+    def call_kv(self, method: str, *args) -> list:
+        return [self.worker.kv(method, *args)]
 
     def shutdown(self) -> None:
         pass
@@ -166,6 +172,9 @@ class RayExecutor:
 
     def worker_pids(self) -> list[int]:
         return self._call_all("ping")
+
+    def call_kv(self, method: str, *args) -> list:
+        return self._call_all("kv", method, *args)
 
     def kv_endpoints(self, instance: Any) -> list[KVEndpoint]:
         layouts = self._call_all("kv", "describe")

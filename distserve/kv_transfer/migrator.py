@@ -20,7 +20,8 @@ from typing import Any
 import ray
 
 from distserve.core.handover import Handover
-from distserve.kv_transfer.plan import KVLayout, TransferPart, plan_transfer, token_slots
+from distserve.kv_transfer.channel import channel_peers
+from distserve.kv_transfer.plan import KVLayout, TransferPart, plan_transfer, token_slots, transfer_rounds
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,17 @@ class MigrationRecord:
     end: float
 
 
+class KVNoLongerHeld(RuntimeError):
+    """The prefill instance freed the KV before the pull ended (hold deadline, abort)."""
+
+
 class Migrator:
     """Decode side: pulls the KV of admitted requests from their prefill instances on its own
     thread, one request at a time, and reports each one done (or failed) through ``on_done(request
-    id, attempt, record, error)``."""
+    id, attempt, record, error)``.
+
+    It keeps what it learnt of each prefill instance (handle, ranks, transfer plan, connected
+    channels) until that instance is gone: a pull that fails on the way, or ``forget``."""
 
     MAX_RECORDS = 10_000
 
@@ -68,27 +76,52 @@ class Migrator:
         self._records_lock = threading.Lock()
         self._sources: dict[str, tuple[Any, list[KVEndpoint], list[TransferPart]]] = {}
         self._connected: set[str] = set()
-        self._queue: queue.SimpleQueue[tuple[Handover, list[int]] | None] = queue.SimpleQueue()
+        # ("pull", handover, block table), ("forget", instance name), or None to stop.
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"{name}-migrator", daemon=True)
         self._thread.start()
 
     def submit(self, handover: Handover, block_table: list[int]) -> None:
-        self._queue.put((handover, list(block_table)))
+        self._queue.put(("pull", handover, list(block_table)))
+
+    def forget(self, instance_name: str) -> None:
+        """A prefill instance is gone: drop what this migrator keeps of it (in turn with the pulls)."""
+        self._queue.put(("forget", instance_name))
 
     def stop(self) -> None:
         self._queue.put(None)
 
+    def sources(self) -> dict[str, list[str]]:
+        """The prefill instances this migrator knows, each with its connected channels."""
+        names, connected = list(self._sources), list(self._connected)  # copies: the pull thread changes them
+        return {name: sorted(c for c in connected if channel_peers(c)[0] == name) for name in names}
+
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            handover, block_table = item
+            if item[0] == "forget":
+                self._forget(item[1])
+                continue
+            _, handover, block_table = item
             try:
                 record = self._pull(handover, block_table)
             except Exception as e:  # the prefill side died or refused: the request cannot continue here
                 logger.exception("%s: pulling the KV of %s failed", self.name, handover.request_id)
+                if not isinstance(e, KVNoLongerHeld):  # the link broke: connect afresh next time
+                    self._forget(handover.prefill_instance, on_ranks=True)
                 error = f"KV migration from {handover.prefill_instance} failed: {e}"
                 self.on_done(handover.request_id, handover.attempt, None, error)
             else:
                 self.on_done(handover.request_id, handover.attempt, record, None)
+
+    def _forget(self, instance_name: str, on_ranks: bool = False) -> None:
+        """Drop the source ``instance_name``; ``on_ranks``: this instance's ranks drop its channels too."""
+        self._sources.pop(instance_name, None)
+        self._connected = {c for c in self._connected if channel_peers(c)[0] != instance_name}
+        if on_ranks:
+            try:
+                ray.get([e.call("drop_peer", instance_name) for e in self.endpoints])
+            except Exception:  # a rank of ours is gone too: the instance fails over as a whole
+                logger.exception("%s: could not drop the channels of %s", self.name, instance_name)
 
     def _source(self, instance_name: str) -> tuple[Any, list[KVEndpoint], list[TransferPart]]:
         """The prefill instance's handle, its ranks, and which of them send what to which of ours."""
@@ -120,17 +153,19 @@ class Migrator:
         num_tokens = handover.num_prompt_tokens
         src_slots = token_slots(handover.block_table, num_tokens, handover.block_size)
         dst_slots = token_slots(block_table, num_tokens, self.block_size)
-        sends, recvs = [], []
-        for part in plan:
-            channel = self._channel(handover.prefill_instance, sources, part)
-            sends.append(sources[part.src].call("send", channel, src_slots, part.layers, part.kv_heads))
-            recvs.append(self.endpoints[part.dst].call("recv", channel, dst_slots, part.layers, part.kv_heads))
-        num_bytes = sum(ray.get(recvs))
-        ray.get(sends)
+        num_bytes = 0
+        for round_ in transfer_rounds(plan):
+            sends, recvs = [], []
+            for part in round_:
+                channel = self._channel(handover.prefill_instance, sources, part)
+                sends.append(sources[part.src].call("send", channel, src_slots, part.layers, part.kv_heads))
+                recvs.append(self.endpoints[part.dst].call("recv", channel, dst_slots, part.layers, part.kv_heads))
+            num_bytes += sum(ray.get(recvs))
+            ray.get(sends)
         # The prefill instance frees its blocks, unless it did so at its hold deadline already, in
         # which case they may have been reused during the pull.
         if not ray.get(handle.release_kv.remote(handover.request_id, handover.attempt)):
-            raise RuntimeError(f"{handover.prefill_instance} no longer held the KV (hold deadline or abort)")
+            raise KVNoLongerHeld(f"{handover.prefill_instance} no longer held the KV (hold deadline or abort)")
         record = MigrationRecord(handover.request_id, num_tokens, num_bytes, start, time.time())
         with self._records_lock:
             self._records[handover.request_id] = record

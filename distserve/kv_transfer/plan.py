@@ -60,6 +60,28 @@ def plan_transfer(sources: list[KVLayout], destinations: list[KVLayout]) -> list
     return parts
 
 
+def transfer_rounds(plan: list[TransferPart]) -> list[list[TransferPart]]:
+    """The plan's parts in rounds in which no rank takes part twice.
+
+    A rank moves one transfer at a time through its staging buffers, so two parts that share a
+    rank must not be asked for together: a source serving one destination while another
+    destination waits for it, and that one waits for a third, can close a cycle. Run round by
+    round, every destination rank waits for one source at a time, which is free to serve it.
+    """
+    rounds: list[list[TransferPart]] = []
+    left = list(plan)
+    while left:
+        busy: set[tuple[str, int]] = set()
+        round_ = []
+        for part in left:
+            if ("src", part.src) not in busy and ("dst", part.dst) not in busy:
+                busy |= {("src", part.src), ("dst", part.dst)}
+                round_.append(part)
+        left = [part for part in left if part not in round_]
+        rounds.append(round_)
+    return rounds
+
+
 def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
     """The cache slots of the first ``num_tokens`` tokens of a sequence with this block table."""
     return [block_table[i // block_size] * block_size + i % block_size for i in range(num_tokens)]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from distserve.core.config import CacheConfig
+from distserve.kv_transfer.channel import staging_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +74,15 @@ def determine_num_blocks(
     """Blocks from the config, or a share of free memory capped at what the engine can ever fill.
 
     On CPU the workers of an instance share the machine's memory: each takes its part of the budget.
+    The KV transfer's staging buffers come out of the budget first.
     """
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
     budget = int(free_device_memory(device) * cache_config.kv_cache_memory_fraction)
     if device.type == "cpu":
         budget = min(budget, CPU_KV_CACHE_LIMIT_BYTES) // num_cpu_workers
+    staging = staging_bytes(shape.num_kv_heads, shape.head_dim, shape.dtype)
+    budget -= staging
     from_memory = budget // shape.bytes_per_block
     useful = -(-max_useful_tokens // shape.block_size)
     num_blocks = min(from_memory, useful)
@@ -88,9 +92,10 @@ def determine_num_blocks(
             "lower the model size or set num_kv_blocks"
         )
     logger.info(
-        "KV cache: %d blocks of %d tokens (%.1f MiB)",
+        "KV cache: %d blocks of %d tokens (%.1f MiB), KV transfer staging %.1f MiB",
         num_blocks,
         shape.block_size,
         num_blocks * shape.bytes_per_block / 2**20,
+        staging / 2**20,
     )
     return num_blocks

@@ -1,0 +1,161 @@
+"""KV transfer peers: exact transfers through fixed staging buffers, and nothing kept of a peer
+once it is gone, in process and across a cluster whose prefill instance is replaced again and again."""
+
+import asyncio
+import threading
+import time
+
+import torch
+from conftest import random_prompts, reference_greedy
+
+from distserve import AsyncCluster, SamplingParams
+from distserve.core.config import CacheConfig
+from distserve.kv_transfer.channel import KVTransfer, staging_bytes
+from distserve.kv_transfer.plan import KVLayout, plan_transfer, rank_layout, transfer_rounds
+from distserve.model_executor import kv_cache
+from distserve.model_executor.kv_cache import KVCacheShape, determine_num_blocks
+from distserve.parallel.ranks import ParallelRank
+
+LAYERS, HEADS, DIM, SLOTS = 2, 2, 8, 64
+
+
+def _both(*calls: tuple) -> list:
+    """Run two calls ``(function, *args)`` that need each other (the two ends of a communicator)
+    at the same time; their results."""
+    results, errors = [None] * len(calls), []
+
+    def run(i, function, *args):
+        try:
+            results[i] = function(*args)
+        except BaseException as e:  # re-raised on the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, *call)) for i, call in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    return results
+
+
+def _end(seed: int | None, chunk_tokens: int) -> KVTransfer:
+    shape = (LAYERS, 2, SLOTS, HEADS, DIM)
+    tensor = torch.zeros(shape) if seed is None else torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return KVTransfer(tensor, KVLayout(range(LAYERS), range(HEADS)), chunk_tokens)
+
+
+def test_a_peer_replaced_again_and_again_leaves_no_channel_or_buffer_behind():
+    decode = _end(None, chunk_tokens=5)  # chunks of 5 tokens: a 13-token transfer goes in 3 chunks a layer
+    src_slots, dst_slots = list(range(20, 33)), [3, 9, 10, 11, 40, 41, 42, 43, 50, 51, 52, 60, 61]
+    staging = []
+    for round in range(5):
+        prefill, channel = _end(round, chunk_tokens=5), f"prefill-r{round}.0>decode.0"
+        address = prefill.store_address()
+        _both((prefill.connect, channel, True, address), (decode.connect, channel, False, address))
+        sent, received = _both(
+            (prefill.send, channel, src_slots, range(LAYERS), range(HEADS)),
+            (decode.recv, channel, dst_slots, range(LAYERS), range(HEADS)),
+        )
+        assert sent == received == LAYERS * 2 * len(src_slots) * HEADS * DIM * 4
+        assert torch.equal(decode.kv_tensor[:, :, dst_slots], prefill.kv_tensor[:, :, src_slots])
+        assert decode.peers()["channels"] == [channel]
+        assert decode.drop_peer(f"prefill-r{round}") == [channel]  # the prefill instance is gone
+        assert prefill.drop_peer("decode") == [channel]  # (or the decode instance is)
+        assert decode.peers()["channels"] == [] and prefill.peers()["channels"] == []
+        staging.append(decode.peers()["staging_bytes"])
+    assert staging == [staging_bytes(HEADS, DIM, torch.float32, chunk_tokens=5)] * 5  # fixed, not per peer
+
+
+def test_transfer_rounds_never_ask_a_rank_for_two_parts_at_once():
+    """PP=2 prefill to TP=2 decode: every prefill rank sends to both decode ranks. Asked all at once,
+    each rank serving one transfer at a time can wait in a cycle (source 0 sends to decode 1, which
+    receives from source 1, which sends to decode 0, which waits for source 0); in rounds it cannot."""
+
+    def layouts(tp: int, pp: int) -> list[KVLayout]:
+        return [rank_layout(4, 4, ParallelRank(tp_size=tp, pp_size=pp, rank=r)) for r in range(tp * pp)]
+
+    plan = plan_transfer(layouts(1, 2), layouts(2, 1))
+    rounds = transfer_rounds(plan)
+    assert sorted((p.src, p.dst) for r in rounds for p in r) == sorted((p.src, p.dst) for p in plan)
+    assert len(plan) == 4 and len(rounds) == 2
+    for round_ in rounds:
+        assert len({p.src for p in round_}) == len({p.dst for p in round_}) == len(round_)
+    same = plan_transfer(layouts(2, 1), layouts(2, 1))  # matching layouts: one round, both pairs together
+    assert transfer_rounds(same) == [same]
+
+
+def test_the_kv_cache_budget_sets_the_staging_buffers_aside(monkeypatch):
+    shape = KVCacheShape(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
+    staging = staging_bytes(2, 16, torch.float32)
+    assert staging == 2 * 2 * 4096 * 2 * 16 * 4
+    config, gpu = CacheConfig(kv_cache_memory_fraction=1.0), torch.device("cuda")
+    # Free memory for exactly 100 blocks and the staging buffers: 100 blocks; a byte less: 99.
+    free = 100 * shape.bytes_per_block + staging
+    monkeypatch.setattr(kv_cache, "free_device_memory", lambda device: free)
+    assert determine_num_blocks(config, shape, gpu, 10**9) == 100
+    monkeypatch.setattr(kv_cache, "free_device_memory", lambda device: free - 1)
+    assert determine_num_blocks(config, shape, gpu, 10**9) == 99
+
+
+def test_live_instances_keep_only_live_peers_when_prefill_is_replaced_repeatedly(ray_cluster, reference_model):
+    """The prefill instance is killed three times, each after serving through its replacement: the
+    decode instance's ranks and migrator then know only the live prefill instance, and the prefill
+    side keeps no channel of a dead decode instance."""
+    llama = reference_model("tiny-llama")
+    prompt = random_prompts([40], llama.config.vocab_size, seed=31)[0]
+    expected = reference_greedy(llama, prompt, 8)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def generate(cluster) -> list[int]:
+        async for output in cluster.generate(prompt, params):
+            last = output
+        return last.output_token_ids
+
+    async def until(condition, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not await condition():
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.05)
+
+    async def scenario():
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=64)
+        orchestrator = cluster.orchestrator
+        try:
+            for kill in range(1, 4):
+                assert await generate(cluster) == expected
+                prefill = next(s for s in orchestrator.pool("prefill"))
+                ray_cluster.kill(prefill.handle)
+
+                async def replaced(kill=kill):
+                    return any(s.name.endswith(f"prefill-r{kill}") for s in orchestrator.pool("prefill"))
+
+                await until(replaced)
+                decode = orchestrator.pool("decode")[0]
+
+                async def forgotten(dead=prefill.name, decode=decode):
+                    peers = await decode.handle.kv_peers.remote()
+                    return dead not in peers["sources"] and not any(
+                        dead in channel for rank in peers["ranks"] for channel in rank["channels"]
+                    )
+
+                await until(forgotten, timeout=10)
+            assert await generate(cluster) == expected
+            live = orchestrator.pool("prefill")[0]
+            decode_peers = await orchestrator.pool("decode")[0].handle.kv_peers.remote()
+            assert list(decode_peers["sources"]) == [live.name]
+            assert all(channel.startswith(f"{live.name}.") for r in decode_peers["ranks"] for channel in r["channels"])
+
+            # And the other way: the decode instance dies; the live prefill instance drops its channels.
+            dead_decode = orchestrator.pool("decode")[0]
+            ray_cluster.kill(dead_decode.handle)
+
+            async def prefill_forgot():
+                peers = await live.handle.kv_peers.remote()
+                return not any(dead_decode.name in c for rank in peers["ranks"] for c in rank["channels"])
+
+            await until(prefill_forgot, timeout=10)
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(scenario())
