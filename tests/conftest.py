@@ -1,5 +1,7 @@
+import asyncio
 import os
 import random
+import time
 
 import pytest
 import torch
@@ -41,11 +43,56 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[l
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
 
 
-def assert_all_blocks_free(llm) -> None:
-    bm = llm.engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+def assert_engine_idle(engine) -> None:
+    """An engine holds nothing: every block free and unreferenced, no request, its role idle."""
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks in use"
     assert all(b.ref_count == 0 for b in bm.blocks)
-    assert not llm.engine.requests
+    assert not engine.requests and engine.role.is_idle()
+
+
+IN_USE_FIELDS = ("num_waiting", "num_running", "num_held", "num_pending")
+
+
+def in_use(infos) -> list[str]:
+    """What instances still hold, a line per instance (none: nothing). The strictest condition, for
+    every test: each block free, nothing queued, running, held for decode or arriving, no failure.
+    ``infos``: ``InstanceInfo``s, or the gRPC API's."""
+    found = []
+    for info in infos:
+        what = [f"{info.num_blocks - info.num_free_blocks} blocks"] if info.num_free_blocks != info.num_blocks else []
+        what += [f"{name}={getattr(info, name)}" for name in IN_USE_FIELDS if getattr(info, name)]
+        if info.failure:
+            what.append(f"failed: {info.failure}")
+        if what:
+            found.append(f"{info.name}: {', '.join(what)}")
+    return found
+
+
+def wait_nothing_in_use(read_infos, frontend=None, timeout: float = 10.0) -> None:
+    """Poll ``read_infos()`` until ``in_use`` finds nothing (and ``frontend`` admits no request)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = in_use(read_infos())
+        if frontend is not None and frontend.num_pending:
+            found.append(f"frontend: {frontend.num_pending} requests admitted")
+        if not found:
+            return
+        assert time.monotonic() < deadline, "still in use:\n" + "\n".join(found)
+        time.sleep(0.02)
+
+
+async def wait_nothing_in_use_async(cluster, timeout: float = 10.0) -> None:
+    """``wait_nothing_in_use`` for an ``AsyncCluster`` on the running loop; its orchestrator tracks no request."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = in_use(await cluster.info())
+        if cluster.orchestrator.requests:
+            found.append(f"orchestrator: {len(cluster.orchestrator.requests)} requests")
+        if not found:
+            return
+        assert time.monotonic() < deadline, "still in use:\n" + "\n".join(found)
+        await asyncio.sleep(0.02)
 
 
 FAMILIES = TINY_MODELS

@@ -8,7 +8,7 @@ import time
 
 import psutil
 import pytest
-from conftest import random_prompts, reference_greedy
+from conftest import in_use, random_prompts, reference_greedy, wait_nothing_in_use
 
 from distserve import LLM, AsyncCluster, Cluster, SamplingParams
 
@@ -20,17 +20,6 @@ KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
 
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0)
-
-
-def _assert_all_blocks_free(cluster: Cluster) -> None:
-    deadline = time.monotonic() + 5
-    while True:
-        infos = cluster.info()
-        if all(i.num_free_blocks == i.num_blocks and i.num_held == i.num_pending == 0 for i in infos):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("blocks still in use:\n" + "\n".join(map(str, infos)))
-        time.sleep(0.05)
 
 
 def _migrations(cluster: Cluster) -> dict:
@@ -57,7 +46,7 @@ def _check(cluster: Cluster, reference, seed: int) -> None:
             assert record.num_tokens == len(prompt)
             assert record.num_bytes == KV_BYTES_PER_TOKEN * len(prompt)
             assert out.metrics.prefill_end <= out.metrics.migration_start <= out.metrics.migration_end
-    _assert_all_blocks_free(cluster)
+    wait_nothing_in_use(cluster.info)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +88,7 @@ def test_small_decode_pool_throttles_prefill_and_loses_nothing(small_cluster, ll
     assert prefill.num_throttled_steps > 0  # held KV reached its limit: prefill waited for decode
     # Decode's 60 blocks of 8 tokens hold at most three of these (141+ tokens each): the rest waited.
     assert decode.num_admission_waits > 0
-    _assert_all_blocks_free(small_cluster)
+    wait_nothing_in_use(small_cluster.info)
 
 
 def test_cancellation_at_every_stage_frees_every_block(small_cluster):
@@ -137,7 +126,7 @@ def test_cancellation_at_every_stage_frees_every_block(small_cluster):
     cancelled = [seen for seen in left if not seen or not seen[-1].finished]
     stages = {min(len(seen), 2) for seen in cancelled}  # 0: no token yet, 1: first token only, 2: decoding
     assert stages == {0, 1, 2}, stages
-    _assert_all_blocks_free(cluster)
+    wait_nothing_in_use(cluster.info)
     assert len(cluster.generate("after", _greedy(4))[0].output_token_ids) >= 1
 
 
@@ -154,7 +143,7 @@ def test_colocated_cluster_is_the_same_api(ray_cluster, llama):
         cluster.generate([y, x], _greedy(4))
         again = cluster.generate([x + suffix], _greedy(4))[0]
         assert again.num_cached_tokens == 64
-        _assert_all_blocks_free(cluster)
+        wait_nothing_in_use(cluster.info)
 
 
 def test_text_matches_the_offline_engine(small_cluster):
@@ -205,7 +194,7 @@ def test_a_pull_that_fails_ends_the_request_with_an_error(ray_cluster):
             outputs += ray.get(decode.get_outputs.remote(0.5))
         assert [o.finish_reason for o in outputs if o.finished] == ["error"]
         info = ray.get(decode.info.remote())
-        assert info.num_free_blocks == info.num_blocks and info.num_pending == 0
+        assert not in_use([info])
     finally:
         ray.kill(decode)
 

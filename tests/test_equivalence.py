@@ -1,7 +1,7 @@
 """Greedy output token-for-token equal to transformers' generate() on the same weights."""
 
 import pytest
-from conftest import FAMILIES, assert_all_blocks_free, random_prompts, reference_greedy
+from conftest import FAMILIES, assert_engine_idle, random_prompts, reference_greedy
 
 from distserve import LLM, SamplingParams
 
@@ -16,7 +16,7 @@ def _check(llm, model, prompts, max_tokens):
     for prompt, n, out in zip(prompts, max_tokens, outputs):
         assert out.output_token_ids == reference_greedy(model, prompt, n), f"prompt of {len(prompt)} tokens"
         assert out.finish_reason in ("length", "stop")
-    assert_all_blocks_free(llm)
+    assert_engine_idle(llm.engine)
     return outputs
 
 
@@ -71,4 +71,4 @@ def test_text_prompts_and_detokenized_text(reference_model):
         assert out.prompt_token_ids == ids
         assert out.output_token_ids == reference_greedy(model, ids, 24)
         assert out.text == llm.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
-    assert_all_blocks_free(llm)
+    assert_engine_idle(llm.engine)

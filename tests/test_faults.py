@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from conftest import random_prompts, reference_greedy
+from conftest import in_use, random_prompts, reference_greedy, wait_nothing_in_use_async
 
 from distserve import AsyncCluster, SamplingParams
 from distserve.core.errors import InstanceFailure
@@ -33,17 +33,6 @@ async def _collect(cluster: AsyncCluster, prompt: list[int], progress: dict, key
     return tokens
 
 
-async def _all_blocks_free(cluster: AsyncCluster) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        infos = await cluster.info()
-        if all(i.num_free_blocks == i.num_blocks and i.num_held == i.num_pending == 0 and not i.failure
-               for i in infos):  # fmt: skip
-            return
-        assert time.monotonic() < deadline, "blocks still in use:\n" + "\n".join(map(str, infos))
-        await asyncio.sleep(0.05)
-
-
 async def _wait_until(condition, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -61,12 +50,25 @@ def _kill(cluster: AsyncCluster, role: str, ray) -> str:
     return entry.name
 
 
-# (role killed, how far the first requests have got when it dies)
+def _decoding(state) -> bool:
+    return len(state.run.output_token_ids) >= 3  # tokens past the first: the decode side has it
+
+
+def _not_pulled(state) -> bool:
+    return state.metrics.migration_end is None  # its KV is still (only) on the prefill side
+
+
+def _prefilling(state) -> bool:
+    return state.prefill is not None and state.metrics.prefill_end is None
+
+
+# Each stage: the role killed, and what the orchestrator's requests must show at the kill.
 STAGES = {
-    "prefill-during-prefill": ("prefill", 0),  # killed as soon as the requests are sent
-    "prefill-during-decode": ("prefill", 5),  # some requests decoding, some still waiting or migrating
-    "decode-during-decode": ("decode", 5),
-    "decode-during-migration": ("decode", 1),  # first tokens out: hand-overs and pulls under way
+    "prefill-during-prefill": ("prefill", lambda states: len(states) == 8 and all(map(_prefilling, states))),
+    "prefill-during-decode": ("prefill", lambda states: any(map(_decoding, states)) and any(map(_not_pulled, states))),
+    "decode-during-decode": ("decode", lambda states: sum(map(_decoding, states)) >= 2),
+    # First tokens out, KV held for decode or being pulled.
+    "decode-during-migration": ("decode", lambda states: any(s.decode and _not_pulled(s) for s in states)),
 }
 
 
@@ -78,14 +80,15 @@ async def _kill_worker(cluster: AsyncCluster, role: str, rank: int) -> str:
     return entry.name
 
 
-async def _rerun_scenario(prompts, expected, role: str, reached: int, kill, **options) -> None:
-    """Requests in flight when ``kill`` takes down an instance of ``role`` all end equal to their
-    greedy output; the instance is replaced, no block stays in use and the replacement serves."""
+async def _rerun_scenario(prompts, expected, role: str, stage, kill, **options) -> None:
+    """Requests in flight when ``kill`` takes down an instance of ``role``, as soon as the requests
+    are at ``stage`` (a predicate over the orchestrator's request states), all end equal to their
+    greedy output; the instance is replaced, nothing stays in use and the replacement serves."""
     cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=400, **options)
     try:
-        progress: dict[int, int] = {}
-        tasks = [asyncio.create_task(_collect(cluster, p, progress, i)) for i, p in enumerate(prompts)]
-        await _wait_until(lambda: sum(n >= reached for n in progress.values()) >= 2 if reached else True)
+        tasks = [asyncio.create_task(_collect(cluster, p, {}, i)) for i, p in enumerate(prompts)]
+        states = lambda: list(cluster.orchestrator.requests.values())  # noqa: E731
+        await _wait_until(lambda: stage(states()))  # times out if the stage is never reached
         killed = await kill(cluster)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         assert results == expected
@@ -93,10 +96,10 @@ async def _rerun_scenario(prompts, expected, role: str, reached: int, kill, **op
         names = lambda: [s.name for s in cluster.orchestrator.instances]  # noqa: E731
         await _wait_until(lambda: any(name.endswith(f"{role}-r1") for name in names()), timeout=60)
         assert killed not in names()
-        await _all_blocks_free(cluster)
+        await wait_nothing_in_use_async(cluster)
         again = await _collect(cluster, prompts[0], {}, 0)
         assert again == expected[0]
-        await _all_blocks_free(cluster)
+        await wait_nothing_in_use_async(cluster)
     finally:
         await cluster.shutdown()
 
@@ -107,7 +110,7 @@ def test_killed_instance_requests_rerun_to_the_same_output(ray_cluster, llama, s
     prompts = random_prompts([40, 300, 120, 500, 80, 250, 16, 400], 1024, seed=len(stage))
     expected = [reference_greedy(llama, p, MAX_TOKENS) for p in prompts]
 
-    async def kill(cluster):
+    async def kill(cluster):  # no await before the kill: the stage seen is the stage killed in
         return _kill(cluster, role, ray_cluster)
 
     asyncio.run(_rerun_scenario(prompts, expected, role, reached, kill))
@@ -125,7 +128,8 @@ def test_killed_worker_of_a_tensor_parallel_instance_fails_it_over(ray_cluster, 
         return await _kill_worker(cluster, role, rank=1)
 
     options = {role: {"tensor_parallel_size": 2}, {"prefill": "decode", "decode": "prefill"}[role]: {}}
-    asyncio.run(_rerun_scenario(prompts, expected, role, 3, kill, **options))
+    decoding = lambda states: sum(map(_decoding, states)) >= 2  # noqa: E731
+    asyncio.run(_rerun_scenario(prompts, expected, role, decoding, kill, **options))
 
 
 def test_idle_instance_with_a_dead_worker_is_noticed_and_replaced(ray_cluster, llama):
@@ -146,7 +150,7 @@ def test_idle_instance_with_a_dead_worker_is_noticed_and_replaced(ray_cluster, l
             print(f"dead worker noticed in {noticed:.2f} s, replaced in {time.monotonic() - started:.2f} s")
             assert noticed < 3.0  # one idle health check (1 s) and the ping's answer
             assert await _collect(cluster, prompt, {}, 0) == reference_greedy(llama, prompt, MAX_TOKENS)
-            await _all_blocks_free(cluster)
+            await wait_nothing_in_use_async(cluster)
         finally:
             await cluster.shutdown()
 
@@ -173,7 +177,7 @@ def test_without_reruns_a_lost_instance_fails_its_requests(ray_cluster, llama):
             with pytest.raises(InstanceFailure, match="no decode instance"):
                 await _collect(cluster, prompts[0], {}, 0)
             prefill = next(i for i in await cluster.info() if i.role == "prefill")
-            assert prefill.num_free_blocks == prefill.num_blocks and prefill.num_held == 0
+            assert not in_use([prefill])
         finally:
             await cluster.shutdown()
 
@@ -208,7 +212,7 @@ def test_replacement_that_cannot_start_fails_requests_with_a_reason(ray_cluster,
             infos = {i.name: i for i in await cluster.info()}
             assert f"not replaced after {REPLACEMENT_ATTEMPTS} tries" in infos[killed].failure
             prefill = next(i for i in infos.values() if i.role == "prefill")
-            assert prefill.num_free_blocks == prefill.num_blocks and prefill.num_held == 0
+            assert not in_use([prefill])
         finally:
             await cluster.shutdown()
 
@@ -233,7 +237,7 @@ def test_sampled_requests_rerun_to_the_same_tokens(ray_cluster):
             assert len(seen) == MAX_TOKENS
             orchestrator = cluster.orchestrator
             assert not orchestrator.requests
-            await _all_blocks_free(cluster)
+            await wait_nothing_in_use_async(cluster)
         finally:
             await cluster.shutdown()
 
@@ -259,7 +263,7 @@ def test_overload_completes_every_request_and_leaks_nothing(ray_cluster, llama):
         try:
             results = await asyncio.wait_for(asyncio.gather(*(final(cluster, p) for p in prompts)), 600)
             assert results == expected
-            await _all_blocks_free(cluster)
+            await wait_nothing_in_use_async(cluster)
         finally:
             await cluster.shutdown()
 
@@ -288,7 +292,7 @@ def test_kv_held_past_its_deadline_is_freed_and_a_late_pull_refused(ray_cluster)
         assert [o.finish_reason for o in outputs if o.finished] == ["error"]
         assert 0.5 <= time.monotonic() - started < 3.0
         info = ray.get(prefill.info.remote())
-        assert info.num_free_blocks == info.num_blocks and info.num_held == 0
+        assert not in_use([info])
         assert ray.get(prefill.release_kv.remote("held", 0)) is False
     finally:
         ray_cluster.kill(prefill)
@@ -300,34 +304,39 @@ def test_cancellation_at_every_stage_frees_blocks_within_a_second(ray_cluster):
     prompts = random_prompts([300, 500, 120, 450, 60, 380, 250, 480] * 3, 1024, seed=5)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
-    async def leave_after(cluster, prompt, chunks: int) -> None:
-        if chunks == 0:  # gone before any token: queued or prefilling
-            stream = cluster.generate(prompt, params)
+    def stage(cluster, request_id: str) -> str:
+        metrics = cluster.orchestrator.requests[request_id].metrics
+        if metrics.prefill_end is None:
+            return "queued or prefilling"
+        return "KV held or migrating" if metrics.migration_end is None else "decoding"
+
+    async def leave_after(cluster, i: int, prompt, chunks: int) -> str:
+        """The client leaves after ``chunks`` outputs; the stage its request was at then."""
+        request_id = f"leaves-{i}"
+        stream = cluster.generate(prompt, params, request_id=request_id)
+        if chunks == 0:  # gone before any token
             task = asyncio.ensure_future(stream.__anext__())
             await asyncio.sleep(0.01)
+            left_at = stage(cluster, request_id)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             await stream.aclose()
-            return
+            return left_at
         seen = 0
-        async for _ in cluster.generate(prompt, params):
+        async for _ in stream:
             seen += 1
             if seen == chunks:  # 1: KV held or migrating; 2: just handed over; 10: decoding
-                return
+                left_at = stage(cluster, request_id)
+                await stream.aclose()
+                return left_at
 
     async def scenario():
         cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=600)
         try:
-            stages = [0, 1, 2, 10]
-            await asyncio.gather(*(leave_after(cluster, p, stages[i % 4]) for i, p in enumerate(prompts)))
-            left = time.monotonic()
-            while True:
-                infos = await cluster.info()
-                if all(i.num_free_blocks == i.num_blocks and i.num_held == i.num_pending == 0 for i in infos):
-                    break
-                assert time.monotonic() - left < 1.0, "blocks still in use:\n" + "\n".join(map(str, infos))
-                await asyncio.sleep(0.01)
-            assert not cluster.orchestrator.requests
+            chunks = [0, 1, 2, 10]
+            left_at = await asyncio.gather(*(leave_after(cluster, i, p, chunks[i % 4]) for i, p in enumerate(prompts)))
+            await wait_nothing_in_use_async(cluster, timeout=1.0)  # within a second of the last one leaving
+            assert set(left_at) == {"queued or prefilling", "KV held or migrating", "decoding"}, left_at
         finally:
             await cluster.shutdown()
 
@@ -359,7 +368,7 @@ def test_repeated_kills_under_a_steady_load(ray_cluster, llama):
                 replacement = f"-r{kill}"
                 await _wait_until(lambda: any(n.endswith(replacement) for n in names()), timeout=60)  # noqa: B023
             assert await asyncio.wait_for(asyncio.gather(*tasks), 300) == expected
-            await _all_blocks_free(cluster)
+            await wait_nothing_in_use_async(cluster)
         finally:
             await cluster.shutdown()
 
@@ -405,8 +414,6 @@ def test_far_above_capacity_the_queue_refuses_and_memory_stays_bounded(ray_clust
             admitted, refused = asyncio.run(wave(server.grpc_address))
             print(f"admitted {admitted}, refused {refused}, rss {process.memory_info().rss / 2**20:.0f} MiB")
             assert admitted >= 300 and refused > 0
-            infos = server.info()
-            assert all(i.num_free_blocks == i.num_blocks and i.num_held == i.num_pending == 0 for i in infos)
-            assert server.frontend.num_pending == 0
+            assert not in_use(server.info()) and server.frontend.num_pending == 0
             rss.append(process.memory_info().rss)
         assert rss[2] - rss[1] < 64 * 2**20, [r / 2**20 for r in rss]

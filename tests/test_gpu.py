@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import FAMILIES, assert_all_blocks_free, random_prompts, reference_greedy
+from conftest import FAMILIES, assert_engine_idle, random_prompts, reference_greedy
 
 from distserve import LLM, SamplingParams
 
@@ -22,7 +22,7 @@ def test_float32_greedy_equals_transformers_on_cuda(family, reference_model):
     outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     for prompt, out in zip(prompts, outputs):
         assert out.output_token_ids == reference_greedy(model, prompt, 24)
-    assert_all_blocks_free(llm)
+    assert_engine_idle(llm.engine)
     model.to("cpu")
 
 
@@ -32,7 +32,7 @@ def test_bfloat16_serves_and_frees_every_block(family):
     prompts = random_prompts(LENGTHS, 1024)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert all(len(o.output_token_ids) == 16 for o in outputs)
-    assert_all_blocks_free(llm)
+    assert_engine_idle(llm.engine)
 
 
 def test_prefill_and_decode_engines_hand_over_kv_on_cuda(reference_model):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import make_tls_cert, random_prompts, reference_greedy
+from conftest import in_use, make_tls_cert, random_prompts, reference_greedy, wait_nothing_in_use
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from distserve import LLM, SamplingParams
@@ -24,18 +24,6 @@ from distserve.v1 import distserve_pb2 as pb
 
 API_KEY = "sk-grpc-test"
 NUM_KV_BLOCKS = 48  # per instance, of 16 tokens: 768 tokens, less than the model's context of 1024
-
-
-def wait_all_blocks_free(server: BackgroundServer, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        infos = server.info()
-        if all(i.num_free_blocks == i.num_blocks and i.num_held == i.num_pending == 0 for i in infos):
-            assert server.frontend.num_pending == 0
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("blocks still in use:\n" + "\n".join(map(str, infos)))
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +116,7 @@ def test_32_concurrent_streams_complete(server, llama):
     outputs = asyncio.run(run())
     for prompt, n, tokens in zip(prompts, max_tokens, outputs):
         assert tokens == reference_greedy(llama, prompt, n)
-    wait_all_blocks_free(server)
+    wait_nothing_in_use(server.info, server.frontend)
 
 
 @pytest.mark.parametrize("chunks_before_cancel", [0, 1, 5])
@@ -141,7 +129,7 @@ def test_cancelled_stream_frees_its_blocks(server, client, chunks_before_cancel)
         assert len(next(call).token_ids) == 1
     call.cancel()
     assert call.code() == grpc.StatusCode.CANCELLED
-    wait_all_blocks_free(server)
+    wait_nothing_in_use(server.info, server.frontend)
     assert client.complete("still serving", max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
 
 
@@ -202,7 +190,7 @@ def test_full_admission_queue_is_resource_exhausted(server, client):
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "retry later" in error.value.details()
         busy.close()
-        wait_all_blocks_free(server)
+        wait_nothing_in_use(server.info, server.frontend)
         assert client.complete("room again", max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
     finally:
         config.max_pending_requests = limit
@@ -232,7 +220,7 @@ def test_a_burst_past_the_admission_limit_is_refused_not_cancelled(server):
         config.max_pending_requests = limit
     refused = (grpc.StatusCode.RESOURCE_EXHAUSTED, True)
     assert set(outcomes) <= {"done", refused} and outcomes.count(refused) > 2900
-    wait_all_blocks_free(server)
+    wait_nothing_in_use(server.info, server.frontend)
 
 
 def test_status_and_remote_generate_cli(server, client, capsys):
@@ -298,7 +286,7 @@ def test_tls_and_a_lost_decode_instance(ray_cluster, tmp_path):
                 urllib.request.urlopen(refused, context=tls, timeout=30)
             assert http_error.value.code == 503
             prefill = next(i for i in client.cluster_info().instances if i.role == pb.ROLE_PREFILL)
-            assert prefill.num_free_blocks == prefill.num_blocks and not prefill.failure
+            assert not in_use([prefill])
 
 
 def test_chat_without_max_tokens_fits_a_kv_cache_smaller_than_the_context(server):

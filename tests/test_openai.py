@@ -10,7 +10,7 @@ import urllib.request
 
 import openai
 import pytest
-from conftest import make_tls_cert
+from conftest import make_tls_cert, wait_nothing_in_use
 from transformers import AutoTokenizer
 
 from distserve import LLM, SamplingParams
@@ -75,20 +75,6 @@ def _request(server, path, body=None, key=KEY, method=None, context=None, port=N
 def _metric(server, name):
     _, text = _request(server, "/metrics", method="GET")
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE))
-
-
-def _wait_all_blocks_free(server):
-    deadline = time.monotonic() + 5
-    while True:
-        infos = server.loop.run(server.cluster.info())
-        free = all(
-            i.num_free_blocks == i.num_blocks and i.num_held == i.num_running == i.num_waiting == 0 for i in infos
-        )
-        if free and server.frontend.num_pending == 0:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError("blocks still in use:\n" + "\n".join(map(str, infos)))
-        time.sleep(0.05)
 
 
 def _chat_prompt_ids(tokenizer, messages):
@@ -368,13 +354,13 @@ def test_client_leaving_early_cancels_and_frees_blocks(server, client):
         if i == 2:
             break
     stream.close()
-    _wait_all_blocks_free(server)
+    wait_nothing_in_use(server.info, server.frontend)
 
     with pytest.raises(openai.APITimeoutError):
         client.with_options(timeout=0.5).completions.create(
             model=MODEL, prompt=PROMPT, max_tokens=LONG, extra_body={"ignore_eos": True}
         )
-    _wait_all_blocks_free(server)
+    wait_nothing_in_use(server.info, server.frontend)
     # both were cancelled, not run to their length
     assert _metric(server, 'distserve_requests_total{finish_reason="length"}') == finished
 
@@ -396,7 +382,7 @@ def test_tls_server_with_an_admission_limit_answers_429(server, tmp_path):
             assert stream.readline().startswith(b"data: {")
             status, reply = _request(server, "/v1/completions", COMPLETION, context=context, port=port)
             assert status == 429 and reply["error"]["type"] == "rate_limit_error"
-        _wait_all_blocks_free(server)
+        wait_nothing_in_use(server.info, server.frontend)
         assert _request(server, "/v1/completions", COMPLETION, context=context, port=port)[0] == 200
     finally:
         server.loop.run(runner.cleanup())
@@ -421,7 +407,7 @@ def test_a_batch_is_admitted_whole_or_refused_whole(server):
             assert len(server.cluster.orchestrator.requests) == 1  # only the stream: nothing of the batch ran
         status, reply = _request(server, "/v1/completions", _with(batch, n=2), port=port)
         assert status == 400 and "more than the server runs at once (3)" in reply["error"]["message"]
-        _wait_all_blocks_free(server)
+        wait_nothing_in_use(server.info, server.frontend)
         status, reply = _request(server, "/v1/completions", batch, port=port)
         assert status == 200 and len(reply["choices"]) == 3
     finally:

@@ -5,7 +5,7 @@ import signal
 import time
 
 import pytest
-from conftest import random_prompts, reference_greedy
+from conftest import in_use, random_prompts, reference_greedy
 
 from distserve import LLM, EngineConfig, SamplingParams
 from distserve.cluster.instance import launch_instance
@@ -54,12 +54,6 @@ def _stop(ray, handle) -> None:
     ray.kill(handle)
 
 
-def _assert_blocks_free(ray, handle) -> None:
-    info = ray.get(handle.info.remote())
-    assert info.num_free_blocks == info.num_blocks
-    assert info.num_waiting == info.num_running == 0
-
-
 @pytest.mark.parametrize(
     "family, tp, pp",
     [("tiny-llama", 2, 1), ("tiny-qwen2", 1, 2), ("tiny-qwen2", 2, 2), ("tiny-opt", 2, 1)],
@@ -79,7 +73,7 @@ def test_parallel_instance_greedy_equals_transformers(ray_cluster, reference_mod
         info = ray.get(handle.info.remote())
         assert (info.tensor_parallel_size, info.pipeline_parallel_size) == (tp, pp)
         assert info.num_preemptions > 0
-        _assert_blocks_free(ray, handle)
+        assert not in_use([ray.get(handle.info.remote())])
     finally:
         _stop(ray, handle)
 
@@ -102,8 +96,8 @@ def test_two_instances_at_once(ray_cluster, reference_model):
         ):
             for rid, prompt, n in zip(ids, prompts, lengths):
                 assert outputs[rid] == reference_greedy(model, prompt, n)
-        _assert_blocks_free(ray, a)
-        _assert_blocks_free(ray, b)
+        assert not in_use([ray.get(a.info.remote())])
+        assert not in_use([ray.get(b.info.remote())])
         with pytest.raises(ValueError, match="already exists"):
             _launch(ray, "tiny-llama", 1, 1, "two-a")
     finally:

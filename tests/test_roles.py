@@ -5,7 +5,7 @@ an in-process KV transfer, greedy-equal to transformers."""
 import time
 
 import pytest
-from conftest import random_prompts, reference_greedy
+from conftest import assert_engine_idle, random_prompts, reference_greedy
 
 from distserve import EngineConfig, Role, SamplingParams
 from distserve.core.handover import Handover
@@ -18,12 +18,6 @@ from distserve.kv_transfer.plan import token_slots
 from distserve.scheduling.block_manager import BlockManager
 
 BLOCK = 4
-
-
-def assert_all_blocks_free(engine: LLMEngine) -> None:
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
-    assert not engine.requests and engine.role.is_idle()
 
 
 def _handover(request_id: str, num_prompt: int, attempt: int = 0) -> Handover:
@@ -222,7 +216,7 @@ def check_hand_over(model, **options) -> None:
         if len(output.output_token_ids) > 1:  # it went on past its first token: on decode
             assert output.metrics.migration_end == 2.0
     for engine in (prefill, decode):
-        assert_all_blocks_free(engine)
+        assert_engine_idle(engine)
 
 
 def test_prefill_and_decode_engines_hand_over_to_the_greedy_output(llama):
@@ -242,7 +236,7 @@ def test_decode_cancelled_while_its_kv_arrives_frees_both_sides():
     assert (aborted.request_id, aborted.finished, aborted.finish_reason) == ("gone", True, "abort")
     assert prefill.tick() == []  # the pull released it: prefill frees its blocks without a word
     for engine in (prefill, decode):
-        assert_all_blocks_free(engine)
+        assert_engine_idle(engine)
 
 
 def test_kv_held_past_its_deadline_fails_the_request_and_the_pull():
@@ -258,7 +252,7 @@ def test_kv_held_past_its_deadline_fails_the_request_and_the_pull():
     (failed,) = puller.complete()  # the pull comes too late: the KV it read is not trusted
     assert (failed.request_id, failed.finish_reason) == ("late", "error")
     for engine in (prefill, decode):
-        assert_all_blocks_free(engine)
+        assert_engine_idle(engine)
 
 
 def test_a_rerun_supersedes_an_abandoned_run_on_the_same_engine(llama):
@@ -280,7 +274,7 @@ def test_a_rerun_supersedes_an_abandoned_run_on_the_same_engine(llama):
     final = serve(prefill, decode, puller, builders)["r"]
     assert final.output_token_ids == reference_greedy(llama, prompt, 6)
     for engine in (prefill, decode):
-        assert_all_blocks_free(engine)
+        assert_engine_idle(engine)
 
 
 def test_an_idle_engine_changes_role_without_reloading(llama):
@@ -301,4 +295,4 @@ def test_an_idle_engine_changes_role_without_reloading(llama):
     assert decode.block_manager.enable_prefix_caching and decode.role.role is Role.PREFILL
     with pytest.raises(RuntimeError, match="only decode instances"):
         decode.add_handover(_handover("x", 4))
-    assert_all_blocks_free(prefill)
+    assert_engine_idle(prefill)

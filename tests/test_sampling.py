@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import assert_all_blocks_free, random_prompts
+from conftest import assert_engine_idle, random_prompts
 
 from distserve import LLM, SamplingParams
 from distserve.core.outputs import OutputBuilder
@@ -31,7 +31,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm, prompts):
     assert together == _tokens(llm, prompts, params)
     other_seed = _tokens(llm, prompts, [SamplingParams(max_tokens=20, temperature=1.0, seed=1)] * len(prompts))
     assert other_seed != together
-    assert_all_blocks_free(llm)
+    assert_engine_idle(llm.engine)
 
 
 def test_seeded_sampling_survives_preemption(prompts):
@@ -119,7 +119,7 @@ def test_stop_strings_cut_the_text(llm):
     )[0]
     assert kept.text == full.text[: full.text.index(stop) + len(stop)]
     assert len(cut.output_token_ids) < len(full.output_token_ids)
-    assert_all_blocks_free(llm)
+    assert_engine_idle(llm.engine)
 
 
 def test_streamed_text_never_shows_a_stop_string(llm):
@@ -138,7 +138,7 @@ def test_streamed_text_never_shows_a_stop_string(llm):
                 streamed += builder.add(delta).new_text
                 assert stop not in streamed
         assert streamed == full.text[: full.text.index(stop)]
-    assert_all_blocks_free(llm)
+    assert_engine_idle(llm.engine)
 
 
 def test_streamed_text_adds_up(llm):

@@ -3,7 +3,7 @@
 import shutil
 
 import pytest
-from conftest import assert_all_blocks_free
+from conftest import assert_engine_idle
 
 from distserve import LLM, SamplingParams
 from distserve.model_executor.tiny_models import ensure_tiny_model
@@ -44,10 +44,10 @@ def test_bad_prompts_then_engine_still_serves(llm, prompt, message):
     good = SamplingParams(max_tokens=4, temperature=0.0)
     with pytest.raises(ValueError, match=message):
         llm.generate(["fine", prompt], good)
-    assert_all_blocks_free(llm)  # the good prompt of the failed call was never queued
+    assert_engine_idle(llm.engine)  # the good prompt of the failed call was never queued
     out = llm.generate("still serving", good)[0]
     assert len(out.output_token_ids) == 4
-    assert_all_blocks_free(llm)
+    assert_engine_idle(llm.engine)
 
 
 def test_generation_stops_at_the_context_limit(llm):
@@ -68,7 +68,7 @@ def test_duplicate_request_id(llm):
     with pytest.raises(ValueError, match="request id 'dup' is already in use"):
         engine.add_request("b", SamplingParams(max_tokens=2), request_id="dup")
     engine.abort_request("dup")
-    assert_all_blocks_free(llm)
+    assert_engine_idle(llm.engine)
 
 
 @pytest.mark.parametrize(
