@@ -1,7 +1,9 @@
 """Discrete-event simulator of one disaggregated deployment (prefill instances + decode instances).
 
 The latency of each phase comes in as plain callables, so an analytic roofline or a model fitted
-from profiles plugs in unchanged. Semantics:
+from profiles plugs in unchanged. Specs with a ``block_size`` run in block mode, the engine's own
+rules block by block (``placement.engine_sim``, which also simulates colocated instances). Without,
+this module's token mode runs, the fast model the placement search relies on. Its semantics:
 
 * Dispatch. An arriving request goes to the prefill instance with the fewest queued prompt tokens
   (waiting or in a running batch; ties: lowest index).
@@ -30,6 +32,8 @@ Requests that step together form a cohort whose per-request progress is kept as 
 cohort's list of step end times, so a decode step costs O(1) plus the requests finishing in it
 (about 3 us): 10k requests with 50-1000 prompt and 50-300 output tokens on 2+2 instances take
 about 0.4 s at 20 req/s and 0.75 s at 8 req/s (smaller batches, more steps) on a 2-core machine.
+With ``trace`` a cohort also keeps its steps' starts and sizes, from which each request's
+``RequestTimeline`` is filled (its migration starts at admission: transfers run concurrently here).
 Events are ordered by (time, sequence) and instances are visited in index order, so the same
 inputs always give the same results.
 """
@@ -41,39 +45,19 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from placement.engine_sim import simulate_blocks, simulate_colocated
+from placement.sim_specs import ColocatedInstanceSpec, DecodeInstanceSpec, PrefillInstanceSpec, SimRequest, SimResult
 
-@dataclass
-class SimRequest:
-    arrival: float
-    prompt_len: int
-    output_len: int
-
-
-@dataclass
-class PrefillInstanceSpec:
-    count: int
-    batch_time: Callable[[list[int]], float]
-    stage_time: Callable[[list[int]], float] | None
-    max_batch_tokens: int
-    kv_capacity_tokens: int
-
-
-@dataclass
-class DecodeInstanceSpec:
-    count: int
-    step_time: Callable[[int, int], float]
-    stage_time: Callable[[int, int], float] | None
-    max_batch_size: int
-    kv_capacity_tokens: int
-
-
-@dataclass
-class SimResult:
-    ttft: float
-    tpot: float
-    finish: float
-    token_times: list[float]
-
+__all__ = [
+    "ColocatedInstanceSpec",
+    "DecodeInstanceSpec",
+    "PrefillInstanceSpec",
+    "SimRequest",
+    "SimResult",
+    "attainment",
+    "simulate",
+    "simulate_colocated",
+]
 
 _ARRIVAL, _PREFILL_DONE, _PREFILL_FREE, _TRANSFER_DONE, _STEP_DONE, _DECODE_FREE = range(6)
 
@@ -94,6 +78,8 @@ class _Cohort:
     size: int = 0
     context: int = 0
     finishing: dict[int, list[int]] = field(default_factory=dict)
+    starts: list[float] = field(default_factory=list)  # traced only, like sizes
+    sizes: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -108,9 +94,10 @@ class _Decode:
 
 class _Simulation:
     def __init__(self, requests: Sequence[SimRequest], prefill: PrefillInstanceSpec, decode: DecodeInstanceSpec,
-                 transfer_time: Callable[[int], float]) -> None:
+                 transfer_time: Callable[[int], float], trace: bool) -> None:
         self.reqs = requests
         self.pspec, self.dspec, self.transfer_time = prefill, decode, transfer_time
+        self.timelines = [r.new_timeline(i) for i, r in enumerate(requests)] if trace else None
         self.prefills = [_Prefill(kv_free=prefill.kv_capacity_tokens) for _ in range(prefill.count)]
         self.decodes = [_Decode(kv_free=decode.kv_capacity_tokens) for _ in range(decode.count)]
         n = len(requests)
@@ -161,6 +148,9 @@ class _Simulation:
             self.prefills[p].queued_tokens += self.reqs[inst].prompt_len
             self.prefill_of[inst] = p
             self.dirty_prefill.add(p)
+            if self.timelines:
+                self.timelines[inst].prefill_queued = now
+                self.timelines[inst].prefill_instance = f"prefill-{p}"
         elif kind == _PREFILL_DONE:
             self.prefill_done(now, inst, payload)
         elif kind == _PREFILL_FREE:
@@ -198,6 +188,10 @@ class _Simulation:
         inst.kv_free -= tokens
         inst.busy = True
         lens = [self.reqs[r].prompt_len for r in batch]
+        if self.timelines:
+            for r in batch:
+                t = self.timelines[r]
+                t.prefill_start, t.prefill_batch_size, t.prefill_batch_tokens = now, len(batch), tokens
         duration = self.pspec.batch_time(lens)
         self.push(now + duration, _PREFILL_DONE, p, batch)
         if self.pspec.stage_time is not None:
@@ -219,6 +213,9 @@ class _Simulation:
             d = max(range(len(self.decodes)), key=lambda k: (self.decodes[k].kv_free, -k))
             self.decodes[d].queue.append(r)
             self.dirty_decode.add(d)
+            if self.timelines:
+                self.timelines[r].handover = now
+                self.timelines[r].decode_instance = f"decode-{d}"
 
     def admit(self, now: float, d: int) -> None:
         inst = self.decodes[d]
@@ -230,7 +227,12 @@ class _Simulation:
             r = inst.queue.popleft()
             inst.kv_free -= need
             inst.resident += 1
-            self.push(now + self.transfer_time(req.prompt_len), _TRANSFER_DONE, d, r)
+            end = now + self.transfer_time(req.prompt_len)
+            self.push(end, _TRANSFER_DONE, d, r)
+            if self.timelines:
+                t = self.timelines[r]
+                t.decode_admitted = t.migration_start = now
+                t.migration_end = end
 
     def start_step(self, now: float, d: int) -> None:
         inst = self.decodes[d]
@@ -249,6 +251,9 @@ class _Simulation:
                 self.join(cohort, r, self.reqs[r].prompt_len + 1, [])
             inst.joiners = []
         inst.busy = True
+        if self.timelines:
+            cohort.starts.append(now)
+            cohort.sizes.append(cohort.size)
         self.push(now + self.dspec.step_time(cohort.size, cohort.context), _STEP_DONE, d, cohort)
         if self.dspec.stage_time is not None:
             self.push(now + self.dspec.stage_time(cohort.size, cohort.context), _DECODE_FREE, d)
@@ -266,6 +271,7 @@ class _Simulation:
         for members in other.finishing.values():
             for r in members:
                 done = other.times[self.offset[r]:]
+                self.trace_steps(other, r)
                 self.join(into, r, self.reqs[r].prompt_len + 1 + len(self.tokens[r]) + len(done), done)
 
     def step_done(self, now: float, d: int, cohort: _Cohort) -> None:
@@ -277,6 +283,7 @@ class _Simulation:
         for r in cohort.finishing.pop(len(cohort.times), ()):
             req = self.reqs[r]
             self.tokens[r].extend(cohort.times[self.offset[r]:])
+            self.trace_steps(cohort, r)
             cohort.size -= 1
             cohort.context -= req.prompt_len + req.output_len
             inst.kv_free += req.prompt_len + req.output_len
@@ -285,18 +292,32 @@ class _Simulation:
             inst.ready.append(cohort)
         self.dirty_decode.add(d)
 
+    def trace_steps(self, cohort: _Cohort, r: int) -> None:
+        """The steps ``r`` took in ``cohort`` since it joined, onto its timeline."""
+        if self.timelines:
+            o = self.offset[r]
+            self.timelines[r].steps.extend(zip(cohort.starts[o:], cohort.times[o:], cohort.sizes[o:]))
+
     def results(self) -> list[SimResult]:
         out = []
         for r, req in enumerate(self.reqs):
             times = [self.first[r], *self.tokens[r]]
             tpot = (times[-1] - times[0]) / (req.output_len - 1) if req.output_len > 1 else 0.0
-            out.append(SimResult(ttft=self.first[r] - req.arrival, tpot=tpot, finish=times[-1], token_times=times))
+            timeline = None
+            if self.timelines:
+                timeline = self.timelines[r]
+                timeline.prefill_end, timeline.token_times, timeline.finish = self.first[r], times, times[-1]
+            out.append(SimResult(self.first[r] - req.arrival, tpot, times[-1], times, timeline))
         return out
 
 
 def simulate(requests: Sequence[SimRequest], prefill: PrefillInstanceSpec, decode: DecodeInstanceSpec,
-             transfer_time: Callable[[int], float]) -> list[SimResult]:
-    """Simulate the deployment until every request finishes; results are in request order."""
+             transfer_time: Callable[[int], float], trace: bool = False) -> list[SimResult]:
+    """Simulate the deployment until every request finishes; results are in request order.
+
+    ``trace``: give each result its ``RequestTimeline`` (block mode always does: it keeps them anyway)."""
+    if prefill.block_size is not None or decode.block_size is not None:
+        return simulate_blocks(requests, prefill, decode, transfer_time)
     if prefill.count < 1 or decode.count < 1:
         raise ValueError("need at least one prefill and one decode instance")
     for r in requests:
@@ -307,7 +328,7 @@ def simulate(requests: Sequence[SimRequest], prefill: PrefillInstanceSpec, decod
             raise ValueError(f"prompt of {r.prompt_len} tokens exceeds prefill KV capacity")
         if r.output_len > 1 and r.prompt_len + r.output_len > decode.kv_capacity_tokens:
             raise ValueError(f"request of {r.prompt_len + r.output_len} tokens exceeds decode KV capacity")
-    return _Simulation(requests, prefill, decode, transfer_time).run()
+    return _Simulation(requests, prefill, decode, transfer_time, trace).run()
 
 
 def attainment(results: Sequence[SimResult], ttft_slo: float, tpot_slo: float) -> float:

@@ -1,0 +1,180 @@
+"""The engine's KV-block and batching rules, over simulated sequences.
+
+Each class follows one of ``distserve/scheduling``, rule for rule, so the block-mode simulator makes
+the same choices the engine would: ``BlockPool`` is ``BlockManager``, ``BatchScheduler`` is
+``WaitingQueue`` (FCFS) plus ``RunningBatch`` under ``PrefillFirstScheduler``. Prompts are taken to
+share no prefix with one another (a block's key is its request and index), so the prefix cache only
+ever hits when a preempted request is recomputed where its freed blocks are still cached.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class SimSeq:
+    """A request's run on one instance, as a ``Sequence``."""
+
+    request: int
+    num_tokens: int  # prompt plus the tokens sampled so far
+    blocks: list[int] = field(default_factory=list)
+
+
+class BlockPool:
+    """``BlockManager``'s free list is, in order: freed uncached blocks (the latest first), blocks never
+    used (by id), freed cached blocks (least recently freed first). It is kept here as those three
+    parts, so that a pool of millions of blocks costs nothing to make."""
+
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.uncached: deque[int] = deque()
+        self.next_unused = 0
+        self.cached: OrderedDict[int, None] = OrderedDict()
+        self.key: dict[int, tuple[int, int]] = {}  # block -> (request, block index), once full and registered
+        self.by_key: dict[tuple[int, int], int] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.uncached) + self.num_blocks - self.next_unused + len(self.cached)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def cached_prefix(self, seq: SimSeq) -> list[int]:
+        """``BlockManager._cached_prefix``: cached blocks of the longest prefix, short of the last token."""
+        if not self.prefix_caching:
+            return []
+        hits = []
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            block = self.by_key.get((seq.request, i))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def can_allocate(self, seq: SimSeq) -> bool:
+        # ``BlockManager.can_allocate``: a hit on a free cached block still takes it off the free list,
+        # and with no shared prefixes every hit is free, so all the sequence's blocks must be free.
+        return self.blocks_needed(seq.num_tokens) <= self.num_free
+
+    def allocate(self, seq: SimSeq, hits: list[int]) -> None:
+        for block in hits:
+            del self.cached[block]
+        seq.blocks = list(hits)
+        num_full = seq.num_tokens // self.block_size
+        for i in range(len(hits), self.blocks_needed(seq.num_tokens)):
+            seq.blocks.append(self._take())
+            if i < num_full:
+                self._register(seq, i)
+
+    def can_append(self, seq: SimSeq) -> bool:
+        return len(seq.blocks) >= self.blocks_needed(seq.num_tokens) or self.num_free > 0
+
+    def append_slot(self, seq: SimSeq) -> None:
+        if len(seq.blocks) < self.blocks_needed(seq.num_tokens):
+            seq.blocks.append(self._take())
+        if seq.num_tokens % self.block_size == 0:
+            self._register(seq, seq.num_tokens // self.block_size - 1)
+
+    def release(self, seq: SimSeq) -> None:
+        """``BlockManager.free``: tail first, uncached blocks to the front, so the prefix stays longest."""
+        for block in reversed(seq.blocks):
+            if block in self.key:
+                self.cached[block] = None
+            else:
+                self.uncached.appendleft(block)
+        seq.blocks = []
+
+    def _take(self) -> int:
+        if self.uncached:
+            return self.uncached.popleft()
+        if self.next_unused < self.num_blocks:
+            self.next_unused += 1
+            return self.next_unused - 1
+        block, _ = self.cached.popitem(last=False)
+        key = self.key.pop(block)  # evicted from the prefix cache, unless a newer block holds the key now
+        if self.by_key.get(key) == block:
+            del self.by_key[key]
+        return block
+
+    def _register(self, seq: SimSeq, index: int) -> None:
+        if self.prefix_caching:
+            block = seq.blocks[index]
+            self.key[block] = (seq.request, index)
+            self.by_key[(seq.request, index)] = block
+
+
+class BatchScheduler:
+    """The waiting queue and running batch of one instance; ``schedule`` is ``PrefillFirstScheduler``'s."""
+
+    def __init__(self, pool: BlockPool, max_batch_tokens: int, max_num_seqs: int) -> None:
+        self.pool = pool
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[SimSeq] = deque()
+        self.resumed: deque[SimSeq] = deque()  # preempted: before all others
+        self.running: dict[int, SimSeq] = {}  # by request, in admission order
+
+    def schedule_prefill(self, max_seqs: int) -> tuple[list[SimSeq], list[int]]:
+        """``WaitingQueue.schedule`` (FCFS): the batch, blocks allocated, and the tokens each computes."""
+        batch: list[SimSeq] = []
+        computed: list[int] = []
+        total = 0
+        for seq in (*self.resumed, *self.waiting):
+            if len(batch) >= max_seqs:
+                break
+            hits = self.pool.cached_prefix(seq)
+            new_tokens = seq.num_tokens - len(hits) * self.pool.block_size
+            if batch and total + new_tokens > self.max_batch_tokens:
+                break
+            if not self.pool.can_allocate(seq):
+                break
+            self.pool.allocate(seq, hits)
+            batch.append(seq)
+            computed.append(new_tokens)
+            total += new_tokens
+        # The batch is a prefix of resumed + waiting, so popping from the left removes exactly it.
+        for _ in batch:
+            (self.resumed or self.waiting).popleft()
+        return batch, computed
+
+    def schedule_decode(self) -> tuple[list[SimSeq], list[SimSeq]]:
+        """``RunningBatch.schedule``: (sequences to decode, sequences preempted), most recent preempted first."""
+        queue = deque(self.running.values())
+        batch: list[SimSeq] = []
+        preempted: list[SimSeq] = []
+        while queue:
+            seq = queue.popleft()
+            while not self.pool.can_append(seq):
+                victim = queue.pop() if queue else seq
+                del self.running[victim.request]
+                self.pool.release(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.pool.append_slot(seq)
+                batch.append(seq)
+        return batch, preempted
+
+    def schedule(self) -> tuple[list[SimSeq], list[int] | None, list[SimSeq]]:
+        """``PrefillFirstScheduler.schedule``: (batch, tokens each computes for a prefill batch or None
+        for a decode step, sequences preempted)."""
+        batch, computed = self.schedule_prefill(self.max_num_seqs - len(self.running))
+        if batch:
+            for seq in batch:
+                self.running[seq.request] = seq
+            return batch, computed, []
+        batch, preempted = self.schedule_decode()
+        self.resumed.extend(reversed(preempted))
+        return batch, None, preempted
+
+    def finish(self, seq: SimSeq) -> None:
+        del self.running[seq.request]
+        self.pool.release(seq)

@@ -1,0 +1,80 @@
+"""What the simulators take (requests, instance specs) and give (per-request results).
+
+Latencies come in as plain callables, so an analytic roofline or a model fitted from profiles plugs
+in unchanged. A disaggregated spec runs in one of two modes:
+
+* token mode (``block_size`` None): KV counted in tokens, a decode request reserved whole up front;
+  the fast model of ``simulator`` that the placement search runs.
+* block mode (``block_size`` set): the engine's rules, block by block (``engine_sim``); KV is
+  ``kv_capacity_tokens // block_size`` blocks, as the engine sizes its cache in whole blocks.
+
+The block-mode fields default to the engine's ``SchedulerConfig`` defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from placement.timeline import RequestTimeline
+
+
+@dataclass
+class SimRequest:
+    arrival: float
+    prompt_len: int
+    output_len: int
+    request_id: str | None = None  # its timeline's id; its index in the request list when None
+
+    def new_timeline(self, index: int) -> RequestTimeline:
+        """An empty timeline of this request, ``index``-th of its list."""
+        request_id = str(index) if self.request_id is None else self.request_id
+        return RequestTimeline(request_id, self.prompt_len, self.output_len, self.arrival)
+
+
+@dataclass
+class PrefillInstanceSpec:
+    count: int
+    batch_time: Callable[[list[int]], float]
+    stage_time: Callable[[list[int]], float] | None
+    max_batch_tokens: int
+    kv_capacity_tokens: int
+    block_size: int | None = None
+    max_batch_size: int = 256  # block mode: max_num_seqs, which caps a prefill batch too
+    kv_hold_fraction: float = 0.5  # block mode: no prompt is scheduled while held KV passes this share
+
+
+@dataclass
+class DecodeInstanceSpec:
+    count: int
+    step_time: Callable[[int, int], float]
+    stage_time: Callable[[int, int], float] | None
+    max_batch_size: int
+    kv_capacity_tokens: int
+    block_size: int | None = None
+    max_batch_tokens: int = 4096  # block mode: token budget of the prefill batches that recompute preempted requests
+    # Block mode: latency of those batches; None takes the prefill instances' (same model, same parallelism).
+    batch_time: Callable[[list[int]], float] | None = None
+
+
+@dataclass
+class ColocatedInstanceSpec:
+    """Instances running both phases (``PrefillFirstScheduler``), always in block mode."""
+
+    count: int
+    batch_time: Callable[[list[int]], float]
+    step_time: Callable[[int, int], float]
+    max_batch_tokens: int
+    max_batch_size: int
+    block_size: int
+    num_blocks: int
+    prefix_caching: bool = True  # the engine's default: a recompute finds its blocks while they stay cached
+
+
+@dataclass
+class SimResult:
+    ttft: float
+    tpot: float
+    finish: float
+    token_times: list[float]
+    timeline: RequestTimeline | None = None
