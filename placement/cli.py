@@ -330,6 +330,33 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from placement import compare
+    from placement.timeline import read_jsonl, write_jsonl
+
+    run = read_jsonl(args.trace)
+    if not run:
+        raise UsageError(f"{args.trace}: no request timelines")
+    fitted = FittedLatency.load(args.profile)
+    setup = compare.RunSetup(**{f: getattr(args, f) for f in compare.RunSetup.__dataclass_fields__})
+    sim = compare.simulate_like(run, setup, fitted.prefill_time, fitted.decode_time)
+    if args.sim_out:
+        write_jsonl(args.sim_out, sim)
+        print(f"wrote {args.sim_out}")
+    failed = sum(t.error is not None for t in run)
+    print(f"{len(run)} requests ({failed} failed in the run) against the simulation with {args.profile}")
+    print(compare.format_stages(compare.compare_stages(run, sim)))
+    steps = compare.compare_steps(run, fitted.decode_time)
+    if steps.count:
+        by_batch = ", ".join(f"{b}: {r:.2f} ({n})" for b, (n, r) in steps.by_batch.items())
+        print(f"real step time / model, median over {steps.count} steps: {steps.median_ratio:.2f}")
+        print(f"  by batch size (ratio, steps): {by_batch}")
+    if args.slo_ttft and args.slo_tpot:
+        real, predicted = (compare.attainment(t, args.slo_ttft, args.slo_tpot) for t in (run, sim))
+        print(f"attainment: real {real:.1%}, simulated {predicted:.1%} ({(predicted - real) * 100:+.1f} points)")
+    return 0
+
+
 # --- parsers ------------------------------------------------------------------------------------------------
 
 
@@ -421,15 +448,44 @@ def simulate_parser(prog: str = "distserve place simulate") -> argparse.Argument
     return p
 
 
+def compare_parser(prog: str = "distserve place compare") -> argparse.ArgumentParser:
+    from placement.compare import RunSetup
+
+    defaults = RunSetup()
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Simulate the requests of a real run (distserve bench --trace-out) on the same deployment "
+        "and say, stage by stage, where the simulation and the run part ways.",
+    )
+    p.add_argument("--trace", required=True, help="request timelines of the run (distserve bench --trace-out)")
+    p.add_argument("--profile", required=True, type=Path, help="fitted latency file from distserve profile")
+    dep = p.add_argument_group("deployment the run was made on")
+    for name, setting in RunSetup.__dataclass_fields__.items():
+        default = getattr(defaults, name)
+        dep.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
+                         help=f"{setting.metadata['help']} (default: {default})")  # fmt: skip
+    p.add_argument("--slo-ttft", type=_positive(float), help="TTFT SLO, seconds: compare attainment too")
+    p.add_argument("--slo-tpot", type=_positive(float), help="TPOT SLO, seconds")
+    p.add_argument("--sim-out", help="write the simulated timelines here (JSON lines)")
+    return p
+
+
+COMMANDS = {
+    "simulate": (simulate_parser, cmd_simulate),
+    "compare": (compare_parser, cmd_compare),
+}
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "distserve place") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    simulating = bool(argv) and argv[0] == "simulate"
-    if simulating:
-        args = simulate_parser(f"{prog} simulate").parse_args(argv[1:])
+    if argv and argv[0] in COMMANDS:
+        make_parser, command = COMMANDS[argv[0]]
+        args = make_parser(f"{prog} {argv[0]}").parse_args(argv[1:])
     else:
+        command = cmd_search
         args = search_parser(prog).parse_args(argv[1:] if argv and argv[0] == "search" else argv)
     try:
-        return cmd_simulate(args) if simulating else cmd_search(args)
+        return command(args)
     except (UsageError, ValueError, OSError, KeyError) as e:
         detail = f"missing key {e}" if isinstance(e, KeyError) else str(e)
         print(f"{prog}: error: {detail}", file=sys.stderr)

@@ -15,7 +15,7 @@ import pickle
 import random
 import time
 
-from distserve.core.outputs import STAGE_TIMES, RequestDelta, RequestMetrics, RequestOutput
+from distserve.core.outputs import STAGE_FIELDS, RequestDelta, RequestMetrics, RequestOutput
 
 
 def step_outputs(batch: int, prompt: int, generated: int) -> list[RequestOutput]:
@@ -56,7 +56,7 @@ def cost(outputs: list[RequestOutput], convert, repeats: int) -> tuple[int, floa
 
 def _delta(output: RequestOutput) -> RequestDelta:
     """The delta an engine emits for the step that produced ``output``."""
-    times = tuple(getattr(output.metrics, name) for name in STAGE_TIMES)
+    times = tuple(getattr(output.metrics, name) for name in STAGE_FIELDS)
     return RequestDelta(
         output.request_id, 0, output.new_token_ids, output.new_text, output.finished, output.finish_reason,
         output.num_cached_tokens, None, times,

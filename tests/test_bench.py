@@ -102,3 +102,43 @@ def test_goodput_is_zero_when_even_the_lowest_rate_misses(server, tmp_path):
 
 def test_goodput_without_slos_is_refused(server):
     assert main(["bench", "--server", server.grpc_address, "--goodput", "--no-progress"]) == 2
+
+
+def _check_timeline(t, colocated: bool) -> None:
+    """One request's server-side timeline is complete and in order."""
+    assert t.error is None and len(t.token_times) == t.output_len
+    assert t.arrival <= t.prefill_queued <= t.prefill_start <= t.prefill_end <= t.token_times[0]
+    assert t.prefill_batch_size >= 1 and t.prefill_batch_tokens >= t.prompt_len
+    if colocated or t.output_len == 1:
+        assert t.handover is t.decode_admitted is t.migration_start is None
+        decode_begins = t.prefill_end
+    else:
+        assert t.prefill_end <= t.handover <= t.decode_admitted <= t.migration_start <= t.migration_end
+        decode_begins = t.migration_end
+    assert len(t.steps) == t.output_len - 1  # one step per token after the first, no preemption here
+    for (start, end, batch), token_time in zip(t.steps, t.token_times[1:]):
+        assert decode_begins <= start < end <= token_time and batch >= 1
+        decode_begins = end
+    assert t.finish == t.token_times[-1] and t.num_preemptions == 0
+
+
+@pytest.mark.parametrize("pools", ["disaggregated", "colocated"])
+def test_trace_out_writes_every_requests_timeline(ray_cluster, tmp_path, pools):
+    """``--trace-out`` writes one timeline per request (queue, prefill batch, hand-over, KV pull, each
+    decode step), on the workload's clock, in the simulator's schema."""
+    from placement.timeline import read_jsonl
+
+    options = {"prefill": {}, "decode": {}} if pools == "disaggregated" else {"colocated": {"instances": 1}}
+    config = make_cluster_config(model="tiny-llama", num_kv_blocks=128, **options)
+    lengths = tmp_path / "lengths.jsonl"
+    lengths.write_text("\n".join(json.dumps({"prompt_len": 20 + 9 * i, "output_len": 1 + 2 * i}) for i in range(8)))
+    with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0)) as server:
+        args = ["bench", "--server", server.grpc_address, "--trace", str(lengths), "--rates", "20,inf"]
+        assert main([*args, "--no-progress", "--trace-out", str(tmp_path / "t.jsonl")]) == 0
+    for rate in ("20", "inf"):
+        timelines = read_jsonl(tmp_path / f"t-rate{rate}.jsonl")
+        assert [(t.prompt_len, t.output_len) for t in timelines] == [(20 + 9 * i, 1 + 2 * i) for i in range(8)]
+        for t in timelines:
+            _check_timeline(t, colocated=pools == "colocated")
+        arrivals = [t.arrival for t in timelines]  # on the workload's clock: the run starts near 0
+        assert 0 <= min(arrivals) < 0.5 and (max(arrivals) > 0.1 if rate == "20" else max(arrivals) < 0.5)

@@ -31,10 +31,10 @@ def test_configuration_doc_lists_every_server_key_and_launch_flag():
 
 
 def test_placement_doc_lists_every_planner_flag():
-    from placement.cli import search_parser, simulate_parser
+    from placement.cli import compare_parser, search_parser, simulate_parser
 
     text = (DOC.parent / "placement.md").read_text()
-    for parser in (search_parser(), simulate_parser()):
+    for parser in (search_parser(), simulate_parser(), compare_parser()):
         for action in parser._actions:
             for flag in action.option_strings:
                 if flag.startswith("--") and flag != "--help":

@@ -56,6 +56,11 @@ def add_bench_args(parser: argparse.ArgumentParser) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--result-json", help="write every run's figures here")
     out.add_argument("--plot-dir", help="write attainment-vs-rate and attainment-vs-SLO-scale PNGs here")
+    out.add_argument(
+        "--trace-out",
+        help="write each request's server-side timeline (queue, prefill batch, hand-over, KV pull, every "
+        "decode step) here as JSON lines; with several runs, one file per rate (NAME-rateR.jsonl)",
+    )
     out.add_argument("--label", default="server", help="name of this deployment in the JSON and plots")
     out.add_argument("--no-progress", action="store_true")
 
@@ -81,6 +86,7 @@ def _workload(args: argparse.Namespace, client) -> list[RequestSpec]:
 async def run_bench(args: argparse.Namespace, client) -> dict:
     """Every run the arguments ask for; the JSON-ready results."""
     from distserve.benchmark.runner import run_workload
+    from distserve.benchmark.trace import write_trace
 
     slo = SLO(args.slo_ttft, args.slo_tpot) if args.slo_ttft and args.slo_tpot else None
     if args.goodput and slo is None:
@@ -99,10 +105,14 @@ async def run_bench(args: argparse.Namespace, client) -> dict:
             args.seed,
             info.vocab_size,
             progress=not args.no_progress,
+            timelines=bool(args.trace_out),
         )
         result = summarize(records, slo, rate)
         runs.append((rate, result, records))
         print(f"\n== {args.label}, rate {rate:g} req/s ==\n{format_result(result)}", flush=True)
+        if args.trace_out:
+            several = args.goodput or bool(args.rates and "," in args.rates)
+            print(f"timelines: {write_trace(args.trace_out, rate, several, records)}", flush=True)
         return result
 
     goodput = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +21,8 @@ class RequestRecord:
     send_time: float
     token_times: list[float] = field(default_factory=list)
     error: str | None = None
+    scheduled: float = 0.0  # its arrival on the workload's schedule, seconds from the run's start
+    timeline: Any = None  # the server's pb.Timeline of it, when asked for
 
     @property
     def num_tokens(self) -> int:

@@ -36,9 +36,11 @@ async def run_workload(
     seed: int = 0,
     vocab_size: int | None = None,
     progress: bool = False,
+    timelines: bool = False,
 ) -> list[RequestRecord]:
     """Send every request at its arrival time (``rate`` inf: all at once), at most
-    ``max_concurrency`` in flight; a request's clock starts when it is sent."""
+    ``max_concurrency`` in flight; a request's clock starts when it is sent. ``timelines``: ask the
+    server for each request's stage-by-stage timeline too."""
     if vocab_size is None:
         vocab_size = (await client.cluster_info()).vocab_size
     prompts = make_prompts(specs, vocab_size, seed)
@@ -50,10 +52,13 @@ async def run_workload(
     async def one(spec: RequestSpec, prompt: list[int], arrival: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, start + arrival - time.perf_counter()))
         async with limit:
-            record = RequestRecord(spec.prompt_len, spec.output_len, time.perf_counter())
+            record = RequestRecord(spec.prompt_len, spec.output_len, time.perf_counter(), scheduled=arrival)
+            request = {"max_tokens": spec.output_len, "ignore_eos": True, "temperature": 0, "timeline": timelines}
             try:
-                async for chunk in client.generate(prompt, max_tokens=spec.output_len, ignore_eos=True, temperature=0):
+                async for chunk in client.generate(prompt, **request):
                     record.token_times.extend([time.perf_counter()] * len(chunk.token_ids))
+                    if chunk.HasField("timeline"):
+                        record.timeline = chunk.timeline
             except grpc.aio.AioRpcError as e:
                 record.error = f"{e.code().name}: {e.details()}"
         if bar is not None:

@@ -206,6 +206,7 @@ class Orchestrator:
 
     def _assign(self, state: RequestState, entry: InstanceState, phase: str) -> None:
         setattr(state, phase, entry)
+        setattr(state.metrics, f"{phase}_instance", entry.name)
         entry.load_tokens += state.load
 
     def forget(self, state: RequestState) -> None:
@@ -291,6 +292,7 @@ class Orchestrator:
         try:
             entry = self.router.pick_decode(await self.failover.healthy(Role.DECODE))
             self._assign(state, entry, "decode")
+            state.metrics.handover_time = time.time()
             await entry.handle.add_handover.remote(handover)
             if state.cancelled:  # cancelled while the hand-over was on its way
                 await entry.handle.abort_request.remote(state.request_id, handover.attempt)

@@ -15,16 +15,28 @@ from distserve.core.handover import Handover
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (``time.time()``) of a request's stages; None where it has not got there
-    (or, for migration, never goes: a colocated request)."""
+    """A request's timeline: wall-clock times (``time.time()``) of its stages, None where it has not
+    got there (or never goes: a colocated request has no hand-over), and the batches it ran in.
+    Cheap enough to keep for every request: a step adds one shared tuple to each of its requests."""
 
     arrival_time: float | None = None  # the orchestrator accepted it
+    prefill_queued: float | None = None  # its prefill (or colocated) instance queued it
     prefill_start: float | None = None  # its prefill batch began
     prefill_end: float | None = None  # its first token was sampled
+    prefill_batch_size: int | None = None  # requests in that batch
+    prefill_batch_tokens: int | None = None  # tokens the batch computed
+    handover_time: float | None = None  # the orchestrator gave it to a decode instance
+    decode_admitted: float | None = None  # the decode instance allocated its blocks (its pull may start)
     migration_start: float | None = None  # the decode instance began pulling its KV
     migration_end: float | None = None
+    # (start, end, batch size) of every step after its prefill that gave it a token, on the
+    # instance that decoded it (a recompute after preemption is one of them).
+    steps: list[tuple[float, float, int]] = field(default_factory=list)
+    num_preemptions: int = 0
     token_times: list[float] = field(default_factory=list)  # each output token reached the orchestrator
     finished_time: float | None = None
+    prefill_instance: str | None = None
+    decode_instance: str | None = None
 
     @property
     def ttft(self) -> float | None:
@@ -59,7 +71,10 @@ class RequestOutput:
 
 # The RequestMetrics fields an engine stamps; a delta carries them as a tuple, which pickles in
 # about half the time of a dataclass.
-STAGE_TIMES = ("prefill_start", "prefill_end", "migration_start", "migration_end")
+STAGE_FIELDS = (
+    "prefill_queued", "prefill_start", "prefill_end", "prefill_batch_size", "prefill_batch_tokens",
+    "decode_admitted", "migration_start", "migration_end",
+)  # fmt: skip
 
 
 @dataclass
@@ -74,7 +89,10 @@ class RequestDelta:
     finish_reason: str | None
     num_cached_tokens: int
     handover: Handover | None = None  # from a prefill instance, with the first token: for the decode side
-    stage_times: tuple[float | None, ...] = (None,) * len(STAGE_TIMES)
+    stage_times: tuple[float | int | None, ...] = (None,) * len(STAGE_FIELDS)
+    # The final delta only: the steps that gave the run its tokens after prefill, and its preemptions.
+    steps: list[tuple[float, float, int]] | None = None
+    num_preemptions: int = 0
 
 
 class OutputBuilder:
@@ -98,9 +116,12 @@ class OutputBuilder:
         """The whole output so far, ``delta`` included; its metrics are a snapshot."""
         self.output_token_ids += delta.new_token_ids
         self.text += delta.new_text
-        for name, value in zip(STAGE_TIMES, delta.stage_times):
+        for name, value in zip(STAGE_FIELDS, delta.stage_times):
             if value is not None:
                 setattr(self.metrics, name, value)
+        if delta.steps is not None:
+            self.metrics.steps = delta.steps
+            self.metrics.num_preemptions = delta.num_preemptions
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

@@ -9,6 +9,7 @@ pulls that finish after allocation, and sharing them could hand out KV that has 
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
@@ -70,6 +71,7 @@ class DecodeAdmission:
                 break
             self.pending.popleft()
             self.block_manager.allocate(seq)
+            seq.metrics.decode_admitted = time.time()
             seq.num_computed_tokens = seq.num_prompt_tokens  # the pull brings the prompt's KV
             self.pulling[_key(seq)] = seq
             admitted.append((seq, handover))

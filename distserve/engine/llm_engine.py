@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 from distserve.core.config import EngineConfig
 from distserve.core.errors import RequestError
 from distserve.core.handover import Handover
-from distserve.core.outputs import STAGE_TIMES, RequestDelta
+from distserve.core.outputs import STAGE_FIELDS, RequestDelta
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.sequence import Sequence, SequenceStatus
@@ -129,6 +129,7 @@ class LLMEngine:
         self.requests[seq.request_id] = seq
 
     def add_sequence(self, seq: Sequence) -> None:
+        seq.metrics.prefill_queued = time.time()
         self.register(seq)
         try:
             self.role.add(seq)
@@ -202,13 +203,15 @@ class LLMEngine:
         started = time.time()
         output = self.executor.execute_model(model_input)
         timer.lap("execute")
-        if batch.is_prefill:
-            ended = time.time()
-            for seq in batch.seqs:
-                # The first prefill, not a recompute: on a decode instance a preempted request has its
-                # first token (from prefill) and its own prefill times, which must stay.
-                if seq.num_output_tokens == 0:
-                    seq.metrics.prefill_start, seq.metrics.prefill_end = started, ended
+        ended = time.time()
+        step = (started, ended, len(batch.seqs))
+        for seq in batch.seqs:
+            metrics = seq.metrics
+            if seq.num_output_tokens:  # decoding, or a recompute after preemption
+                metrics.steps.append(step)
+            else:  # its first prefill: on a decode instance every request has its first token already
+                metrics.prefill_start, metrics.prefill_end = started, ended
+                metrics.prefill_batch_size, metrics.prefill_batch_tokens = len(batch.seqs), model_input.num_tokens
         # Split the executor's time into the driver rank's phases and the rest (calls, transfers).
         timer.seconds["dispatch"] = timer.seconds.pop("execute") - sum(output.seconds.values())
         timer.seconds.update(output.seconds)
@@ -254,14 +257,17 @@ class LLMEngine:
         self.forget(seq)
 
     def _delta(self, seq: Sequence, tokens: list[int], text: str, handover: Handover | None = None) -> RequestDelta:
+        finished = seq.is_finished
         return RequestDelta(
             seq.request_id,
             seq.attempt,
             tokens,
             text,
-            seq.is_finished,
+            finished,
             seq.finish_reason,
             seq.num_cached_tokens,
             handover,
-            tuple(getattr(seq.metrics, name) for name in STAGE_TIMES),
+            tuple(getattr(seq.metrics, name) for name in STAGE_FIELDS),
+            seq.metrics.steps if finished else None,
+            seq.num_preemptions,
         )

@@ -23,10 +23,13 @@ from distserve.v1 import distserve_pb2 as pb
 from distserve.v1 import distserve_pb2_grpc as pb_grpc
 
 
-def make_request(prompt: str | list[int], request_id: str = "", priority: int = 0, **sampling: Any):
-    """A GenerateRequest; ``sampling`` takes the SamplingParams fields (max_tokens, temperature, ...)."""
+def make_request(
+    prompt: str | list[int], request_id: str = "", priority: int = 0, timeline: bool = False, **sampling: Any
+):
+    """A GenerateRequest; ``sampling`` takes the SamplingParams fields (max_tokens, temperature, ...);
+    ``timeline`` asks for the request's stage-by-stage Timeline on its last message."""
     request = pb.GenerateRequest(
-        request_id=request_id, priority=priority, sampling_params=pb.SamplingParams(**sampling)
+        request_id=request_id, priority=priority, timeline=timeline, sampling_params=pb.SamplingParams(**sampling)
     )
     if isinstance(prompt, str):
         request.text = prompt
@@ -45,6 +48,7 @@ class Completion:
     finish_reason: str = ""  # "stop" or "length"
     usage: pb.Usage | None = None
     timings: pb.Timings | None = None
+    timeline: pb.Timeline | None = None  # when asked for (``timeline=True``)
 
     def add(self, chunk: pb.GenerateResponse) -> None:
         self.request_id = chunk.request_id
@@ -53,6 +57,8 @@ class Completion:
         if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self.finish_reason = pb.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_").lower()
             self.usage, self.timings = chunk.usage, chunk.timings
+            if chunk.HasField("timeline"):
+                self.timeline = chunk.timeline
 
     @classmethod
     def from_chunks(cls, chunks: Iterable[pb.GenerateResponse]) -> Completion:

@@ -11,7 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from distserve.cluster.instance import InstanceInfo
-from distserve.core.outputs import RequestOutput
+from distserve.core.outputs import RequestMetrics, RequestOutput
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.errors import InvalidRequest, ServingError, to_serving_error
@@ -56,8 +56,31 @@ def _interval(start: float | None, end: float | None) -> float:
     return end - start if start is not None and end is not None else 0.0
 
 
-def response_from_output(output: RequestOutput) -> pb.GenerateResponse:
+def timeline_to_proto(m: RequestMetrics) -> pb.Timeline:
+    stages = {
+        "arrival": m.arrival_time, "prefill_queued": m.prefill_queued, "prefill_start": m.prefill_start,
+        "prefill_end": m.prefill_end, "prefill_batch_size": m.prefill_batch_size,
+        "prefill_batch_tokens": m.prefill_batch_tokens, "handover": m.handover_time,
+        "decode_admitted": m.decode_admitted, "migration_start": m.migration_start,
+        "migration_end": m.migration_end, "finished": m.finished_time,
+    }  # fmt: skip
+    starts, ends, sizes = zip(*m.steps) if m.steps else ((), (), ())
+    return pb.Timeline(
+        **{name: value for name, value in stages.items() if value is not None},
+        step_starts=starts,
+        step_ends=ends,
+        step_batch_sizes=sizes,
+        token_times=m.token_times,
+        num_preemptions=m.num_preemptions,
+        prefill_instance=m.prefill_instance or "",
+        decode_instance=m.decode_instance or "",
+    )
+
+
+def response_from_output(output: RequestOutput, timeline: bool = False) -> pb.GenerateResponse:
     response = pb.GenerateResponse(request_id=output.request_id, token_ids=output.new_token_ids, text=output.new_text)
+    if output.finished and timeline:
+        response.timeline.CopyFrom(timeline_to_proto(output.metrics))
     if output.finished:
         m = output.metrics
         response.finish_reason = _FINISH_REASONS.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
@@ -124,7 +147,7 @@ class DistServeServicer(pb_grpc.DistServeServicer):
         async with contextlib.aclosing(outputs):
             try:
                 async for output in outputs:
-                    yield response_from_output(output)
+                    yield response_from_output(output, request.timeline)
             except ServingError as e:
                 await context.abort(e.grpc_code, str(e))
 

@@ -58,18 +58,20 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "sampling_params", "priority")
+    __slots__ = ("request_id", "text", "token_ids", "sampling_params", "priority", "timeline")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     sampling_params: SamplingParams
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    timeline: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., timeline: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -97,21 +99,63 @@ class Timings(_message.Message):
     migration: float
     def __init__(self, ttft: _Optional[float] = ..., tpot: _Optional[float] = ..., e2e: _Optional[float] = ..., queue: _Optional[float] = ..., prefill: _Optional[float] = ..., migration: _Optional[float] = ...) -> None: ...
 
+class Timeline(_message.Message):
+    __slots__ = ("arrival", "prefill_queued", "prefill_start", "prefill_end", "prefill_batch_size", "prefill_batch_tokens", "handover", "decode_admitted", "migration_start", "migration_end", "step_starts", "step_ends", "step_batch_sizes", "token_times", "finished", "num_preemptions", "prefill_instance", "decode_instance")
+    ARRIVAL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_START_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_END_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_START_FIELD_NUMBER: _ClassVar[int]
+    MIGRATION_END_FIELD_NUMBER: _ClassVar[int]
+    STEP_STARTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ENDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_TIMES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    arrival: float
+    prefill_queued: float
+    prefill_start: float
+    prefill_end: float
+    prefill_batch_size: int
+    prefill_batch_tokens: int
+    handover: float
+    decode_admitted: float
+    migration_start: float
+    migration_end: float
+    step_starts: _containers.RepeatedScalarFieldContainer[float]
+    step_ends: _containers.RepeatedScalarFieldContainer[float]
+    step_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    token_times: _containers.RepeatedScalarFieldContainer[float]
+    finished: float
+    num_preemptions: int
+    prefill_instance: str
+    decode_instance: str
+    def __init__(self, arrival: _Optional[float] = ..., prefill_queued: _Optional[float] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ..., prefill_batch_size: _Optional[int] = ..., prefill_batch_tokens: _Optional[int] = ..., handover: _Optional[float] = ..., decode_admitted: _Optional[float] = ..., migration_start: _Optional[float] = ..., migration_end: _Optional[float] = ..., step_starts: _Optional[_Iterable[float]] = ..., step_ends: _Optional[_Iterable[float]] = ..., step_batch_sizes: _Optional[_Iterable[int]] = ..., token_times: _Optional[_Iterable[float]] = ..., finished: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "timeline")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    timeline: Timeline
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., timeline: _Optional[_Union[Timeline, _Mapping]] = ...) -> None: ...
 
 class GetClusterInfoRequest(_message.Message):
     __slots__ = ()

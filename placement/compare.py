@@ -1,0 +1,199 @@
+"""Where a simulation and a real run part ways: the same requests' timelines, aligned request by
+request and compared stage by stage.
+
+Stages (seconds, per request): ``queue`` (arrival to its prefill batch), ``prefill`` (its batch),
+``handover`` (first token to a decode instance allocating its blocks: the wait for room),
+``pull`` (its KV transfer), ``decode gap`` (pull end, or prefill end colocated, to its first decode
+step), ``step`` (mean duration of the steps it took part in), ``between steps`` (mean idle time
+between them) and the request-level ``ttft`` and ``tpot``. For each: p50 and p90 of both sides and
+the median of the per-request differences (simulated minus real), so a stage the model gets wrong
+shows up as a large difference there even when the totals agree by luck.
+
+Steps are also compared one by one: a real step's (batch size, total context) rebuilt from the
+requests in it, its real duration against what the latency model predicts for that shape. The
+ratio tells whether the model's step times hold under load (contention, per-step overheads).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from placement.engine_sim import simulate_blocks, simulate_colocated
+from placement.sim_specs import ColocatedInstanceSpec, DecodeInstanceSpec, PrefillInstanceSpec, SimRequest
+from placement.timeline import RequestTimeline
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return b - a if a is not None and b is not None else None
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def _decode_begins(t: RequestTimeline) -> float | None:
+    return t.migration_end if t.migration_end is not None else t.prefill_end
+
+
+STAGES: dict[str, Callable[[RequestTimeline], float | None]] = {
+    "queue": lambda t: _diff(t.arrival, t.prefill_start),
+    "prefill": lambda t: _diff(t.prefill_start, t.prefill_end),
+    "handover": lambda t: _diff(t.token_times[0] if t.token_times else None, t.decode_admitted),
+    "pull": lambda t: _diff(t.migration_start, t.migration_end),
+    "decode gap": lambda t: _diff(_decode_begins(t), t.steps[0][0] if t.steps else None),
+    "step": lambda t: _mean([end - start for start, end, _ in t.steps]),
+    "between steps": lambda t: _mean([b[0] - a[1] for a, b in zip(t.steps, t.steps[1:])]),
+    "ttft": lambda t: t.ttft,
+    "tpot": lambda t: t.tpot if len(t.token_times) > 1 else None,
+}
+
+
+@dataclass
+class StageComparison:
+    stage: str
+    count: int  # requests with the stage on both sides
+    real_p50: float
+    real_p90: float
+    sim_p50: float
+    sim_p90: float
+    median_difference: float  # simulated minus real, per request
+
+    @property
+    def p50_error(self) -> float:
+        """Relative error of the simulated p50 (0.1 = 10% off)."""
+        return abs(self.sim_p50 - self.real_p50) / self.real_p50 if self.real_p50 else 0.0
+
+    @property
+    def p90_error(self) -> float:
+        return abs(self.sim_p90 - self.real_p90) / self.real_p90 if self.real_p90 else 0.0
+
+
+Pair = tuple[RequestTimeline, RequestTimeline]
+
+
+def align(real: Sequence[RequestTimeline], sim: Sequence[RequestTimeline]) -> list[Pair]:
+    """Pairs of the same request: by id, which must name the same lengths on both sides."""
+    by_id = {t.request_id: t for t in sim}
+    pairs = []
+    for t in real:
+        other = by_id.get(t.request_id)
+        if other is None:
+            raise ValueError(f"request {t.request_id} is not in the simulation")
+        if (t.prompt_len, t.output_len) != (other.prompt_len, other.output_len):
+            raise ValueError(f"request {t.request_id}: lengths differ between the run and the simulation")
+        pairs.append((t, other))
+    return pairs
+
+
+def compare_stages(real: Sequence[RequestTimeline], sim: Sequence[RequestTimeline]) -> list[StageComparison]:
+    """Each stage that both sides have, over the requests that completed in the run."""
+    pairs = [(r, s) for r, s in align(real, sim) if r.error is None]
+    rows = []
+    for stage, measure in STAGES.items():
+        values = [(measure(r), measure(s)) for r, s in pairs]
+        values = [(a, b) for a, b in values if a is not None and b is not None]
+        if not values:
+            continue
+        a, b = np.array(values).T
+        rows.append(StageComparison(
+            stage, len(values), float(np.percentile(a, 50)), float(np.percentile(a, 90)),
+            float(np.percentile(b, 50)), float(np.percentile(b, 90)), float(np.median(b - a)),
+        ))  # fmt: skip
+    return rows
+
+
+@dataclass
+class StepComparison:
+    """The real run's steps against the latency model: duration over predicted, by batch size."""
+
+    count: int
+    median_ratio: float  # real duration / predicted, over all steps
+    by_batch: dict[int, tuple[int, float]]  # batch size -> (steps, median ratio)
+
+
+def real_steps(timelines: Sequence[RequestTimeline]) -> list[tuple[float, float, int, int]]:
+    """Each distinct step of a run: (start, end, batch size, total context), the context rebuilt from
+    the requests that took part (prompt plus tokens so far). Steps whose members are not all in the
+    run's timelines (batch size larger than the members found) are left out."""
+    members: dict[tuple[float, float], list[int]] = defaultdict(list)
+    sizes: dict[tuple[float, float], int] = {}
+    for t in timelines:
+        for k, (start, end, batch) in enumerate(t.steps):
+            members[(start, end)].append(t.prompt_len + 1 + k)  # its context as the step began
+            sizes[(start, end)] = batch
+    return [
+        (start, end, sizes[(start, end)], sum(contexts))
+        for (start, end), contexts in sorted(members.items())
+        if len(contexts) == sizes[(start, end)]
+    ]
+
+
+def compare_steps(real: Sequence[RequestTimeline], step_time: Callable[[int, int], float]) -> StepComparison:
+    ratios: dict[int, list[float]] = defaultdict(list)
+    for start, end, batch, context in real_steps(real):
+        ratios[batch].append((end - start) / step_time(batch, context))
+    every = [r for values in ratios.values() for r in values]
+    return StepComparison(
+        len(every),
+        float(np.median(every)) if every else float("nan"),
+        {batch: (len(values), float(np.median(values))) for batch, values in sorted(ratios.items())},
+    )
+
+
+def attainment(timelines: Sequence[RequestTimeline], ttft_slo: float, tpot_slo: float) -> float:
+    """Share of requests meeting both SLOs; a failed request meets neither."""
+    ok = [t.error is None and t.ttft <= ttft_slo and (t.tpot or 0.0) <= tpot_slo for t in timelines]
+    return sum(ok) / len(ok)
+
+
+def format_stages(rows: Sequence[StageComparison]) -> str:
+    lines = [f"{'stage':<14} {'n':>5} {'real p50':>10} {'sim p50':>10} {'real p90':>10} {'sim p90':>10} "
+             f"{'sim-real':>10}  (ms)"]  # fmt: skip
+    for r in rows:
+        lines.append(
+            f"{r.stage:<14} {r.count:>5} {r.real_p50 * 1e3:>10.2f} {r.sim_p50 * 1e3:>10.2f} {r.real_p90 * 1e3:>10.2f} "
+            f"{r.sim_p90 * 1e3:>10.2f} {r.median_difference * 1e3:>+10.2f}"
+        )
+    return "\n".join(lines)
+
+
+def _setting(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class RunSetup:
+    """The engine settings of the deployment a run was made on, as the simulator needs them."""
+
+    prefill_instances: int = _setting(1, "prefill instances")
+    decode_instances: int = _setting(1, "decode instances")
+    colocated_instances: int = _setting(0, "colocated instances; more than 0 means a colocated deployment")
+    num_kv_blocks: int = _setting(1024, "KV blocks per instance")
+    block_size: int = _setting(16, "tokens per KV block")
+    max_num_batched_tokens: int = _setting(4096, "prefill token budget")
+    max_num_seqs: int = _setting(256, "most requests an instance runs at once")
+    kv_hold_fraction: float = _setting(0.5, "share of a prefill pool that KV held for decode may fill")
+    transfer_fixed: float = _setting(0.0, "seconds per KV pull, whatever its size")
+    transfer_per_token: float = _setting(0.0, "seconds per prompt token pulled")
+
+
+def simulate_like(run: Sequence[RequestTimeline], setup: RunSetup, batch_time, step_time) -> list[RequestTimeline]:
+    """The simulated timelines of a run's requests: same ids, lengths and arrivals (as the server saw them)."""
+    requests = [SimRequest(t.arrival, t.prompt_len, t.output_len, t.request_id) for t in run]
+    d = setup
+    kv_tokens = d.num_kv_blocks * d.block_size
+    if d.colocated_instances:
+        spec = ColocatedInstanceSpec(d.colocated_instances, batch_time, step_time, d.max_num_batched_tokens,
+                                     d.max_num_seqs, d.block_size, d.num_kv_blocks)  # fmt: skip
+        results = simulate_colocated(requests, spec)
+    else:
+        prefill = PrefillInstanceSpec(d.prefill_instances, batch_time, None, d.max_num_batched_tokens, kv_tokens,
+                                      d.block_size, d.max_num_seqs, d.kv_hold_fraction)  # fmt: skip
+        decode = DecodeInstanceSpec(d.decode_instances, step_time, None, d.max_num_seqs, kv_tokens, d.block_size,
+                                    d.max_num_batched_tokens)  # fmt: skip
+        results = simulate_blocks(requests, prefill, decode, lambda n: d.transfer_fixed + d.transfer_per_token * n)
+    return [r.timeline for r in results]

@@ -1,0 +1,60 @@
+"""``distserve place compare``: a run's timelines against their simulation, stage by stage."""
+
+
+import pytest
+
+from placement import compare
+from placement.cli import main
+from placement.fitted import FittedLatency
+from placement.timeline import RequestTimeline, read_jsonl, write_jsonl
+
+FITTED = FittedLatency(prefill=(0.01, 1e-4, 0.0), decode=(0.005, 1e-3, 1e-5))
+
+
+def _run() -> list[RequestTimeline]:
+    """A 'real' run: the simulation itself, so every stage agrees exactly."""
+    requests = [RequestTimeline(str(i), 30 + 17 * i, 2 + i % 5, 0.02 * i) for i in range(12)]
+    return compare.simulate_like(requests, compare.RunSetup(num_kv_blocks=64), FITTED.prefill_time, FITTED.decode_time)
+
+
+def test_a_run_equal_to_its_simulation_differs_nowhere():
+    run = _run()
+    rows = compare.compare_stages(run, run)
+    assert {r.stage for r in rows} >= {"queue", "prefill", "handover", "pull", "step", "ttft", "tpot"}
+    assert all(r.median_difference == 0 and r.p50_error == r.p90_error == 0 for r in rows)
+    steps = compare.compare_steps(run, FITTED.decode_time)
+    assert steps.count > 0 and steps.median_ratio == pytest.approx(1.0)
+
+
+def test_steps_are_rebuilt_from_the_requests_in_them():
+    a = RequestTimeline("a", 10, 3, 0.0, steps=[(1.0, 1.5, 2), (1.5, 2.5, 1)])
+    b = RequestTimeline("b", 20, 2, 0.0, steps=[(1.0, 1.5, 2)])
+    c = RequestTimeline("c", 5, 2, 0.0, steps=[(3.0, 3.1, 2)])  # its step's other member is not in the run
+    assert compare.real_steps([a, b, c]) == [(1.0, 1.5, 2, 11 + 21), (1.5, 2.5, 1, 12)]
+    # Twice as slow as a model of 0.25 s per sequence.
+    assert compare.compare_steps([a, b], lambda batch, context: 0.25 * batch).by_batch == {1: (1, 4.0), 2: (1, 1.0)}
+
+
+def test_compare_command_prints_each_stage_and_attainment(tmp_path, capsys):
+    run = _run()
+    slower = [RequestTimeline.from_json({**t.to_json(), "token_times": [x * 2 for x in t.token_times]}) for t in run]
+    write_jsonl(tmp_path / "run.jsonl", slower)
+    FITTED.save(tmp_path / "profile.json")
+    args = ["compare", "--trace", str(tmp_path / "run.jsonl"), "--profile", str(tmp_path / "profile.json"),
+            "--num-kv-blocks", "64", "--slo-ttft", "0.05", "--slo-tpot", "0.02", "--sim-out", str(tmp_path / "s.jsonl")]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    for stage in ("queue", "prefill", "pull", "step", "ttft", "tpot"):
+        assert f"\n{stage} " in out
+    assert "attainment: real" in out
+    assert [t.request_id for t in read_jsonl(tmp_path / "s.jsonl")] == [t.request_id for t in run]
+
+
+def test_compare_refuses_a_run_whose_requests_the_simulation_lacks(tmp_path):
+    run = _run()
+    other = [RequestTimeline.from_json({**run[0].to_json(), "request_id": "elsewhere"})]
+    with pytest.raises(ValueError, match="not in the simulation"):
+        compare.compare_stages(other, run)
+    (tmp_path / "empty.jsonl").write_text("")
+    FITTED.save(tmp_path / "p.json")
+    assert main(["compare", "--trace", str(tmp_path / "empty.jsonl"), "--profile", str(tmp_path / "p.json")]) == 2
