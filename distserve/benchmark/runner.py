@@ -1,8 +1,10 @@
 """Sends a workload to a server through the gRPC client, on the arrival schedule, and records
 each request's timeline as the client sees it.
 
-Prompts are token ids of the workload's lengths (random ids, distinct per request so the
-prefix cache does not shorten prefills), sent with ``ignore_eos`` so every request produces
+Prompts are token ids of the workload's lengths, random and new in every run (distinct per
+request and from any earlier run, so a server's prefix cache never shortens a prefill: a second
+run at another rate against the same server would otherwise find every prompt cached); lengths
+and arrival times follow the seed. Requests are sent with ``ignore_eos`` so every request produces
 exactly the output length asked for; generation is greedy."""
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from placement.workload import RequestSpec, arrival_times
 FIRST_TOKEN_ID = 10  # ids below are often special tokens
 
 
-def make_prompts(specs: Sequence[RequestSpec], vocab_size: int, seed: int) -> list[list[int]]:
+def make_prompts(specs: Sequence[RequestSpec], vocab_size: int, seed: int | None = None) -> list[list[int]]:
+    """Random prompts of the specs' lengths; ``seed`` None: different ones every call."""
     rng = np.random.default_rng(seed)
     return [rng.integers(FIRST_TOKEN_ID, vocab_size, size=spec.prompt_len).tolist() for spec in specs]
 
@@ -43,7 +46,7 @@ async def run_workload(
     server for each request's stage-by-stage timeline too."""
     if vocab_size is None:
         vocab_size = (await client.cluster_info()).vocab_size
-    prompts = make_prompts(specs, vocab_size, seed)
+    prompts = make_prompts(specs, vocab_size)
     arrivals = arrival_times(len(specs), rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     bar = _progress_bar(len(specs)) if progress else None
