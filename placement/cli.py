@@ -351,6 +351,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         by_batch = ", ".join(f"{b}: {r:.2f} ({n})" for b, (n, r) in steps.by_batch.items())
         print(f"real step time / model, median over {steps.count} steps: {steps.median_ratio:.2f}")
         print(f"  by batch size (ratio, steps): {by_batch}")
+        for label, (count, ratio) in compare.step_slowdown(run, fitted.decode_time).items():
+            print(f"  {label}: {ratio:.2f} ({count} steps)")
     if args.slo_ttft and args.slo_tpot:
         real, predicted = (compare.attainment(t, args.slo_ttft, args.slo_tpot) for t in (run, sim))
         print(f"attainment: real {real:.1%}, simulated {predicted:.1%} ({(predicted - real) * 100:+.1f} points)")

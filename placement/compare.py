@@ -115,33 +115,73 @@ class StepComparison:
     by_batch: dict[int, tuple[int, float]]  # batch size -> (steps, median ratio)
 
 
-def real_steps(timelines: Sequence[RequestTimeline]) -> list[tuple[float, float, int, int]]:
-    """Each distinct step of a run: (start, end, batch size, total context), the context rebuilt from
-    the requests that took part (prompt plus tokens so far). Steps whose members are not all in the
-    run's timelines (batch size larger than the members found) are left out."""
-    members: dict[tuple[float, float], list[int]] = defaultdict(list)
-    sizes: dict[tuple[float, float], int] = {}
+@dataclass(frozen=True)
+class RealStep:
+    instance: str
+    start: float
+    end: float
+    batch_size: int
+    context: int  # tokens of all its sequences as it began
+
+
+def real_steps(timelines: Sequence[RequestTimeline]) -> list[RealStep]:
+    """Each distinct step of a run, its context rebuilt from the requests that took part (prompt plus
+    tokens so far). Steps whose members are not all in the run's timelines are left out."""
+    contexts: dict[tuple[str, float, float, int], list[int]] = defaultdict(list)
     for t in timelines:
+        instance = t.decode_instance or t.prefill_instance or ""
         for k, (start, end, batch) in enumerate(t.steps):
-            members[(start, end)].append(t.prompt_len + 1 + k)  # its context as the step began
-            sizes[(start, end)] = batch
-    return [
-        (start, end, sizes[(start, end)], sum(contexts))
-        for (start, end), contexts in sorted(members.items())
-        if len(contexts) == sizes[(start, end)]
-    ]
+            contexts[(instance, start, end, batch)].append(t.prompt_len + 1 + k)
+    return [RealStep(*key, sum(c)) for key, c in sorted(contexts.items()) if len(c) == key[3]]
 
 
 def compare_steps(real: Sequence[RequestTimeline], step_time: Callable[[int, int], float]) -> StepComparison:
     ratios: dict[int, list[float]] = defaultdict(list)
-    for start, end, batch, context in real_steps(real):
-        ratios[batch].append((end - start) / step_time(batch, context))
+    for step in real_steps(real):
+        ratios[step.batch_size].append((step.end - step.start) / step_time(step.batch_size, step.context))
     every = [r for values in ratios.values() for r in values]
     return StepComparison(
         len(every),
         float(np.median(every)) if every else float("nan"),
         {batch: (len(values), float(np.median(values))) for batch, values in sorted(ratios.items())},
     )
+
+
+def _covered(start: float, end: float, spans: Sequence[tuple[float, float]]) -> float:
+    """Share of [start, end] that ``spans`` cover (they may overlap one another: capped at 1)."""
+    return min(1.0, sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans) / (end - start))
+
+
+StepTime = Callable[[int, int], float]
+
+
+def step_slowdown(real: Sequence[RequestTimeline], step_time: StepTime) -> dict[str, tuple[int, float]]:
+    """Median real/predicted duration of a run's steps by what else ran during most of each: a KV
+    pull into the stepping instance, a batch of another instance (which shares the machine's cores
+    and memory on CPU), or nothing. Tells whether a profile taken alone holds under load."""
+    steps = real_steps(real)
+    batches: dict[str, set[tuple[float, float]]] = defaultdict(set)
+    pulls: dict[str, set[tuple[float, float]]] = defaultdict(set)
+    for t in real:
+        if t.prefill_start is not None:
+            batches[t.prefill_instance or ""].add((t.prefill_start, t.prefill_end))
+        if t.migration_start is not None:
+            pulls[t.decode_instance or ""].add((t.migration_start, t.migration_end))
+    for step in steps:
+        batches[step.instance].add((step.start, step.end))
+    ratios: dict[str, list[float]] = defaultdict(list)
+    for step in steps:
+        if step.end <= step.start:
+            continue
+        others = [span for name, own in batches.items() if name != step.instance for span in own]
+        if _covered(step.start, step.end, list(pulls[step.instance])) > 0.5:
+            label = "during a KV pull into it"
+        elif _covered(step.start, step.end, others) > 0.5:
+            label = "during another instance's batch"
+        else:
+            label = "alone"
+        ratios[label].append((step.end - step.start) / step_time(step.batch_size, step.context))
+    return {label: (len(v), float(np.median(v))) for label, v in sorted(ratios.items())}
 
 
 def attainment(timelines: Sequence[RequestTimeline], ttft_slo: float, tpot_slo: float) -> float:

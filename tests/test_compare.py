@@ -30,9 +30,23 @@ def test_steps_are_rebuilt_from_the_requests_in_them():
     a = RequestTimeline("a", 10, 3, 0.0, steps=[(1.0, 1.5, 2), (1.5, 2.5, 1)])
     b = RequestTimeline("b", 20, 2, 0.0, steps=[(1.0, 1.5, 2)])
     c = RequestTimeline("c", 5, 2, 0.0, steps=[(3.0, 3.1, 2)])  # its step's other member is not in the run
-    assert compare.real_steps([a, b, c]) == [(1.0, 1.5, 2, 11 + 21), (1.5, 2.5, 1, 12)]
+    assert [(s.start, s.end, s.batch_size, s.context) for s in compare.real_steps([a, b, c])] == [
+        (1.0, 1.5, 2, 11 + 21), (1.5, 2.5, 1, 12)
+    ]
     # Twice as slow as a model of 0.25 s per sequence.
     assert compare.compare_steps([a, b], lambda batch, context: 0.25 * batch).by_batch == {1: (1, 4.0), 2: (1, 1.0)}
+
+
+def test_steps_are_told_apart_by_what_ran_beside_them():
+    """A step alone, one during another instance's prefill batch, one during a pull into its instance."""
+    a = RequestTimeline("a", 10, 4, 0.0, prefill_start=0.0, prefill_end=0.1, prefill_instance="p",
+                        migration_start=0.2, migration_end=0.3, decode_instance="d",
+                        steps=[(0.3, 0.4, 1), (0.4, 0.6, 1), (0.6, 0.9, 1)])  # fmt: skip
+    b = RequestTimeline("b", 10, 1, 0.0, prefill_start=0.4, prefill_end=0.6, prefill_instance="p",
+                        migration_start=0.6, migration_end=0.9, decode_instance="d")  # fmt: skip
+    slowdown = compare.step_slowdown([a, b], lambda batch, context: 0.1)
+    expected = {"alone": (1, 1.0), "during another instance's batch": (1, 2.0), "during a KV pull into it": (1, 3.0)}
+    assert {label: (n, round(ratio, 9)) for label, (n, ratio) in slowdown.items()} == expected
 
 
 def test_compare_command_prints_each_stage_and_attainment(tmp_path, capsys):
