@@ -23,7 +23,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from placement.engine_sim import simulate_blocks, simulate_colocated
-from placement.sim_specs import ColocatedInstanceSpec, DecodeInstanceSpec, PrefillInstanceSpec, SimRequest
+from placement.sim_specs import (
+    ColocatedInstanceSpec,
+    Contention,
+    DecodeInstanceSpec,
+    PrefillInstanceSpec,
+    SimRequest,
+)
 from placement.timeline import RequestTimeline
 
 
@@ -147,41 +153,93 @@ def compare_steps(real: Sequence[RequestTimeline], step_time: Callable[[int, int
     )
 
 
-def _covered(start: float, end: float, spans: Sequence[tuple[float, float]]) -> float:
-    """Share of [start, end] that ``spans`` cover (they may overlap one another: capped at 1)."""
-    return min(1.0, sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans) / (end - start))
+def _during(time: float, spans: Sequence[tuple[float, float]]) -> bool:
+    return any(a <= time < b for a, b in spans)
 
 
 StepTime = Callable[[int, int], float]
+BatchTime = Callable[[list[int]], float]
+LABELS = {"alone": "alone", "beside_batch": "during another instance's batch", "during_pull": "during a KV pull"}
 
 
-def step_slowdown(real: Sequence[RequestTimeline], step_time: StepTime) -> dict[str, tuple[int, float]]:
-    """Median real/predicted duration of a run's steps by what else ran during most of each: a KV
-    pull into the stepping instance, a batch of another instance (which shares the machine's cores
-    and memory on CPU), or nothing. Tells whether a profile taken alone holds under load."""
-    steps = real_steps(real)
-    batches: dict[str, set[tuple[float, float]]] = defaultdict(set)
+Run = Sequence[RequestTimeline]
+
+
+def slowdowns(real: Run, batch_time: BatchTime, step_time: StepTime) -> dict[tuple[str, str], list[float]]:
+    """Real over predicted duration of a run's prefill batches ("prefill") and steps after the first
+    token ("step"), by what else ran as each began (as the simulator's ``Contention`` decides): a KV
+    pull into or out of its instance ("during_pull"), a batch of another instance ("beside_batch",
+    which shares the machine's cores and memory on CPU), or nothing ("alone"). Tells whether a
+    profile taken alone holds under load."""
+    prefills: dict[tuple[str, float, float], list[int]] = defaultdict(list)
+    busy: dict[str, set[tuple[float, float]]] = defaultdict(set)
     pulls: dict[str, set[tuple[float, float]]] = defaultdict(set)
     for t in real:
         if t.prefill_start is not None:
-            batches[t.prefill_instance or ""].add((t.prefill_start, t.prefill_end))
+            prefills[(t.prefill_instance or "", t.prefill_start, t.prefill_end)].append(t.prompt_len)
+            busy[t.prefill_instance or ""].add((t.prefill_start, t.prefill_end))
         if t.migration_start is not None:
-            pulls[t.decode_instance or ""].add((t.migration_start, t.migration_end))
+            for instance in (t.decode_instance or "", t.prefill_instance or ""):
+                pulls[instance].add((t.migration_start, t.migration_end))
+    steps = real_steps(real)
     for step in steps:
-        batches[step.instance].add((step.start, step.end))
-    ratios: dict[str, list[float]] = defaultdict(list)
-    for step in steps:
-        if step.end <= step.start:
+        busy[step.instance].add((step.start, step.end))
+    batches = [("prefill", *key, batch_time(lengths)) for key, lengths in prefills.items()]
+    batches += [("step", s.instance, s.start, s.end, step_time(s.batch_size, s.context)) for s in steps]
+    ratios: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for kind, instance, start, end, predicted in batches:
+        if end <= start:
             continue
-        others = [span for name, own in batches.items() if name != step.instance for span in own]
-        if _covered(step.start, step.end, list(pulls[step.instance])) > 0.5:
-            label = "during a KV pull into it"
-        elif _covered(step.start, step.end, others) > 0.5:
-            label = "during another instance's batch"
+        others = [span for name, own in busy.items() if name != instance for span in own]
+        if _during(start, list(pulls[instance])):
+            label = "during_pull"
+        elif _during(start, others):
+            label = "beside_batch"
         else:
             label = "alone"
-        ratios[label].append((step.end - step.start) / step_time(step.batch_size, step.context))
-    return {label: (len(v), float(np.median(v))) for label, v in sorted(ratios.items())}
+        ratios[(kind, label)].append((end - start) / predicted)
+    return ratios
+
+
+def step_slowdown(real: Sequence[RequestTimeline], step_time: StepTime) -> dict[str, tuple[int, float]]:
+    """Median real/predicted duration of a run's steps after the first token, by what ran beside them."""
+    ratios = slowdowns(real, lambda lengths: 1.0, step_time)
+    steps = {label: v for (kind, label), v in sorted(ratios.items()) if kind == "step"}
+    return {LABELS[label]: (len(v), float(np.median(v))) for label, v in steps.items()}
+
+
+MIN_SAMPLES = 10  # fewer batches than this in a situation say too little: it takes the next one's factor
+
+
+def fit_contention(real: Run, batch_time: BatchTime, step_time: StepTime) -> dict[str, Contention]:
+    """The ``Contention`` of prefill batches and of steps that a loaded run shows: the median slowdown
+    in each situation. A situation with too few batches takes the factor of the next more common one
+    (a pull, then another instance's batch, then alone), and 1.0 when the run has none at all."""
+    ratios = slowdowns(real, batch_time, step_time)
+    fitted = {}
+    for kind in ("prefill", "step"):
+        factors, fallback = {}, 1.0
+        for label in ("alone", "beside_batch", "during_pull"):
+            values = ratios.get((kind, label), [])
+            factors[label] = fallback = float(np.median(values)) if len(values) >= MIN_SAMPLES else fallback
+        fitted[kind] = Contention(**factors)
+    return fitted
+
+
+def fit_transfer(real: Run) -> tuple[float, float]:
+    """(fixed seconds, seconds per prompt token) of a run's KV pulls: the line through the medians of
+    the shorter and the longer half of the prompts, so a few pulls that waited on a busy core do not
+    tilt it; both terms >= 0."""
+    pulls = sorted((t.prompt_len, t.migration_end - t.migration_start) for t in real if t.migration_start is not None)
+    if not pulls:
+        return 0.0, 0.0
+    half = len(pulls) // 2
+    if half == 0 or pulls[0][0] == pulls[-1][0]:
+        return float(np.median([s for _, s in pulls])), 0.0
+    (x0, y0), (x1, y1) = (np.median(np.array(part, dtype=float), axis=0) for part in (pulls[:half], pulls[half:]))
+    per_token = max(0.0, (y1 - y0) / (x1 - x0)) if x1 > x0 else 0.0
+    fixed = max(0.0, y0 - per_token * x0)
+    return float(fixed), float(per_token)
 
 
 def attainment(timelines: Sequence[RequestTimeline], ttft_slo: float, tpot_slo: float) -> float:
@@ -221,19 +279,30 @@ class RunSetup:
     transfer_per_token: float = _setting(0.0, "seconds per prompt token pulled")
 
 
-def simulate_like(run: Sequence[RequestTimeline], setup: RunSetup, batch_time, step_time) -> list[RequestTimeline]:
-    """The simulated timelines of a run's requests: same ids, lengths and arrivals (as the server saw them)."""
+def simulate_like(
+    run: Sequence[RequestTimeline],
+    setup: RunSetup,
+    batch_time: BatchTime,
+    step_time: StepTime,
+    contention: dict[str, Contention] | None = None,
+) -> list[RequestTimeline]:
+    """The simulated timelines of a run's requests: same ids, lengths and arrivals (as the server saw
+    them); ``contention`` (``fit_contention``) stretches prefill batches and steps as measured."""
     requests = [SimRequest(t.arrival, t.prompt_len, t.output_len, t.request_id) for t in run]
     d = setup
+    contention = contention or {}
+    prefill_contention, step_contention = contention.get("prefill", Contention()), contention.get("step", Contention())
     kv_tokens = d.num_kv_blocks * d.block_size
     if d.colocated_instances:
         spec = ColocatedInstanceSpec(d.colocated_instances, batch_time, step_time, d.max_num_batched_tokens,
-                                     d.max_num_seqs, d.block_size, d.num_kv_blocks)  # fmt: skip
+                                     d.max_num_seqs, d.block_size, d.num_kv_blocks,
+                                     contention=step_contention)  # fmt: skip
         results = simulate_colocated(requests, spec)
     else:
         prefill = PrefillInstanceSpec(d.prefill_instances, batch_time, None, d.max_num_batched_tokens, kv_tokens,
-                                      d.block_size, d.max_num_seqs, d.kv_hold_fraction)  # fmt: skip
+                                      d.block_size, d.max_num_seqs, d.kv_hold_fraction,
+                                      contention=prefill_contention)  # fmt: skip
         decode = DecodeInstanceSpec(d.decode_instances, step_time, None, d.max_num_seqs, kv_tokens, d.block_size,
-                                    d.max_num_batched_tokens)  # fmt: skip
+                                    d.max_num_batched_tokens, contention=step_contention)  # fmt: skip
         results = simulate_blocks(requests, prefill, decode, lambda n: d.transfer_fixed + d.transfer_per_token * n)
     return [r.timeline for r in results]

@@ -45,7 +45,14 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from placement.kv_blocks import BatchScheduler, BlockPool, SimSeq
-from placement.sim_specs import ColocatedInstanceSpec, DecodeInstanceSpec, PrefillInstanceSpec, SimRequest, SimResult
+from placement.sim_specs import (
+    ColocatedInstanceSpec,
+    Contention,
+    DecodeInstanceSpec,
+    PrefillInstanceSpec,
+    SimRequest,
+    SimResult,
+)
 
 _ARRIVAL, _STEP_DONE, _PULLED = range(3)
 
@@ -54,8 +61,10 @@ class _Engine:
     """One instance's engine as the simulation drives it; the base runs ``PrefillFirstScheduler``."""
 
     def __init__(self, name: str, scheduler: BatchScheduler, batch_time: Callable[[list[int]], float],
-                 step_time: Callable[[int, int], float] | None) -> None:
+                 step_time: Callable[[int, int], float] | None, contention: Contention) -> None:
         self.name = name
+        self.contention = contention
+        self.pulls_until = 0.0  # a KV pull into or out of this instance runs until then
         self.index = 0  # in the simulation's list of instances
         self.scheduler = scheduler
         self.pool = scheduler.pool
@@ -73,7 +82,7 @@ class _Engine:
 
 class _Prefill(_Engine):
     def __init__(self, name: str, scheduler: BatchScheduler, spec: PrefillInstanceSpec) -> None:
-        super().__init__(name, scheduler, spec.batch_time, None)
+        super().__init__(name, scheduler, spec.batch_time, None, spec.contention)
         self.held: dict[int, SimSeq] = {}
         self.held_blocks = 0
         self.hold_limit = max(1, int(spec.kv_hold_fraction * self.pool.num_blocks))
@@ -90,8 +99,8 @@ class _Prefill(_Engine):
 
 class _Decode(_Engine):
     def __init__(self, name: str, scheduler: BatchScheduler, batch_time: Callable[[list[int]], float],
-                 step_time: Callable[[int, int], float]) -> None:
-        super().__init__(name, scheduler, batch_time, step_time)
+                 step_time: Callable[[int, int], float], contention: Contention) -> None:
+        super().__init__(name, scheduler, batch_time, step_time, contention)
         self.pending: deque[tuple[SimSeq, _Prefill]] = deque()  # hand-overs, with where their KV is held
         self.pulling = 0
         self.puller_free = 0.0  # when the migrator's thread is done with the pulls it was given
@@ -180,7 +189,18 @@ class _EngineSim:
         else:
             duration = inst.batch_time(computed)
         inst.busy = True
+        factor = self.contention_factor(now, inst)
+        if factor != 1:  # (exact latencies, such as the tests' fractions, stay exact without contention)
+            duration *= factor
         self.push(now + duration, _STEP_DONE, inst.index, _Step(now, batch, computed))
+
+    def contention_factor(self, now: float, inst: _Engine) -> float:
+        """What else runs as ``inst`` starts a batch (``inst.busy`` is already set, so it is not counted)."""
+        if inst.pulls_until > now:
+            return inst.contention.during_pull
+        if any(other.busy for other in self.instances if other is not inst):
+            return inst.contention.beside_batch
+        return inst.contention.alone
 
     def admit(self, now: float, inst: _Decode) -> None:
         scheduler, pool = inst.scheduler, inst.pool
@@ -195,6 +215,7 @@ class _EngineSim:
             timeline.decode_admitted = now
             timeline.migration_start = start = max(now, inst.puller_free)
             inst.puller_free = end = start + self.transfer_time(self.reqs[seq.request].prompt_len)
+            inst.pulls_until = prefill.pulls_until = end  # pulls run in admission order: the latest ends last
             self.push(end, _PULLED, inst.index, (seq, prefill))
 
     def step_done(self, now: float, inst: _Engine, step: _Step) -> None:
@@ -267,7 +288,7 @@ def simulate_blocks(requests: Sequence[SimRequest], prefill: PrefillInstanceSpec
     for i in range(decode.count):
         pool = BlockPool(decode.kv_capacity_tokens // decode.block_size, decode.block_size, False)
         scheduler = BatchScheduler(pool, decode.max_batch_tokens, decode.max_batch_size)
-        decodes.append(_Decode(f"decode-{i}", scheduler, recompute_time, decode.step_time))
+        decodes.append(_Decode(f"decode-{i}", scheduler, recompute_time, decode.step_time, decode.contention))
     _check_fits(requests, [e.pool for e in (*prefills, *decodes)])
     return _EngineSim(requests, prefills, decodes, transfer_time).run()
 
@@ -280,6 +301,6 @@ def simulate_colocated(requests: Sequence[SimRequest], spec: ColocatedInstanceSp
     for i in range(spec.count):
         pool = BlockPool(spec.num_blocks, spec.block_size, spec.prefix_caching)
         scheduler = BatchScheduler(pool, spec.max_batch_tokens, spec.max_batch_size)
-        instances.append(_Engine(f"colocated-{i}", scheduler, spec.batch_time, spec.step_time))
+        instances.append(_Engine(f"colocated-{i}", scheduler, spec.batch_time, spec.step_time, spec.contention))
     _check_fits(requests, [e.pool for e in instances])
     return _EngineSim(requests, instances, [], lambda tokens: 0.0).run()

@@ -19,6 +19,18 @@ from dataclasses import dataclass
 from placement.timeline import RequestTimeline
 
 
+@dataclass(frozen=True)
+class Contention:
+    """How much longer than its profiled time a batch takes, by what else runs as it starts. Where
+    instances share a machine's cores (CPU serving), they and the serving path take turns on them;
+    a KV pull is work on the receiving instance's own cores. Measured from a loaded run's timelines
+    (``placement.compare.fit_contention``); 1.0 everywhere when each instance has its own device."""
+
+    alone: float = 1.0
+    beside_batch: float = 1.0  # another instance is in a batch
+    during_pull: float = 1.0  # a KV pull into (decode) or out of (prefill) this instance is under way
+
+
 @dataclass
 class SimRequest:
     arrival: float
@@ -42,6 +54,7 @@ class PrefillInstanceSpec:
     block_size: int | None = None
     max_batch_size: int = 256  # block mode: max_num_seqs, which caps a prefill batch too
     kv_hold_fraction: float = 0.5  # block mode: no prompt is scheduled while held KV passes this share
+    contention: Contention = Contention()  # block mode
 
 
 @dataclass
@@ -55,6 +68,7 @@ class DecodeInstanceSpec:
     max_batch_tokens: int = 4096  # block mode: token budget of the prefill batches that recompute preempted requests
     # Block mode: latency of those batches; None takes the prefill instances' (same model, same parallelism).
     batch_time: Callable[[list[int]], float] | None = None
+    contention: Contention = Contention()  # block mode
 
 
 @dataclass
@@ -69,6 +83,7 @@ class ColocatedInstanceSpec:
     block_size: int
     num_blocks: int
     prefix_caching: bool = True  # the engine's default: a recompute finds its blocks while they stay cached
+    contention: Contention = Contention()
 
 
 @dataclass

@@ -46,10 +46,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from placement.engine_sim import simulate_blocks, simulate_colocated
-from placement.sim_specs import ColocatedInstanceSpec, DecodeInstanceSpec, PrefillInstanceSpec, SimRequest, SimResult
+from placement.sim_specs import (
+    ColocatedInstanceSpec,
+    Contention,
+    DecodeInstanceSpec,
+    PrefillInstanceSpec,
+    SimRequest,
+    SimResult,
+)
 
 __all__ = [
     "ColocatedInstanceSpec",
+    "Contention",
     "DecodeInstanceSpec",
     "PrefillInstanceSpec",
     "SimRequest",

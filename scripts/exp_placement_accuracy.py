@@ -1,34 +1,32 @@
-"""Accuracy of the placement simulator against the real system: SLO attainment predicted from a
-profile of the engine against attainment measured by ``distserve bench`` on a real 1 prefill +
-1 decode deployment, at the same rates, on the same requests.
+"""Accuracy of the placement simulator against the real system, request by request: SLO attainment
+and TTFT/TPOT percentiles predicted for the same requests (same lengths and arrival times) that
+``distserve bench`` then sends to a real deployment, for 1 prefill + 1 decode and for 2 colocated
+instances, on a short-prompt/long-output and a long-prompt/short-output workload.
 
-    python scripts/exp_placement_accuracy.py [--num-requests 200] [--out results/placement-accuracy]
+    python scripts/exp_placement_accuracy.py [--num-requests 100] [--out results/placement-accuracy]
 
-1. ``distserve profile`` (in this process, one torch thread as each instance gets) fits the latency
-   model of the model's forward passes, beside a one-thread matmul loop that stands in for the
-   other instance (``--no-co-runner`` profiles alone): on a 2-core machine the two instances share
-   the cores' caches and memory bandwidth (or the one physical core behind two hyperthreads), and a
-   profile taken alone is up to a third faster than either instance runs under load.
-2. A sequential calibration run (``--max-concurrency 1``) measures what the profile leaves out at no
-   load: the serving path's fixed cost per request on TTFT (RPCs, scheduling, streaming) and per
-   decode step on TPOT (scheduling, output processing, the KV migration spread over the tokens).
-   They are added to the fitted model's constant terms. SLOs are set from the same run.
-3. The simulator picks five rates whose predicted attainment spans 100% down to about 50%.
-4. The real cluster is benchmarked at those rates with the same lengths, prompts' order and arrival
-   times (``distserve bench`` and the simulator draw both from the same seed), and the largest
-   absolute attainment difference is reported, for the calibrated and the raw profile.
+1. ``distserve profile`` (in this process, one torch thread, as each instance gets) fits the latency
+   model of the engine's forward passes, alone.
+2. Per deployment and workload: a sequential run (``--max-concurrency 1``) sets the SLOs (3x its
+   median TTFT, 2x its median TPOT); a loaded calibration run, with timelines, gives what the
+   profile leaves out: how much batches slow down beside other work on the shared cores (alone,
+   beside another instance's batch, during a KV pull) and what a KV pull costs
+   (``placement.compare.fit_contention`` / ``fit_transfer``).
+3. The block-mode simulator with those terms picks five rates whose predicted attainment spans
+   99% down to 50%; the real deployment is benchmarked at them (``--trace-out``), and each run is
+   compared with its simulation: attainment, TTFT and TPOT p50 and p90.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import ray
 
 from distserve.benchmark.profiler import run_profile
@@ -37,135 +35,137 @@ from distserve.core.config import EngineConfig
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
 from distserve.model_executor.tiny_models import VOCAB_SIZE, write_llama_shape
+from placement import compare
 from placement.fitted import FittedLatency
 from placement.goodput import find_goodput
 from placement.plots import plot_attainment_vs_rate
-from placement.simulator import DecodeInstanceSpec, PrefillInstanceSpec, SimRequest, attainment, simulate
+from placement.timeline import RequestTimeline, read_jsonl
 from placement.workload import arrival_times, parse_length, synthetic_workload
 
-PROMPT_LEN = "uniform:32:256"
-OUTPUT_LEN = "uniform:16:48"
-# A Llama shape with dummy weights, big enough that a forward pass costs far more CPU than the serving
-# path spends per token (RPCs, streaming, the client), which shares the machine's cores with the instances.
+# A Llama shape with dummy weights (58M parameters), big enough that a forward pass costs far more
+# CPU than the serving path spends per token.
 SHAPE = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8,
          "num_key_value_heads": 8, "vocab_size": VOCAB_SIZE}
 NUM_KV_BLOCKS = 1024
 BLOCK_SIZE = 16
-CO_RUNNER = "import torch\ntorch.set_num_threads(1)\na = torch.randn(512, 512)\nwhile True:\n    a @ a"
+WORKLOADS = {  # (prompt lengths, output lengths)
+    "short-prompts": ("uniform:16:64", "uniform:64:160"),
+    "long-prompts": ("uniform:256:512", "uniform:8:24"),
+}
+DEPLOYMENTS = {
+    "1P+1D": ({"prefill": {"instances": 1}, "decode": {"instances": 1}}, compare.RunSetup()),
+    "2 colocated": ({"colocated": {"instances": 2}}, compare.RunSetup(colocated_instances=2)),
+}
 TARGETS = (0.99, 0.9, 0.75, 0.62, 0.5)  # predicted attainments the five rates are picked at
 
 
-def bench(address: str, out: Path, label: str, *extra: str) -> dict:
-    """One ``distserve bench`` in a process of its own; its JSON results."""
-    result_json = out / f"{label}.json"
+def bench(address: str, out: Path, label: str, workload: tuple[str, str], *extra: str) -> dict:
+    """One ``distserve bench`` in a process of its own, with timelines; its JSON results."""
     command = [
         sys.executable, "-m", "distserve.cli", "bench", "--server", address, "--no-progress", "--label", label,
-        "--prompt-len", PROMPT_LEN, "--output-len", OUTPUT_LEN, "--result-json", str(result_json), *extra,
+        "--prompt-len", workload[0], "--output-len", workload[1], "--result-json", str(out / f"{label}.json"),
+        "--trace-out", str(out / f"{label}.jsonl"), *extra,
     ]  # fmt: skip
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    return json.loads(result_json.read_text())
+    return json.loads((out / f"{label}.json").read_text())["runs"][0]
 
 
-def predict(fitted: FittedLatency, n: int, rate: float, seed: int) -> list:
-    """Simulated results of the bench's requests (same lengths and arrivals) on 1 prefill + 1 decode."""
-    specs = synthetic_workload(n, parse_length(PROMPT_LEN), parse_length(OUTPUT_LEN), seed)
+def requests(workload: tuple[str, str], n: int, rate: float, seed: int) -> list[RequestTimeline]:
+    """The requests ``distserve bench --seed`` sends: same lengths and arrival times."""
+    specs = synthetic_workload(n, parse_length(workload[0]), parse_length(workload[1]), seed)
     arrivals = arrival_times(n, rate, 1.0, seed)
-    requests = [SimRequest(t, s.prompt_len, s.output_len) for t, s in zip(arrivals, specs)]
-    kv_tokens = NUM_KV_BLOCKS * BLOCK_SIZE
-    prefill = PrefillInstanceSpec(1, fitted.prefill_time, None, 4096, kv_tokens)
-    decode = DecodeInstanceSpec(1, fitted.decode_time, None, 256, kv_tokens)
-    return simulate(requests, prefill, decode, lambda tokens: 0.0)
+    return [RequestTimeline(str(i), s.prompt_len, s.output_len, a) for i, (s, a) in enumerate(zip(specs, arrivals))]
+
+
+def percentiles(values: list[float]) -> tuple[float, float]:
+    return float(np.percentile(values, 50)), float(np.percentile(values, 90))
+
+
+def validate(address, out, name, workload, setup, fitted, args) -> dict:
+    """Calibrate, pick rates, run and compare one deployment on one workload."""
+    label = name.replace(" ", "-").replace("+", "")
+    sequential = bench(address, out, f"{label}-sequential", workload, "--num-requests", "30",
+                       "--max-concurrency", "1", "--seed", str(args.seed + 1))  # fmt: skip
+    ttft_slo, tpot_slo = 3 * sequential["ttft"]["median"], 2 * sequential["tpot"]["median"]
+
+    def simulate(run, contention=None):
+        return compare.simulate_like(run, setup, fitted.prefill_time, fitted.decode_time, contention)
+
+    def predicted(rate, contention=None) -> float:
+        return compare.attainment(simulate(requests(workload, args.num_requests, rate, args.seed), contention),
+                                  ttft_slo, tpot_slo)  # fmt: skip
+
+    # Calibrate at the rate the profile alone predicts 90% at: loaded, not yet overloaded.
+    loaded, _ = find_goodput(predicted, 0.9, 0.05, 200.0, tolerance=0.02, max_iters=30)
+    bench(address, out, f"{label}-calibration", workload, "--num-requests", str(args.num_requests),
+          "--rate", f"{loaded:.4f}", "--seed", str(args.seed + 2))  # fmt: skip
+    calibration = read_jsonl(out / f"{label}-calibration.jsonl")
+    contention = compare.fit_contention(calibration, fitted.prefill_time, fitted.decode_time)
+    if not setup.colocated_instances:
+        setup.transfer_fixed, setup.transfer_per_token = compare.fit_transfer(calibration)
+    print(f"{name}, {workload}: SLOs TTFT {ttft_slo * 1e3:.0f} ms, TPOT {tpot_slo * 1e3:.1f} ms; calibrated at "
+          f"{loaded:.2f} req/s: {contention}, transfer {setup.transfer_fixed * 1e3:.1f} ms + "
+          f"{setup.transfer_per_token * 1e6:.1f} us/token", flush=True)
+    rows = []
+    for target in TARGETS:
+        rate, _ = find_goodput(lambda r: predicted(r, contention), target, 0.05, 200.0, tolerance=0.01, max_iters=30)
+        run_label = f"{label}-rate{rate:.3f}"
+        bench(address, out, run_label, workload, "--num-requests", str(args.num_requests), "--rate", f"{rate:.4f}",
+              "--seed", str(args.seed))  # fmt: skip
+        real = read_jsonl(out / f"{run_label}.jsonl")
+        sim = simulate(real, contention)  # the requests as the server saw them arrive
+        row = {"rate": round(rate, 3), "real": compare.attainment(real, ttft_slo, tpot_slo),
+               "simulated": compare.attainment(sim, ttft_slo, tpot_slo)}  # fmt: skip
+        for metric in ("ttft", "tpot"):
+            for side, timelines in (("real", real), ("simulated", sim)):
+                values = [getattr(t, metric) for t in timelines if t.error is None and getattr(t, metric) is not None]
+                row[f"{metric}_p50_{side}"], row[f"{metric}_p90_{side}"] = percentiles(values)
+        rows.append(row)
+        keys = ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")
+        row["errors"] = errors = {k: row[f"{k}_simulated"] / row[f"{k}_real"] - 1 for k in keys}
+        summary = ", ".join(f"{k} {v:+.0%}" for k, v in errors.items())
+        print(f"  {rate:7.3f} req/s: real {row['real']:6.1%}, simulated {row['simulated']:6.1%}; {summary}", flush=True)
+    return {"slo": {"ttft": ttft_slo, "tpot": tpot_slo}, "calibration_rate": loaded,
+            "contention": {k: vars(v) for k, v in contention.items()},
+            "transfer": [setup.transfer_fixed, setup.transfer_per_token], "rows": rows}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model directory or name (default: the SHAPE above, dummy weights)")
-    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--num-requests", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ttft-scale", type=float, default=3.0, help="TTFT SLO over the no-load median")
-    parser.add_argument("--tpot-scale", type=float, default=2.0, help="TPOT SLO over the no-load median")
-    parser.add_argument("--co-runner", action=argparse.BooleanOptionalAction, default=True,
-                        help="profile beside a one-thread matmul loop standing in for the other instance")
     parser.add_argument("--out", type=Path, default=Path("results/placement-accuracy"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-
-    model = {"model": args.model} if args.model else {
-        "model": str(write_llama_shape(args.out / "model", **SHAPE)), "load_format": "dummy"
-    }
+    started = time.monotonic()
+    model = {"model": str(write_llama_shape(args.out / "model", **SHAPE)), "load_format": "dummy"}
     engine = EngineConfig.from_flat(**model, cpu_threads=1, block_size=BLOCK_SIZE)
-    # Under load the other instance computes at the same time on the machine's other core, and they
-    # share what cores share (hyperthread siblings, cache, memory bandwidth): profile beside such a load.
-    co_runner = subprocess.Popen([sys.executable, "-c", CO_RUNNER]) if args.co_runner else None
-    try:
-        raw = run_profile(engine, max_prompt_len=256, max_context_len=320, max_batch_size=32, repeats=5)
-    finally:
-        if co_runner is not None:
-            co_runner.kill()
-    raw.save(args.out / "profile.json")
-    print(f"profile: prefill {raw.prefill}, decode {raw.decode} (r2 {raw.meta['prefill_r2']:.3f}, "
-          f"{raw.meta['decode_r2']:.3f})", flush=True)
+    fitted: FittedLatency = run_profile(engine, max_prompt_len=512, max_context_len=640, max_batch_size=32, repeats=3)
+    fitted.save(args.out / "profile.json")
+    print(f"profile: prefill {fitted.prefill}, decode {fitted.decode}", flush=True)
 
+    results = {}
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
-        config = make_cluster_config(
-            **model, num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, cpu_threads=1,
-            prefill={"instances": 1}, decode={"instances": 1},
-        )  # fmt: skip
-        with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0)) as server:
-            # Requests one at a time, at a rate slow enough that the simulator sees no overlap either.
-            calibration = bench(server.grpc_address, args.out, "calibration", "--num-requests", "30",
-                                "--max-concurrency", "1", "--seed", str(args.seed + 1))["runs"][0]
-            # The run's lengths, drawn as distserve bench drew them.
-            specs = synthetic_workload(30, parse_length(PROMPT_LEN), parse_length(OUTPUT_LEN), args.seed + 1)
-            ttft_median, tpot_median = calibration["ttft"]["median"], calibration["tpot"]["median"]
-            ttft_overhead = ttft_median - statistics.median(raw.prefill_time([s.prompt_len]) for s in specs)
-            tpot_overhead = tpot_median - statistics.median(
-                raw.decode_time(1, s.prompt_len + s.output_len // 2) for s in specs
-            )
-            fitted = dataclasses.replace(
-                raw,
-                prefill=(raw.prefill[0] + max(0.0, ttft_overhead), *raw.prefill[1:]),
-                decode=(raw.decode[0] + max(0.0, tpot_overhead), *raw.decode[1:]),
-            )
-            ttft_slo, tpot_slo = args.ttft_scale * ttft_median, args.tpot_scale * tpot_median
-            print(f"no-load overheads: TTFT +{ttft_overhead * 1e3:.1f} ms, TPOT +{tpot_overhead * 1e3:.2f} ms/token; "
-                  f"SLOs TTFT {ttft_slo * 1e3:.1f} ms, TPOT {tpot_slo * 1e3:.2f} ms", flush=True)
-
-            def predicted(fit: FittedLatency, rate: float) -> float:
-                return attainment(predict(fit, args.num_requests, rate, args.seed), ttft_slo, tpot_slo)
-
-            rates = []
-            for target in TARGETS:
-                rate, _ = find_goodput(lambda r: predicted(fitted, r), target, 0.05, 500.0, tolerance=0.01,
-                                       max_iters=30)
-                rates.append(round(rate, 3))
-            rows = []
-            for rate in rates:
-                run = bench(server.grpc_address, args.out, f"rate-{rate}", "--num-requests", str(args.num_requests),
-                            "--rate", str(rate), "--seed", str(args.seed), "--slo-ttft", f"{ttft_slo:.6f}",
-                            "--slo-tpot", f"{tpot_slo:.6f}")["runs"][0]
-                real = run["attainment"]["both"]
-                rows.append({"rate": rate, "real": real, "predicted": predicted(fitted, rate),
-                             "predicted_raw_profile": predicted(raw, rate)})
-                print(f"rate {rate:>7.3f} req/s: real {real:6.1%}  predicted {rows[-1]['predicted']:6.1%}  "
-                      f"(raw profile {rows[-1]['predicted_raw_profile']:6.1%})", flush=True)
+        for name, (pools, setup) in DEPLOYMENTS.items():
+            config = make_cluster_config(**model, num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, cpu_threads=1,
+                                         **pools)  # fmt: skip
+            with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0)) as server:
+                for workload_name, workload in WORKLOADS.items():
+                    setup_copy = compare.RunSetup(**vars(setup))
+                    results[f"{name}, {workload_name}"] = validate(
+                        server.grpc_address, args.out, name, workload, setup_copy, fitted, args
+                    )
     finally:
         ray.shutdown()
-
-    worst = max(abs(r["real"] - r["predicted"]) for r in rows)
-    worst_raw = max(abs(r["real"] - r["predicted_raw_profile"]) for r in rows)
-    print(f"largest absolute difference: {worst * 100:.1f} points (raw profile: {worst_raw * 100:.1f} points)")
-    series = {
-        "real (distserve bench)": [(r["rate"], r["real"]) for r in rows],
-        "simulated": [(r["rate"], r["predicted"]) for r in rows],
-        "simulated, raw profile": [(r["rate"], r["predicted_raw_profile"]) for r in rows],
-    }
-    title = f"{Path(model['model']).name}: 1 prefill + 1 decode"
-    plot_attainment_vs_rate(series, None, args.out / "accuracy.png", title)
-    summary = {"slo": {"ttft": ttft_slo, "tpot": tpot_slo}, "overheads": {"ttft": ttft_overhead, "tpot": tpot_overhead},
-               "rows": rows, "largest_difference": worst, "largest_difference_raw": worst_raw}
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    worst = max(abs(r["real"] - r["simulated"]) for v in results.values() for r in v["rows"])
+    print(f"largest attainment difference: {worst * 100:.1f} points; {time.monotonic() - started:.0f} s in all")
+    series = {}
+    for key, value in results.items():
+        series[f"{key}: real"] = [(r["rate"], r["real"]) for r in value["rows"]]
+        series[f"{key}: simulated"] = [(r["rate"], r["simulated"]) for r in value["rows"]]
+    plot_attainment_vs_rate(series, None, args.out / "accuracy.png", "58M dummy Llama, one thread per instance")
+    (args.out / "summary.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

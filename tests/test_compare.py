@@ -45,7 +45,7 @@ def test_steps_are_told_apart_by_what_ran_beside_them():
     b = RequestTimeline("b", 10, 1, 0.0, prefill_start=0.4, prefill_end=0.6, prefill_instance="p",
                         migration_start=0.6, migration_end=0.9, decode_instance="d")  # fmt: skip
     slowdown = compare.step_slowdown([a, b], lambda batch, context: 0.1)
-    expected = {"alone": (1, 1.0), "during another instance's batch": (1, 2.0), "during a KV pull into it": (1, 3.0)}
+    expected = {"alone": (1, 1.0), "during another instance's batch": (1, 2.0), "during a KV pull": (1, 3.0)}
     assert {label: (n, round(ratio, 9)) for label, (n, ratio) in slowdown.items()} == expected
 
 
@@ -72,3 +72,23 @@ def test_compare_refuses_a_run_whose_requests_the_simulation_lacks(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     FITTED.save(tmp_path / "p.json")
     assert main(["compare", "--trace", str(tmp_path / "empty.jsonl"), "--profile", str(tmp_path / "p.json")]) == 2
+
+
+def test_contention_and_transfer_are_fitted_back_from_a_run_that_has_them():
+    """A run simulated with known contention and pulls of 5 ms + 20 us/token: the fit recovers them."""
+    from placement.simulator import Contention
+
+    requests = [RequestTimeline(str(i), 30 + 17 * (i % 9), 6, 0.05 * i) for i in range(60)]
+    setup = compare.RunSetup(num_kv_blocks=256, transfer_fixed=0.005, transfer_per_token=2e-5)
+    known = {"prefill": Contention(1.0, 1.5, 1.5), "step": Contention(1.25, 1.5, 2.0)}
+    run = compare.simulate_like(requests, setup, FITTED.prefill_time, FITTED.decode_time, known)
+    fixed, per_token = compare.fit_transfer(run)
+    assert fixed == pytest.approx(0.005) and per_token == pytest.approx(2e-5)
+    fitted = compare.fit_contention(run, FITTED.prefill_time, FITTED.decode_time)
+    assert fitted["step"].alone == pytest.approx(1.25, rel=0.02)
+    assert fitted["step"].beside_batch == pytest.approx(1.5, rel=0.02)
+    assert fitted["prefill"].beside_batch == pytest.approx(1.5, rel=0.02)
+    plain = compare.simulate_like(requests, setup, FITTED.prefill_time, FITTED.decode_time)
+    assert vars(compare.fit_contention(plain, FITTED.prefill_time, FITTED.decode_time)["step"]) == pytest.approx(
+        vars(Contention())
+    )

@@ -14,6 +14,7 @@ from distserve.scheduling.scheduler import PrefillFirstScheduler
 from placement.kv_blocks import BatchScheduler, BlockPool, SimSeq
 from placement.simulator import (
     ColocatedInstanceSpec,
+    Contention,
     DecodeInstanceSpec,
     PrefillInstanceSpec,
     SimRequest,
@@ -297,3 +298,23 @@ def test_block_rules_match_the_engine_scheduler(prefix_caching):
     assert preemptions > 10
     if prefix_caching:
         assert manager.prefix_cache_hit_tokens > 0  # recomputes found their blocks
+
+
+def test_contention_stretches_batches_by_what_runs_beside_them():
+    """Prefill 1 s, steps 0.25 s, pulls 0.5 s. Decode steps take 2x alone, 1x beside a prefill batch,
+    3x during a pull into their instance; prefill batches 1.5x during a pull out of theirs. By hand:
+    A prefills 0-1, B 1-2 (the pull of A starts at 1 too, after B's batch has begun); A's steps at
+    1.5 and 1.75 run beside B's prefill; at 2 B's pull begins (to 2.5) and A's last step takes
+    0.75 s; C's prefill starts at 2.25 during that pull: 1.5 s; B's step at 2.75 runs beside it;
+    D, alone at 4, prefills to 5, is pulled to 5.5, and its step takes 0.5 s."""
+    requests = [SimRequest(0.0, 10, 4), SimRequest(0.5, 10, 2), SimRequest(2.25, 10, 1), SimRequest(4.0, 10, 2)]
+    prefill = PrefillInstanceSpec(1, lambda lens: 1.0, None, 4096, 1024, block_size=16,
+                                  contention=Contention(during_pull=1.5))  # fmt: skip
+    decode = DecodeInstanceSpec(1, lambda batch, context: 0.25, None, 256, 1024, block_size=16,
+                                contention=Contention(alone=2.0, during_pull=3.0))  # fmt: skip
+    a, b, c, d = (r.timeline for r in simulate(requests, prefill, decode, lambda tokens: 0.5))
+    assert a.token_times == [1.0, 1.75, 2.0, 2.75] and (a.migration_start, a.migration_end) == (1.0, 1.5)
+    assert (b.prefill_start, b.prefill_end, b.migration_start, b.migration_end) == (1.0, 2.0, 2.0, 2.5)
+    assert b.steps == [(2.75, 3.0, 1)]
+    assert (c.prefill_start, c.prefill_end, c.finish) == (2.25, 3.75, 3.75)
+    assert d.token_times == [5.0, 6.0] and d.steps == [(5.5, 6.0, 1)]
