@@ -339,15 +339,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise UsageError(f"{args.trace}: no request timelines")
     fitted = FittedLatency.load(args.profile)
     setup = compare.RunSetup(**{f: getattr(args, f) for f in compare.RunSetup.__dataclass_fields__})
-    contention = None
+    contention = delays = None
     if args.calibrate:
         calibration = read_jsonl(args.calibrate)
         contention = compare.fit_contention(calibration, fitted.prefill_time, fitted.decode_time)
+        delays = compare.fit_delays(calibration)
         if not setup.colocated_instances:
             setup.transfer_fixed, setup.transfer_per_token = compare.fit_transfer(calibration)
         print(f"calibrated from {args.calibrate}: transfer {setup.transfer_fixed * 1e3:.2f} ms + "
-              f"{setup.transfer_per_token * 1e6:.2f} us/token; contention {contention}")
-    sim = compare.simulate_like(run, setup, fitted.prefill_time, fitted.decode_time, contention)
+              f"{setup.transfer_per_token * 1e6:.2f} us/token; {delays}; contention {contention}")
+    sim = compare.simulate_like(run, setup, fitted.prefill_time, fitted.decode_time, contention, delays)
     if args.sim_out:
         write_jsonl(args.sim_out, sim)
         print(f"wrote {args.sim_out}")
@@ -478,8 +479,9 @@ def compare_parser(prog: str = "distserve place compare") -> argparse.ArgumentPa
     p.add_argument("--slo-tpot", type=_positive(float), help="TPOT SLO, seconds")
     p.add_argument(
         "--calibrate",
-        help="timelines of a loaded run on the same deployment: fit the KV transfer time and how much "
-        "batches slow down beside other work (alone, beside another instance's batch, during a pull) from them",
+        help="timelines of a loaded run on the same deployment: fit the KV transfer time, the serving path's "
+        "delays and how much batches slow down beside other work (alone, beside another instance's batch, "
+        "during a pull) from them",
     )
     p.add_argument("--sim-out", help="write the simulated timelines here (JSON lines)")
     return p

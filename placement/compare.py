@@ -28,6 +28,7 @@ from placement.sim_specs import (
     Contention,
     DecodeInstanceSpec,
     PrefillInstanceSpec,
+    ServingDelays,
     SimRequest,
 )
 from placement.timeline import RequestTimeline
@@ -211,9 +212,16 @@ def step_slowdown(real: Sequence[RequestTimeline], step_time: StepTime) -> dict[
 MIN_SAMPLES = 10  # fewer batches than this in a situation say too little: it takes the next one's factor
 
 
+def _typical_mean(values: Sequence[float]) -> float:
+    """The mean without the slowest 1%: a mean, because a request's TPOT adds its steps' times up,
+    but not one that a stray pause of the machine can move."""
+    values = np.sort(np.asarray(values, dtype=float))
+    return float(values[: max(1, int(np.ceil(len(values) * 0.99)))].mean())
+
+
 def fit_contention(real: Run, batch_time: BatchTime, step_time: StepTime) -> dict[str, Contention]:
-    """The ``Contention`` of prefill batches and of steps that a loaded run shows: the median slowdown
-    in each situation. A situation with too few batches takes the factor of the next more common one
+    """The ``Contention`` of prefill batches and of steps that a loaded run shows: the mean slowdown
+    in each situation (``_typical_mean``). A situation with too few batches takes the factor of the next more common one
     (a pull, then another instance's batch, then alone), and 1.0 when the run has none at all."""
     ratios = slowdowns(real, batch_time, step_time)
     fitted = {}
@@ -221,9 +229,20 @@ def fit_contention(real: Run, batch_time: BatchTime, step_time: StepTime) -> dic
         factors, fallback = {}, 1.0
         for label in ("alone", "beside_batch", "during_pull"):
             values = ratios.get((kind, label), [])
-            factors[label] = fallback = float(np.median(values)) if len(values) >= MIN_SAMPLES else fallback
+            factors[label] = fallback = _typical_mean(values) if len(values) >= MIN_SAMPLES else fallback
         fitted[kind] = Contention(**factors)
     return fitted
+
+
+def fit_delays(real: Run) -> ServingDelays:
+    """What a run's serving path adds around the batches: medians of a request's call to its first
+    instance, of a sampled token's way to the orchestrator, and of an instance's turn between batches."""
+    dispatch = [t.prefill_queued - t.arrival for t in real if t.prefill_queued is not None]
+    delivery = [t.token_times[0] - t.prefill_end for t in real if t.prefill_end is not None and t.token_times]
+    delivery += [time - end for t in real for (_, end, _), time in zip(t.steps, t.token_times[1:])]
+    gaps = [b[0] - a[1] for t in real for a, b in zip(t.steps, t.steps[1:])]
+    median = lambda values: max(0.0, float(np.median(values))) if values else 0.0  # noqa: E731
+    return ServingDelays(median(dispatch), median(delivery), median(gaps))
 
 
 def fit_transfer(real: Run) -> tuple[float, float]:
@@ -285,9 +304,12 @@ def simulate_like(
     batch_time: BatchTime,
     step_time: StepTime,
     contention: dict[str, Contention] | None = None,
+    delays: ServingDelays | None = None,
 ) -> list[RequestTimeline]:
-    """The simulated timelines of a run's requests: same ids, lengths and arrivals (as the server saw
-    them); ``contention`` (``fit_contention``) stretches prefill batches and steps as measured."""
+    """The simulated timelines of a run's requests: same ids, lengths and arrivals; ``contention``
+    (``fit_contention``) stretches prefill batches and steps and ``delays`` (``fit_delays``) adds the
+    serving path's time, as measured."""
+    delays = delays or ServingDelays()
     requests = [SimRequest(t.arrival, t.prompt_len, t.output_len, t.request_id) for t in run]
     d = setup
     contention = contention or {}
@@ -297,12 +319,13 @@ def simulate_like(
         spec = ColocatedInstanceSpec(d.colocated_instances, batch_time, step_time, d.max_num_batched_tokens,
                                      d.max_num_seqs, d.block_size, d.num_kv_blocks,
                                      contention=step_contention)  # fmt: skip
-        results = simulate_colocated(requests, spec)
+        results = simulate_colocated(requests, spec, delays)
     else:
         prefill = PrefillInstanceSpec(d.prefill_instances, batch_time, None, d.max_num_batched_tokens, kv_tokens,
                                       d.block_size, d.max_num_seqs, d.kv_hold_fraction,
                                       contention=prefill_contention)  # fmt: skip
         decode = DecodeInstanceSpec(d.decode_instances, step_time, None, d.max_num_seqs, kv_tokens, d.block_size,
                                     d.max_num_batched_tokens, contention=step_contention)  # fmt: skip
-        results = simulate_blocks(requests, prefill, decode, lambda n: d.transfer_fixed + d.transfer_per_token * n)
+        transfer = lambda n: d.transfer_fixed + d.transfer_per_token * n  # noqa: E731
+        results = simulate_blocks(requests, prefill, decode, transfer, delays)
     return [r.timeline for r in results]

@@ -50,11 +50,20 @@ from placement.sim_specs import (
     Contention,
     DecodeInstanceSpec,
     PrefillInstanceSpec,
+    ServingDelays,
     SimRequest,
     SimResult,
 )
 
-_ARRIVAL, _STEP_DONE, _PULLED = range(3)
+_ARRIVAL, _STEP_DONE, _PULLED, _HANDOVER = range(4)
+
+
+NO_DELAYS = ServingDelays()
+
+
+def _later(time: float, delay: float) -> float:
+    """``time + delay``, leaving exact times (the tests' fractions) exact when there is no delay."""
+    return time + delay if delay else time
 
 
 class _Engine:
@@ -118,8 +127,9 @@ _E = TypeVar("_E", bound=_Engine)
 
 class _EngineSim:
     def __init__(self, requests: Sequence[SimRequest], entry: list[_Engine], decodes: list[_Decode],
-                 transfer_time: Callable[[int], float]) -> None:
+                 transfer_time: Callable[[int], float], delays: ServingDelays) -> None:
         self.reqs = requests
+        self.delays = delays
         self.entry, self.decodes, self.transfer_time = entry, decodes, transfer_time
         self.instances: list[_Engine] = [*entry, *decodes]
         for i, inst in enumerate(self.instances):
@@ -138,7 +148,7 @@ class _EngineSim:
         heap = self.heap
         # Negative sequence numbers put arrivals before other events at the same time, in request order.
         n = len(self.reqs)
-        heap.extend((r.arrival, i - n, _ARRIVAL, 0, i) for i, r in enumerate(self.reqs))
+        heap.extend((_later(r.arrival, self.delays.dispatch), i - n, _ARRIVAL, 0, i) for i, r in enumerate(self.reqs))
         heapq.heapify(heap)
         while heap:
             now, _, kind, inst, payload = heapq.heappop(heap)
@@ -146,6 +156,8 @@ class _EngineSim:
                 self.arrive(now, payload)
             elif kind == _STEP_DONE:
                 self.step_done(now, self.instances[inst], payload)
+            elif kind == _HANDOVER:
+                self.hand_over(*payload)
             else:
                 self.pulled(now, self.instances[inst], *payload)
             # Everything that happens at one instant reaches the instances before any of them goes on.
@@ -192,7 +204,8 @@ class _EngineSim:
         factor = self.contention_factor(now, inst)
         if factor != 1:  # (exact latencies, such as the tests' fractions, stay exact without contention)
             duration *= factor
-        self.push(now + duration, _STEP_DONE, inst.index, _Step(now, batch, computed))
+        # The instance's turn ends a step gap after the batch: its outputs are processed, then it schedules.
+        self.push(_later(now + duration, self.delays.step_gap), _STEP_DONE, inst.index, _Step(now, batch, computed))
 
     def contention_factor(self, now: float, inst: _Engine) -> float:
         """What else runs as ``inst`` starts a batch (``inst.busy`` is already set, so it is not counted)."""
@@ -218,32 +231,41 @@ class _EngineSim:
             inst.pulls_until = prefill.pulls_until = end  # pulls run in admission order: the latest ends last
             self.push(end, _PULLED, inst.index, (seq, prefill))
 
-    def step_done(self, now: float, inst: _Engine, step: _Step) -> None:
+    def step_done(self, turn_end: float, inst: _Engine, step: _Step) -> None:
         inst.busy = False
         self.dirty.add(inst.index)
         size = len(step.batch)
+        sampled = turn_end - self.delays.step_gap if self.delays.step_gap else turn_end
+        delivered = _later(sampled, self.delays.delivery)  # when the orchestrator has the token
         for seq in step.batch:
             r = seq.request
             req, timeline = self.reqs[r], self.timelines[r]
             seq.num_tokens += 1
-            timeline.token_times.append(now)
+            timeline.token_times.append(delivered)
             if step.computed is not None and timeline.prefill_end is None:
-                timeline.prefill_start, timeline.prefill_end = step.start, now
+                timeline.prefill_start, timeline.prefill_end = step.start, sampled
                 timeline.prefill_batch_size, timeline.prefill_batch_tokens = size, sum(step.computed)
             else:
-                timeline.steps.append((step.start, now, size))
+                timeline.steps.append((step.start, sampled, size))
             if seq.num_tokens - req.prompt_len >= req.output_len:
                 inst.finish(seq)
-                timeline.finish = now
+                timeline.finish = delivered
                 for e in self.assigned[r]:
                     e.load_tokens -= req.prompt_len + req.output_len
             elif isinstance(inst, _Prefill):
                 inst.held[r] = seq
                 inst.held_blocks += len(seq.blocks)
-                decode = self.route(self.decodes, r)
-                decode.pending.append((SimSeq(r, seq.num_tokens), inst))
-                timeline.handover = now
-                timeline.decode_instance = decode.name
+                timeline.handover = delivered
+                handover = (r, inst, seq.num_tokens)
+                if self.delays.delivery or self.delays.dispatch:  # the orchestrator relays it to a decode instance
+                    self.push(_later(delivered, self.delays.dispatch), _HANDOVER, 0, handover)
+                else:
+                    self.hand_over(*handover)
+
+    def hand_over(self, r: int, prefill: _Prefill, num_tokens: int) -> None:
+        decode = self.route(self.decodes, r)
+        decode.pending.append((SimSeq(r, num_tokens), prefill))
+        self.timelines[r].decode_instance = decode.name
 
     def pulled(self, now: float, inst: _Decode, seq: SimSeq, prefill: _Prefill) -> None:
         held = prefill.held.pop(seq.request)
@@ -269,7 +291,7 @@ def _check_fits(requests: Sequence[SimRequest], pools: list[BlockPool]) -> None:
 
 
 def simulate_blocks(requests: Sequence[SimRequest], prefill: PrefillInstanceSpec, decode: DecodeInstanceSpec,
-                    transfer_time: Callable[[int], float]) -> list[SimResult]:
+                    transfer_time: Callable[[int], float], delays: ServingDelays = NO_DELAYS) -> list[SimResult]:
     """Disaggregated deployment in block mode; results (with timelines) in request order."""
     if prefill.block_size is None or decode.block_size is None:
         raise ValueError("block mode needs block_size on both the prefill and the decode spec")
@@ -290,10 +312,11 @@ def simulate_blocks(requests: Sequence[SimRequest], prefill: PrefillInstanceSpec
         scheduler = BatchScheduler(pool, decode.max_batch_tokens, decode.max_batch_size)
         decodes.append(_Decode(f"decode-{i}", scheduler, recompute_time, decode.step_time, decode.contention))
     _check_fits(requests, [e.pool for e in (*prefills, *decodes)])
-    return _EngineSim(requests, prefills, decodes, transfer_time).run()
+    return _EngineSim(requests, prefills, decodes, transfer_time, delays).run()
 
 
-def simulate_colocated(requests: Sequence[SimRequest], spec: ColocatedInstanceSpec) -> list[SimResult]:
+def simulate_colocated(requests: Sequence[SimRequest], spec: ColocatedInstanceSpec,
+                       delays: ServingDelays = NO_DELAYS) -> list[SimResult]:
     """Colocated instances (``PrefillFirstScheduler``); results (with timelines) in request order."""
     if spec.count < 1:
         raise ValueError("need at least one colocated instance")
@@ -303,4 +326,4 @@ def simulate_colocated(requests: Sequence[SimRequest], spec: ColocatedInstanceSp
         scheduler = BatchScheduler(pool, spec.max_batch_tokens, spec.max_batch_size)
         instances.append(_Engine(f"colocated-{i}", scheduler, spec.batch_time, spec.step_time, spec.contention))
     _check_fits(requests, [e.pool for e in instances])
-    return _EngineSim(requests, instances, [], lambda tokens: 0.0).run()
+    return _EngineSim(requests, instances, [], lambda tokens: 0.0, delays).run()

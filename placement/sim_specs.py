@@ -31,6 +31,16 @@ class Contention:
     during_pull: float = 1.0  # a KV pull into (decode) or out of (prefill) this instance is under way
 
 
+@dataclass(frozen=True)
+class ServingDelays:
+    """Time the serving path adds around an engine's batches (block mode), measured from a run's
+    timelines (``placement.compare.fit_delays``); zero by default."""
+
+    dispatch: float = 0.0  # the orchestrator's call: a request (or hand-over) reaches an instance's queue
+    delivery: float = 0.0  # a sampled token reaches the orchestrator (instance outputs, the long poll)
+    step_gap: float = 0.0  # an instance's turn between two batches (output processing, scheduling)
+
+
 @dataclass
 class SimRequest:
     arrival: float

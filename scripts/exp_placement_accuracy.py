@@ -88,12 +88,12 @@ def validate(address, out, name, workload, setup, fitted, args) -> dict:
                        "--max-concurrency", "1", "--seed", str(args.seed + 1))  # fmt: skip
     ttft_slo, tpot_slo = 3 * sequential["ttft"]["median"], 2 * sequential["tpot"]["median"]
 
-    def simulate(run, contention=None):
-        return compare.simulate_like(run, setup, fitted.prefill_time, fitted.decode_time, contention)
+    def simulate(run, contention=None, delays=None):
+        return compare.simulate_like(run, setup, fitted.prefill_time, fitted.decode_time, contention, delays)
 
-    def predicted(rate, contention=None) -> float:
-        return compare.attainment(simulate(requests(workload, args.num_requests, rate, args.seed), contention),
-                                  ttft_slo, tpot_slo)  # fmt: skip
+    def predicted(rate, contention=None, delays=None) -> float:
+        timelines = simulate(requests(workload, args.num_requests, rate, args.seed), contention, delays)
+        return compare.attainment(timelines, ttft_slo, tpot_slo)
 
     # Calibrate at the rate the profile alone predicts 90% at: loaded, not yet overloaded.
     loaded, _ = find_goodput(predicted, 0.9, 0.05, 200.0, tolerance=0.02, max_iters=30)
@@ -101,19 +101,21 @@ def validate(address, out, name, workload, setup, fitted, args) -> dict:
           "--rate", f"{loaded:.4f}", "--seed", str(args.seed + 2))  # fmt: skip
     calibration = read_jsonl(out / f"{label}-calibration.jsonl")
     contention = compare.fit_contention(calibration, fitted.prefill_time, fitted.decode_time)
+    delays = compare.fit_delays(calibration)
     if not setup.colocated_instances:
         setup.transfer_fixed, setup.transfer_per_token = compare.fit_transfer(calibration)
     print(f"{name}, {workload}: SLOs TTFT {ttft_slo * 1e3:.0f} ms, TPOT {tpot_slo * 1e3:.1f} ms; calibrated at "
-          f"{loaded:.2f} req/s: {contention}, transfer {setup.transfer_fixed * 1e3:.1f} ms + "
+          f"{loaded:.2f} req/s: {contention}, {delays}, transfer {setup.transfer_fixed * 1e3:.1f} ms + "
           f"{setup.transfer_per_token * 1e6:.1f} us/token", flush=True)
     rows = []
     for target in TARGETS:
-        rate, _ = find_goodput(lambda r: predicted(r, contention), target, 0.05, 200.0, tolerance=0.01, max_iters=30)
+        rate, _ = find_goodput(lambda r: predicted(r, contention, delays), target, 0.05, 200.0, tolerance=0.01,
+                               max_iters=30)  # fmt: skip
         run_label = f"{label}-rate{rate:.3f}"
         bench(address, out, run_label, workload, "--num-requests", str(args.num_requests), "--rate", f"{rate:.4f}",
               "--seed", str(args.seed))  # fmt: skip
         real = read_jsonl(out / f"{run_label}.jsonl")
-        sim = simulate(real, contention)  # the requests as the server saw them arrive
+        sim = simulate(real, contention, delays)  # the requests as the server saw them arrive
         row = {"rate": round(rate, 3), "real": compare.attainment(real, ttft_slo, tpot_slo),
                "simulated": compare.attainment(sim, ttft_slo, tpot_slo)}  # fmt: skip
         for metric in ("ttft", "tpot"):
@@ -126,7 +128,7 @@ def validate(address, out, name, workload, setup, fitted, args) -> dict:
         summary = ", ".join(f"{k} {v:+.0%}" for k, v in errors.items())
         print(f"  {rate:7.3f} req/s: real {row['real']:6.1%}, simulated {row['simulated']:6.1%}; {summary}", flush=True)
     return {"slo": {"ttft": ttft_slo, "tpot": tpot_slo}, "calibration_rate": loaded,
-            "contention": {k: vars(v) for k, v in contention.items()},
+            "contention": {k: vars(v) for k, v in contention.items()}, "delays": vars(delays),
             "transfer": [setup.transfer_fixed, setup.transfer_per_token], "rows": rows}  # fmt: skip
 
 
