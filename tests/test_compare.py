@@ -92,3 +92,18 @@ def test_contention_and_transfer_are_fitted_back_from_a_run_that_has_them():
     assert vars(compare.fit_contention(plain, FITTED.prefill_time, FITTED.decode_time)["step"]) == pytest.approx(
         vars(Contention())
     )
+
+
+def test_serving_delays_are_fitted_back_from_a_run_that_has_them():
+    """A request reaches its instance 4 ms after arriving, each token the orchestrator 2 ms after it is
+    sampled, and an instance starts its next batch 1 ms after one ends: the fit recovers all three."""
+    from placement.sim_specs import ServingDelays
+
+    requests = [RequestTimeline(str(i), 30 + 17 * (i % 9), 6, 0.05 * i) for i in range(40)]
+    delays = ServingDelays(dispatch=0.004, delivery=0.002, step_gap=0.001)
+    run = compare.simulate_like(requests, compare.RunSetup(num_kv_blocks=256), FITTED.prefill_time,
+                                FITTED.decode_time, None, delays)  # fmt: skip
+    assert vars(compare.fit_delays(run)) == pytest.approx(vars(delays))
+    first = run[0]
+    assert first.prefill_queued == pytest.approx(first.arrival + 0.004)
+    assert first.token_times[0] == pytest.approx(first.prefill_end + 0.002)
