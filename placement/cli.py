@@ -397,7 +397,12 @@ def _positive(kind: type):
 
 
 def search_parser(prog: str = "distserve place") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Pick TP/PP and instance counts; write a plan file.")
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Pick TP/PP and instance counts; write a plan file.",
+        epilog=f"Also: '{prog} simulate --plan FILE' predicts a plan's attainment at given rates; '{prog} compare "
+        "--trace RUN --profile FILE' compares a real run's request timelines with their simulation.",
+    )
     p.add_argument(
         "--model", required=True, help=f"model directory (config.json) or preset: {', '.join(MODEL_PRESETS)}"
     )
