@@ -236,8 +236,19 @@ def fit_contention(real: Run, batch_time: BatchTime, step_time: StepTime) -> dic
 
 def fit_delays(real: Run) -> ServingDelays:
     """What a run's serving path adds around the batches: medians of a request's call to its first
-    instance, of a sampled token's way to the orchestrator, and of an instance's turn between batches."""
-    dispatch = [t.prefill_queued - t.arrival for t in real if t.prefill_queued is not None]
+    instance, of a sampled token's way to the orchestrator, and of an instance's turn between batches.
+    The call is timed on requests that found their instance idle: one that arrives mid-batch is taken
+    in after the batch, a wait the simulator makes by itself."""
+    batches: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for t in real:
+        if t.prefill_start is not None:
+            batches[t.prefill_instance or ""].append((t.prefill_start, t.prefill_end))
+        batches[t.decode_instance or t.prefill_instance or ""].extend((start, end) for start, end, _ in t.steps)
+    dispatch = [
+        t.prefill_queued - t.arrival
+        for t in real
+        if t.prefill_queued is not None and not _during(t.arrival, batches[t.prefill_instance or ""])
+    ]
     delivery = [t.token_times[0] - t.prefill_end for t in real if t.prefill_end is not None and t.token_times]
     delivery += [time - end for t in real for (_, end, _), time in zip(t.steps, t.token_times[1:])]
     gaps = [b[0] - a[1] for t in real for a, b in zip(t.steps, t.steps[1:])]
