@@ -329,7 +329,7 @@ def simulate_like(
     if d.colocated_instances:
         spec = ColocatedInstanceSpec(d.colocated_instances, batch_time, step_time, d.max_num_batched_tokens,
                                      d.max_num_seqs, d.block_size, d.num_kv_blocks,
-                                     contention=step_contention)  # fmt: skip
+                                     contention=step_contention, prefill_contention=prefill_contention)  # fmt: skip
         results = simulate_colocated(requests, spec, delays)
     else:
         prefill = PrefillInstanceSpec(d.prefill_instances, batch_time, None, d.max_num_batched_tokens, kv_tokens,

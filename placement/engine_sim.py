@@ -70,9 +70,11 @@ class _Engine:
     """One instance's engine as the simulation drives it; the base runs ``PrefillFirstScheduler``."""
 
     def __init__(self, name: str, scheduler: BatchScheduler, batch_time: Callable[[list[int]], float],
-                 step_time: Callable[[int, int], float] | None, contention: Contention) -> None:
+                 step_time: Callable[[int, int], float] | None, contention: Contention,
+                 prefill_contention: Contention | None = None) -> None:
         self.name = name
-        self.contention = contention
+        self.contention = contention  # of the batches it runs; of its decode steps when the next is given
+        self.prefill_contention = prefill_contention or contention
         self.pulls_until = 0.0  # a KV pull into or out of this instance runs until then
         self.index = 0  # in the simulation's list of instances
         self.scheduler = scheduler
@@ -201,19 +203,19 @@ class _EngineSim:
         else:
             duration = inst.batch_time(computed)
         inst.busy = True
-        factor = self.contention_factor(now, inst)
+        factor = self.contention_factor(now, inst, inst.contention if computed is None else inst.prefill_contention)
         if factor != 1:  # (exact latencies, such as the tests' fractions, stay exact without contention)
             duration *= factor
         # The instance's turn ends a step gap after the batch: its outputs are processed, then it schedules.
         self.push(_later(now + duration, self.delays.step_gap), _STEP_DONE, inst.index, _Step(now, batch, computed))
 
-    def contention_factor(self, now: float, inst: _Engine) -> float:
+    def contention_factor(self, now: float, inst: _Engine, contention: Contention) -> float:
         """What else runs as ``inst`` starts a batch (``inst.busy`` is already set, so it is not counted)."""
         if inst.pulls_until > now:
-            return inst.contention.during_pull
+            return contention.during_pull
         if any(other.busy for other in self.instances if other is not inst):
-            return inst.contention.beside_batch
-        return inst.contention.alone
+            return contention.beside_batch
+        return contention.alone
 
     def admit(self, now: float, inst: _Decode) -> None:
         scheduler, pool = inst.scheduler, inst.pool
@@ -324,6 +326,7 @@ def simulate_colocated(requests: Sequence[SimRequest], spec: ColocatedInstanceSp
     for i in range(spec.count):
         pool = BlockPool(spec.num_blocks, spec.block_size, spec.prefix_caching)
         scheduler = BatchScheduler(pool, spec.max_batch_tokens, spec.max_batch_size)
-        instances.append(_Engine(f"colocated-{i}", scheduler, spec.batch_time, spec.step_time, spec.contention))
+        instances.append(_Engine(f"colocated-{i}", scheduler, spec.batch_time, spec.step_time, spec.contention,
+                                 spec.prefill_contention))  # fmt: skip
     _check_fits(requests, [e.pool for e in instances])
     return _EngineSim(requests, instances, [], lambda tokens: 0.0, delays).run()

@@ -93,7 +93,8 @@ class ColocatedInstanceSpec:
     block_size: int
     num_blocks: int
     prefix_caching: bool = True  # the engine's default: a recompute finds its blocks while they stay cached
-    contention: Contention = Contention()
+    contention: Contention = Contention()  # of its decode steps
+    prefill_contention: Contention | None = None  # of its prefill batches; None: the steps'
 
 
 @dataclass
