@@ -164,7 +164,6 @@ def test_cluster_yaml_pools(tmp_path):
         1,
     )
     for text, message in [
-        ("cluster: {prefill: {}}", "a prefill and a decode pool"),
         ("cluster: {colocated: {}, decode: {}}", "a prefill and a decode pool"),
         ("cluster: {prefill: {instances: 0}, decode: {}}", "at least one instance"),
         ("cluster: {prefill: {block_sise: 8}, decode: {}}", "unknown option"),
@@ -179,3 +178,20 @@ def test_cluster_yaml_pools(tmp_path):
 def test_generate_refuses_a_one_phase_role(capsys):
     assert main(["generate", "--role", "decode", "x"]) == 2
     assert "needs a disaggregated cluster" in capsys.readouterr().err
+
+
+def test_setting_one_pool_keeps_the_other_pools_defaults():
+    """``--decode-instances 2`` or ``Cluster(decode={...})`` alone: the prefill pool stays (1 instance)."""
+    from distserve.cli import build_parser
+    from distserve.cluster.api import make_cluster_config
+    from distserve.entrypoints.launch import load_launch_config
+
+    def shape(config):
+        return [(str(pool.role), pool.instances) for pool in config.pools]
+
+    assert shape(make_cluster_config(model="tiny-llama", decode={"instances": 2})) == [("prefill", 1), ("decode", 2)]
+    assert shape(make_cluster_config(model="tiny-llama", prefill={"instances": 3})) == [("prefill", 3), ("decode", 1)]
+    assert shape(make_cluster_config(model="tiny-llama", colocated={"instances": 2})) == [("colocated", 2)]
+    args = vars(build_parser().parse_args(["launch", "--decode-instances", "2"]))
+    cluster, _ = load_launch_config(flags={k: v for k, v in args.items() if k.startswith("decode_")})
+    assert shape(cluster) == [("prefill", 1), ("decode", 2)]

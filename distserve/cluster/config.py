@@ -110,9 +110,12 @@ class ClusterConfig:
     @classmethod
     def from_pools(cls, engine: EngineConfig, pools: dict[str, Any]) -> ClusterConfig:
         """``pools`` maps roles to pool options, plus the optional cluster-wide keys (``name``,
-        ``max_request_attempts``, ``replace_failed_instances``); no pools means 1 prefill + 1 decode."""
+        ``max_request_attempts``, ``replace_failed_instances``); no pools means 1 prefill + 1 decode,
+        and one of the two alone keeps the other's defaults."""
         pools = dict(pools)
         settings = {key: pools.pop(key) for key in CLUSTER_KEYS if key in pools}
+        if "colocated" not in pools and pools.keys() & {"prefill", "decode"}:
+            pools = {"prefill": pools.pop("prefill", None) or {}, "decode": pools.pop("decode", None) or {}, **pools}
         if not settings.get("name", True):
             settings.pop("name")
         parsed = [PoolConfig.from_options(role, options) for role, options in pools.items()]
