@@ -212,10 +212,20 @@ def _add_client_args(parser: argparse.ArgumentParser, required: bool) -> None:
     group.add_argument("--tls-ca", help="PEM root certificate(s) to verify the server with: connects over TLS")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("distserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from distserve.model_executor.tiny_models import TINY_MODELS
 
     parser = argparse.ArgumentParser(prog="distserve", description="Disaggregated prefill/decode LLM serving.")
+    parser.add_argument("--version", action="version", version=f"distserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for prompts, in this process or on a server (--server)")

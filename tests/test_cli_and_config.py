@@ -195,3 +195,12 @@ def test_setting_one_pool_keeps_the_other_pools_defaults():
     args = vars(build_parser().parse_args(["launch", "--decode-instances", "2"]))
     cluster, _ = load_launch_config(flags={k: v for k, v in args.items() if k.startswith("decode_")})
     assert shape(cluster) == [("prefill", 1), ("decode", 2)]
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"distserve {version('distserve')}"
