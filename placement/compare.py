@@ -16,8 +16,10 @@ ratio tells whether the model's step times hold under load (contention, per-step
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -154,8 +156,17 @@ def compare_steps(real: Sequence[RequestTimeline], step_time: Callable[[int, int
     )
 
 
-def _during(time: float, spans: Sequence[tuple[float, float]]) -> bool:
-    return any(a <= time < b for a, b in spans)
+class _Spans:
+    """Time spans (possibly overlapping) that answer "does one cover this instant?" in O(log n)."""
+
+    def __init__(self, spans: Iterable[tuple[float, float]]) -> None:
+        ordered = sorted(spans)
+        self.starts = [a for a, _ in ordered]
+        self.reach = list(itertools.accumulate((b for _, b in ordered), max))  # latest end so far
+
+    def cover(self, time: float) -> bool:
+        i = bisect.bisect_right(self.starts, time) - 1
+        return i >= 0 and self.reach[i] > time
 
 
 StepTime = Callable[[int, int], float]
@@ -187,14 +198,15 @@ def slowdowns(real: Run, batch_time: BatchTime, step_time: StepTime) -> dict[tup
         busy[step.instance].add((step.start, step.end))
     batches = [("prefill", *key, batch_time(lengths)) for key, lengths in prefills.items()]
     batches += [("step", s.instance, s.start, s.end, step_time(s.batch_size, s.context)) for s in steps]
+    pulling = {name: _Spans(spans) for name, spans in pulls.items()}
+    batching = {name: _Spans(spans) for name, spans in busy.items()}
     ratios: dict[tuple[str, str], list[float]] = defaultdict(list)
     for kind, instance, start, end, predicted in batches:
         if end <= start:
             continue
-        others = [span for name, own in busy.items() if name != instance for span in own]
-        if _during(start, list(pulls[instance])):
+        if instance in pulling and pulling[instance].cover(start):
             label = "during_pull"
-        elif _during(start, others):
+        elif any(spans.cover(start) for name, spans in batching.items() if name != instance):
             label = "beside_batch"
         else:
             label = "alone"
@@ -244,10 +256,11 @@ def fit_delays(real: Run) -> ServingDelays:
         if t.prefill_start is not None:
             batches[t.prefill_instance or ""].append((t.prefill_start, t.prefill_end))
         batches[t.decode_instance or t.prefill_instance or ""].extend((start, end) for start, end, _ in t.steps)
+    busy = {name: _Spans(spans) for name, spans in batches.items()}
     dispatch = [
         t.prefill_queued - t.arrival
         for t in real
-        if t.prefill_queued is not None and not _during(t.arrival, batches[t.prefill_instance or ""])
+        if t.prefill_queued is not None and not busy.get(t.prefill_instance or "", _Spans(())).cover(t.arrival)
     ]
     delivery = [t.token_times[0] - t.prefill_end for t in real if t.prefill_end is not None and t.token_times]
     delivery += [time - end for t in real for (_, end, _), time in zip(t.steps, t.token_times[1:])]

@@ -85,7 +85,7 @@ def percentiles(values: list[float]) -> tuple[float, float]:
 
 def validate(address, out, name, workload, setup, fitted, args) -> dict:
     """Calibrate, pick rates, run and compare one deployment on one workload."""
-    label = name.replace(" ", "-").replace("+", "")
+    label = f"{name.replace(' ', '-').replace('+', '')}-{'-'.join(workload).replace(':', '')}"  # files per run
     sequential = bench(address, out, f"{label}-sequential", workload, "--num-requests", "30",
                        "--max-concurrency", "1", "--seed", str(args.seed + 1))  # fmt: skip
     ttft_slo, tpot_slo = 3 * sequential["ttft"]["median"], 2 * sequential["tpot"]["median"]
