@@ -3,6 +3,7 @@ output length it asked for, results and plots are written, and goodput search bo
 
 import asyncio
 import json
+import socket
 
 import pytest
 
@@ -22,6 +23,11 @@ def server(ray_cluster):
         yield server
 
 
+def _lengths(path, lengths: list[tuple[int, int]]) -> str:
+    path.write_text("\n".join(json.dumps({"prompt_len": p, "output_len": o}) for p, o in lengths))
+    return str(path)
+
+
 def test_every_request_gets_its_lengths_and_clock(server):
     specs = [RequestSpec(p, o) for p, o in [(5, 1), (40, 7), (200, 30), (17, 12), (90, 3)]]
 
@@ -37,12 +43,17 @@ def test_every_request_gets_its_lengths_and_clock(server):
     assert max(sends) - min(sends) > 0.01  # sent on the arrival schedule, not all at once
 
 
-def test_bench_command_writes_results_and_plots(server, tmp_path, capsys):
+def test_bench_command_writes_results_and_plots(server, tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
-    trace = tmp_path / "lengths.jsonl"
-    trace.write_text("\n".join(json.dumps({"prompt_len": 20 + 9 * i, "output_len": 4 + i}) for i in range(8)))
+    import placement.plots
+
+    titles = []  # each plot's title, as the real plotting functions get it
+    for name in ("plot_attainment_vs_rate", "plot_attainment_vs_slo_scale"):
+        plot = getattr(placement.plots, name)
+        monkeypatch.setattr(placement.plots, name, lambda *args, plot=plot: titles.append(args[-1]) or plot(*args))
+    trace = _lengths(tmp_path / "lengths.jsonl", [(20 + 9 * i, 4 + i) for i in range(8)])
     out = tmp_path / "bench.json"
-    args = ["bench", "--server", server.grpc_address, "--trace", str(trace), "--rates", "inf,40", "--no-progress"]
+    args = ["bench", "--server", server.grpc_address, "--trace", trace, "--rates", "inf,40", "--no-progress"]
     args += ["--slo-ttft", "10", "--slo-tpot", "1", "--result-json", str(out), "--plot-dir", str(tmp_path)]
     assert main(args) == 0
     results = json.loads(out.read_text())
@@ -54,7 +65,11 @@ def test_bench_command_writes_results_and_plots(server, tmp_path, capsys):
     assert [s for s, _ in results["slo_scale"]["points"]][:2] == [0.25, 0.5]
     for name in ("server-rate.png", "server-slo-scale.png"):
         assert (tmp_path / name).stat().st_size > 1000
-    assert "Serving benchmark result" in capsys.readouterr().out
+    assert results["model"] == "tiny-llama"
+    assert results["label"] == results["deployment"] == "1 prefill TP1 + 1 decode TP1"
+    assert titles == ["tiny-llama on 1 prefill TP1 + 1 decode TP1\nSLOs: TTFT 10 s, TPOT 1 s"] * 2
+    out = capsys.readouterr().out
+    assert "Serving benchmark result" in out and "First error" not in out
 
 
 def test_sharegpt_dataset_lengths_come_from_the_servers_tokenizer(server, tmp_path):
@@ -100,8 +115,57 @@ def test_goodput_is_zero_when_even_the_lowest_rate_misses(server, tmp_path):
     assert results["goodput"] == 0.0 and len(results["runs"]) == 1
 
 
-def test_goodput_without_slos_is_refused(server):
-    assert main(["bench", "--server", server.grpc_address, "--goodput", "--no-progress"]) == 2
+def test_failed_requests_are_counted_and_the_first_error_shown(server, tmp_path, capsys):
+    """Two of four prompts are longer than the model's context of 1024 tokens."""
+    trace = _lengths(tmp_path / "lengths.jsonl", [(20, 3), (2000, 3), (30, 3), (1500, 3)])
+    out = tmp_path / "bench.json"
+    args = ["bench", "--server", server.grpc_address, "--trace", trace, "--no-progress", "--result-json", str(out)]
+    assert main(args) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert (run["num_ok"], run["num_errors"]) == (2, 2)
+    assert run["first_error"].startswith("INVALID_ARGUMENT: ") and "context" in run["first_error"]
+    printed = capsys.readouterr().out
+    assert "2 / 2" in printed and f"First error: {run['first_error']}" in printed
+
+
+def test_a_run_in_which_every_request_fails_exits_1_with_the_first_error(server, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--server", server.grpc_address, "--num-requests", "3", "--prompt-len", "2000"]
+    assert main([*args, "--output-len", "4", "--no-progress", "--result-json", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.startswith(
+        "distserve: error: all 3 requests sent at once failed, the first with INVALID_ARGUMENT: "
+    )
+    assert "context" in captured.err and captured.err.count("\n") == 1
+    assert "nan" not in captured.out and "Serving benchmark result" not in captured.out
+    assert not out.exists()
+
+
+FLAG_MISTAKES = [
+    (["--plot-dir", "plots"], "--plot-dir needs --slo-ttft and --slo-tpot (the plots show SLO attainment)"),
+    (["--goodput"], "--goodput needs --slo-ttft and --slo-tpot (the SLOs whose attainment it searches)"),
+    (["--target", "0.8"], "--target needs --slo-ttft and --slo-tpot (it is a target of SLO attainment)"),
+    (["--slo-ttft", "1"], "--slo-ttft and --slo-tpot go together: give both or neither"),
+    (["--rate", "2", "--rates", "1,2"], "--rate and --rates exclude each other: give one of them"),
+    (["--goodput", "--slo-ttft", "1", "--slo-tpot", "1", "--rate", "2"], "--goodput and --rate exclude each other"),
+    (["--rate-high", "8"], "--rate-high needs --goodput (it bounds the goodput search)"),
+    (["--burstiness", "2"], "--burstiness needs --rate, --rates or --goodput"),
+    (["--trace", "t.jsonl", "--dataset", "d.json"], "--trace and --dataset exclude each other"),
+    (["--dataset", "d.json", "--output-len", "32"], "--dataset and --output-len exclude each other"),
+    (["--rates", "1,fast"], "--rates takes comma-separated numbers, got '1,fast'"),
+    (["--rate", "0"], "rates must be above 0 requests per second"),
+]
+
+
+@pytest.mark.parametrize("flags, message", FLAG_MISTAKES, ids=[" ".join(f) for f, _ in FLAG_MISTAKES])
+def test_flags_that_need_or_exclude_each_other_are_refused_before_any_request(flags, message, capsys):
+    """Against an address where nothing listens: a request sent would end in exit status 1, not 2."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    assert main(["bench", "--server", address, "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"distserve: error: {message}") and err.count("\n") == 1
 
 
 def _check_timeline(t, colocated: bool) -> None:
@@ -131,10 +195,9 @@ def test_trace_out_writes_every_requests_timeline(ray_cluster, tmp_path, pools):
 
     options = {"prefill": {}, "decode": {}} if pools == "disaggregated" else {"colocated": {"instances": 1}}
     config = make_cluster_config(model="tiny-llama", num_kv_blocks=128, **options)
-    lengths = tmp_path / "lengths.jsonl"
-    lengths.write_text("\n".join(json.dumps({"prompt_len": 20 + 9 * i, "output_len": 1 + 2 * i}) for i in range(8)))
+    lengths = _lengths(tmp_path / "lengths.jsonl", [(20 + 9 * i, 1 + 2 * i) for i in range(8)])
     with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0)) as server:
-        args = ["bench", "--server", server.grpc_address, "--trace", str(lengths), "--rates", "20,inf"]
+        args = ["bench", "--server", server.grpc_address, "--trace", lengths, "--rates", "20,inf"]
         assert main([*args, "--no-progress", "--trace-out", str(tmp_path / "t.jsonl")]) == 0
     for rate in ("20", "inf"):
         timelines = read_jsonl(tmp_path / f"t-rate{rate}.jsonl")

@@ -148,6 +148,20 @@ def test_summarize_all_failed_is_json_ready():
     assert "nan" in format_result(res)
 
 
+def test_the_first_error_is_of_the_first_failed_request_sent():
+    records = [
+        RequestRecord(8, 2, send_time=0.0, token_times=[0.1, 0.2]),
+        RequestRecord(8, 2, send_time=0.3, error="RESOURCE_EXHAUSTED: retry later"),
+        RequestRecord(8, 2, send_time=0.2, error="INVALID_ARGUMENT: the prompt is too long"),
+    ]
+    res = summarize(records)
+    assert (res.num_ok, res.num_errors) == (1, 2)
+    assert res.first_error == res.to_dict()["first_error"] == "INVALID_ARGUMENT: the prompt is too long"
+    assert "First error: INVALID_ARGUMENT: the prompt is too long" in format_result(res)
+    clean = summarize(records[:1])
+    assert clean.first_error is None and "First error" not in format_result(clean)
+
+
 # --- goodput ----------------------------------------------------------------------------------
 
 

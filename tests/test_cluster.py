@@ -174,6 +174,33 @@ def test_async_cluster_streams(ray_cluster):
     asyncio.run(main())
 
 
+def test_async_cluster_made_directly_serves_inside_async_with(ray_cluster):
+    """``AsyncCluster(model=...)`` takes Cluster's arguments, starts on ``async with`` and stops on
+    leaving it; used outside that span, it says so."""
+
+    async def main():
+        cluster = AsyncCluster(model="tiny-llama", block_size=8, num_kv_blocks=64)
+        with pytest.raises(RuntimeError, match="^this AsyncCluster is not started: use 'async with"):
+            cluster.generate("Hello")
+        async with cluster as running:
+            assert running is cluster
+            out = [o async for o in cluster.generate("Hello", _greedy(3))][-1]
+            handles = [s.handle for s in cluster.orchestrator.instances]
+        with pytest.raises(RuntimeError, match="^this AsyncCluster is shut down: make a new one$"):
+            await cluster.info()
+        # On a cluster, start() means that cluster: one shut down refuses rather than start another.
+        with pytest.raises(RuntimeError, match="^this AsyncCluster is shut down: a cluster starts once$"):
+            await cluster.start()
+        return out, handles
+
+    out, handles = asyncio.run(main())
+    assert out.finished and len(out.output_token_ids) == 3
+    assert handles
+    for handle in handles:  # every instance's actor is gone
+        with pytest.raises(ray_cluster.exceptions.RayActorError):
+            ray_cluster.get(handle.info.remote(), timeout=30)
+
+
 def test_a_pull_that_fails_ends_the_request_with_an_error(ray_cluster):
     """A hand-over naming a prefill instance that is gone: decode frees what it allocated and
     reports the request as failed, not as cancelled."""

@@ -20,7 +20,7 @@ class RequestRecord:
     output_len: int  # requested
     send_time: float
     token_times: list[float] = field(default_factory=list)
-    error: str | None = None
+    error: str | None = None  # "CODE: the server's message"
     scheduled: float = 0.0  # its arrival on the workload's schedule, seconds from the run's start
     timeline: Any = None  # the server's pb.Timeline of it, when asked for
 
@@ -112,11 +112,13 @@ def attainment(records: Sequence[RequestRecord], slo: SLO) -> Attainment:
 class BenchResult:
     """A run's summary. Latency stats are over successful requests (TPOT over those with >= 2
     tokens, ITL over all their gaps); throughputs count successful requests over ``duration``,
-    from the first send to the last token. ``rate`` is the offered rate, None when not given."""
+    from the first send to the last token. ``rate`` is the offered rate, None when not given;
+    ``first_error`` is the error of the first failed request sent."""
 
     num_requests: int
     num_ok: int
     num_errors: int
+    first_error: str | None
     duration: float
     request_throughput: float
     output_throughput: float
@@ -148,6 +150,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None, rate: fl
     if not records:
         raise ValueError("no requests to summarize")
     ok = [r for r in records if r.ok]
+    failed = sorted((r for r in records if r.error is not None), key=lambda r: r.send_time)
     ends = [r.token_times[-1] for r in records if r.token_times] or [r.send_time for r in records]
     duration = max(ends) - min(r.send_time for r in records)
 
@@ -158,6 +161,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None, rate: fl
         num_requests=len(records),
         num_ok=len(ok),
         num_errors=len(records) - len(ok),
+        first_error=failed[0].error if failed else None,
         duration=duration,
         request_throughput=per_second(len(ok)),
         output_throughput=per_second(sum(r.num_tokens for r in ok)),
@@ -181,6 +185,8 @@ def format_result(result: BenchResult) -> str:
         lines.append(f"{label:<34}{value:>{width - 34}}")
 
     row("Requests (ok / errors)", f"{result.num_ok} / {result.num_errors}")
+    if result.first_error is not None:
+        lines.append(f"First error: {result.first_error}")
     if result.rate is not None:
         row("Offered rate (req/s)", f"{result.rate:.2f}")
     row("Duration (s)", f"{result.duration:.2f}")

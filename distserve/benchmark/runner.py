@@ -14,11 +14,10 @@ import contextlib
 import time
 from collections.abc import Sequence
 
-import grpc
 import numpy as np
 
 from distserve.benchmark.metrics import RequestRecord
-from distserve.entrypoints.client import AsyncClient
+from distserve.entrypoints.client import AsyncClient, CallError
 from placement.workload import RequestSpec, arrival_times
 
 FIRST_TOKEN_ID = 10  # ids below are often special tokens
@@ -62,7 +61,7 @@ async def run_workload(
                     record.token_times.extend([time.perf_counter()] * len(chunk.token_ids))
                     if chunk.HasField("timeline"):
                         record.timeline = chunk.timeline
-            except grpc.aio.AioRpcError as e:
+            except CallError as e:
                 record.error = f"{e.code().name}: {e.details()}"
         if bar is not None:
             bar.update(1)

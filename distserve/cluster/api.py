@@ -3,12 +3,16 @@
 from distserve import Cluster, SamplingParams
 with Cluster(model="tiny-llama", prefill={"instances": 1}, decode={"instances": 2}) as cluster:
     outputs = cluster.generate(["Hello", "The cache"], SamplingParams(max_tokens=16))
+
+async with AsyncCluster(model="tiny-llama") as cluster:
+    async for output in cluster.generate("Hello", SamplingParams(max_tokens=16)):
+        print(output.text)
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from distserve.cluster.background_loop import BackgroundLoop
@@ -32,18 +36,54 @@ def make_cluster_config(config: ClusterConfig | None = None, **options: Any) -> 
     return ClusterConfig.from_pools(EngineConfig.from_flat(**options), pools)
 
 
-class AsyncCluster:
-    def __init__(self, config: ClusterConfig) -> None:
-        self.config = config
-        self.orchestrator = Orchestrator(config)
+class _Start:
+    """``AsyncCluster.start``: on the class, ``await AsyncCluster.start(config or options)`` makes a
+    cluster and starts it; on a cluster, ``await cluster.start()`` starts that one (were it only a
+    classmethod, that call would quietly start a second cluster of default options)."""
 
-    @classmethod
-    async def start(cls, config: ClusterConfig | None = None, **options: Any) -> AsyncCluster:
-        """Launch the instances on the current Ray cluster (a local one is started if none runs)."""
+    def __get__(self, cluster: AsyncCluster | None, cls: type[AsyncCluster]) -> Callable[..., Awaitable[AsyncCluster]]:
+        if cluster is not None:
+            return cluster._start
+
+        async def make_and_start(config: ClusterConfig | None = None, **options: Any) -> AsyncCluster:
+            return await cls(config, **options)._start()
+
+        return make_and_start
+
+
+class AsyncCluster:
+    """A cluster on the running event loop: made from a ``ClusterConfig`` or the keyword options of
+    ``make_cluster_config``, and serving between ``start()`` and ``shutdown()``, or inside
+    ``async with``. The instances run on the current Ray cluster (a local one is started if none runs)."""
+
+    start = _Start()
+
+    def __init__(self, config: ClusterConfig | None = None, **options: Any) -> None:
+        self.config = make_cluster_config(config, **options)
+        self.orchestrator = Orchestrator(self.config)
+        self.state = "new"  # then "running", then "shut down"
+
+    async def _start(self) -> AsyncCluster:
+        if self.state != "new":
+            raise RuntimeError(f"this AsyncCluster is {self.state}: a cluster starts once")
         await ensure_ray_async()
-        cluster = cls(make_cluster_config(config, **options))
-        await cluster.orchestrator.start()
-        return cluster
+        try:
+            await self.orchestrator.start()
+        except BaseException:  # failed or cancelled: stop what did start
+            self.state = "shut down"
+            await self.orchestrator.shutdown()
+            raise
+        self.state = "running"
+        return self
+
+    def _check_running(self) -> None:
+        if self.state == "new":
+            raise RuntimeError(
+                "this AsyncCluster is not started: use 'async with AsyncCluster(...) as cluster' or "
+                "'await cluster.start()' first"
+            )
+        if self.state == "shut down":
+            raise RuntimeError("this AsyncCluster is shut down: make a new one")
 
     def generate(
         self,
@@ -53,13 +93,24 @@ class AsyncCluster:
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; leaving the iteration early cancels it."""
+        self._check_running()
         return self.orchestrator.generate(prompt, params or SamplingParams(), request_id, priority)
 
     async def info(self) -> list[InstanceInfo]:
+        self._check_running()
         return await self.orchestrator.info()
 
     async def shutdown(self) -> None:
-        await self.orchestrator.shutdown()
+        """Stop every instance; nothing to do for a cluster not running."""
+        if self.state == "running":
+            self.state = "shut down"
+            await self.orchestrator.shutdown()
+
+    async def __aenter__(self) -> AsyncCluster:
+        return await self._start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
 
 
 class Cluster:

@@ -6,12 +6,17 @@
 
 ``generate`` yields ``distserve.v1.GenerateResponse`` messages (the new tokens and text of each
 step; the last one has finish_reason, usage and timings); ``complete`` joins them into a
-``Completion``. Leaving the iteration early cancels the request on the server. Errors are
-``grpc.RpcError`` with the server's status code and message.
+``Completion``. Leaving the iteration early cancels the request on the server. A failed call
+raises ``CallError``: its ``code()`` is the gRPC status code and ``details()`` the server's message.
+
+The API key is ``api_key`` or else ``$DISTSERVE_API_KEY``; an address without a port means the
+default gRPC port, 50051.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +24,51 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from distserve.entrypoints.server_config import API_KEY_ENV, ServerConfig
 from distserve.v1 import distserve_pb2 as pb
 from distserve.v1 import distserve_pb2_grpc as pb_grpc
+
+DEFAULT_PORT = ServerConfig.grpc_port  # the field's default: where `distserve launch` listens
+
+# How gRPC's messages begin when no connection could be made (as opposed to a server's answer).
+_CONNECT_FAILURES = ("failed to connect to all addresses", "errors resolving", "DNS resolution failed")
+
+
+class CallError(grpc.aio.AioRpcError):
+    """A call that failed: refused by the server or never connected. ``code()`` is the gRPC status
+    code and ``details()`` the server's message; ``str()`` is one sentence naming the server. It is
+    a ``grpc.RpcError`` (and ``grpc.aio.AioRpcError``) too, so code that catches those still works."""
+
+    def __init__(self, address: str, code: grpc.StatusCode, details: str | None) -> None:
+        super().__init__(code, details=details)
+        self.address = address
+
+    def __str__(self) -> str:
+        details = self.details() or ""
+        if self.code() == grpc.StatusCode.UNAVAILABLE and details.startswith(_CONNECT_FAILURES):
+            # gRPC's text ends with the cause: "...: Connection refused", "...: Domain name not found]"
+            cause = details.rsplit(": ", 1)[-1].strip("[]")
+            return f"cannot reach a server at {self.address}: {cause[:1].lower()}{cause[1:]}"
+        if self.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return f"{self.address} did not answer within the timeout"
+        return f"{self.address} answered {self.code().name}: {details}"
+
+    def __reduce__(self):
+        return type(self), (self.address, self.code(), self.details())
+
+
+def grpc_target(address: str) -> str:
+    """``address`` with the default port when it names none (gRPC alone would try 443):
+    ``HOST`` -> ``HOST:50051``, ``::1`` or ``[::1]`` -> ``[::1]:50051``; ``HOST:PORT``,
+    ``[::1]:PORT`` and gRPC URIs (``unix:PATH``, ``dns:///HOST:PORT``) stay as they are."""
+    if address.startswith("unix:") or "://" in address:
+        return address
+    if address.startswith("["):
+        return address if "]:" in address else f"{address}:{DEFAULT_PORT}"
+    colons = address.count(":")
+    if colons == 0:
+        return f"{address}:{DEFAULT_PORT}"
+    return f"[{address}]:{DEFAULT_PORT}" if colons > 1 else address
 
 
 def make_request(
@@ -76,8 +124,11 @@ class _Base:
         root_certificates: bytes | None = None,
         tls: bool | None = None,
     ) -> None:
-        """``root_certificates`` (PEM) or ``tls=True`` (system roots) connect over TLS."""
-        self.address = address
+        """``root_certificates`` (PEM) or ``tls=True`` (system roots) connect over TLS; ``api_key``
+        None reads ``$DISTSERVE_API_KEY``."""
+        if api_key is None:
+            api_key = os.environ.get(API_KEY_ENV) or None
+        self.address = grpc_target(address)
         self.options = {"api_key": api_key, "root_certificates": root_certificates, "tls": tls}
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.credentials = (
@@ -89,21 +140,30 @@ class _Base:
         self.stub = pb_grpc.DistServeStub(channel)
         self.health_stub = health_pb2_grpc.HealthStub(channel)
 
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """A failed call inside raises ``CallError`` (the raw gRPC error's text is gRPC's, not ours)."""
+        try:
+            yield
+        except grpc.RpcError as e:
+            raise CallError(self.address, e.code(), e.details()) from None
+
 
 class Client(_Base):
     def __init__(self, address: str, **options: Any) -> None:
         super().__init__(address, **options)
         if self.credentials is None:
-            self._stubs(grpc.insecure_channel(address))
+            self._stubs(grpc.insecure_channel(self.address))
         else:
-            self._stubs(grpc.secure_channel(address, self.credentials))
+            self._stubs(grpc.secure_channel(self.address, self.credentials))
 
     def generate(
         self, prompt: str | list[int], timeout: float | None = None, **request: Any
     ) -> Iterator[pb.GenerateResponse]:
         call = self.stub.Generate(make_request(prompt, **request), metadata=self.metadata, timeout=timeout)
         try:
-            yield from call
+            with self._errors():
+                yield from call
         finally:
             call.cancel()  # a no-op once the stream has ended; cancels the request if left early
 
@@ -111,19 +171,23 @@ class Client(_Base):
         return Completion.from_chunks(self.generate(prompt, **request))
 
     def cluster_info(self, timeout: float | None = None) -> pb.ClusterInfo:
-        return self.stub.GetClusterInfo(pb.GetClusterInfoRequest(), metadata=self.metadata, timeout=timeout)
+        with self._errors():
+            return self.stub.GetClusterInfo(pb.GetClusterInfoRequest(), metadata=self.metadata, timeout=timeout)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list(self.stub.Tokenize(request, metadata=self.metadata).token_ids)
+        with self._errors():
+            return list(self.stub.Tokenize(request, metadata=self.metadata).token_ids)
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         request = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
-        return self.stub.Detokenize(request, metadata=self.metadata).text
+        with self._errors():
+            return self.stub.Detokenize(request, metadata=self.metadata).text
 
     def health(self, service: str = "", timeout: float | None = None) -> str:
         """The health service's status name: SERVING, NOT_SERVING, ..."""
-        response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        with self._errors():
+            response = self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def close(self) -> None:
@@ -140,17 +204,18 @@ class AsyncClient(_Base):
     def __init__(self, address: str, **options: Any) -> None:
         super().__init__(address, **options)
         if self.credentials is None:
-            self._stubs(grpc.aio.insecure_channel(address))
+            self._stubs(grpc.aio.insecure_channel(self.address))
         else:
-            self._stubs(grpc.aio.secure_channel(address, self.credentials))
+            self._stubs(grpc.aio.secure_channel(self.address, self.credentials))
 
     async def generate(
         self, prompt: str | list[int], timeout: float | None = None, **request: Any
     ) -> AsyncIterator[pb.GenerateResponse]:
         call = self.stub.Generate(make_request(prompt, **request), metadata=self.metadata, timeout=timeout)
         try:
-            async for chunk in call:
-                yield chunk
+            with self._errors():
+                async for chunk in call:
+                    yield chunk
         finally:
             call.cancel()
 
@@ -161,18 +226,22 @@ class AsyncClient(_Base):
         return completion
 
     async def cluster_info(self, timeout: float | None = None) -> pb.ClusterInfo:
-        return await self.stub.GetClusterInfo(pb.GetClusterInfoRequest(), metadata=self.metadata, timeout=timeout)
+        with self._errors():
+            return await self.stub.GetClusterInfo(pb.GetClusterInfoRequest(), metadata=self.metadata, timeout=timeout)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list((await self.stub.Tokenize(request, metadata=self.metadata)).token_ids)
+        with self._errors():
+            return list((await self.stub.Tokenize(request, metadata=self.metadata)).token_ids)
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         request = pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=skip_special_tokens)
-        return (await self.stub.Detokenize(request, metadata=self.metadata)).text
+        with self._errors():
+            return (await self.stub.Detokenize(request, metadata=self.metadata)).text
 
     async def health(self, service: str = "", timeout: float | None = None) -> str:
-        response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        with self._errors():
+            response = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     async def close(self) -> None:
