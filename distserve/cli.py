@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import sys
 import types
@@ -15,28 +16,31 @@ import typing
 from collections.abc import Sequence
 from pathlib import Path
 
-import grpc
-
 from distserve.benchmark.command import add_bench_args
 from distserve.benchmark.profiler import add_profile_args
 from distserve.cluster.config import POOL_FLAGS
 from distserve.core.config import FIELD_SECTION, SECTIONS, EngineConfig
 from distserve.core.sampling_params import SamplingParams
+from distserve.entrypoints.client import CallError
 from distserve.entrypoints.server_config import API_KEY_ENV, ServerConfig
 
-# SamplingParams fields whose flag would clash with an engine flag.
-_SAMPLING_FLAG_NAMES = {"seed": "sampling_seed"}
+# Fields whose flag a command would refuse or ignore: kept out of its help. Each pool of a cluster
+# sets its instances' role, and an offline engine runs both phases.
+_HIDDEN_FIELDS = frozenset({"role"})
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, rename: dict[str, str] | None = None) -> None:
-    """One flag per dataclass field; values left unset on the command line stay out of the namespace."""
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: frozenset[str] = frozenset()) -> None:
+    """One flag per dataclass field (none for ``skip``); values left unset on the command line stay
+    out of the namespace. Flags in ``_HIDDEN_FIELDS`` are parsed but not listed."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        dest = (rename or {}).get(f.name, f.name)
+        if f.name in skip:
+            continue
+        dest = f.name
         kind = hints[f.name]
         kwargs: dict[str, typing.Any] = {"dest": dest, "default": argparse.SUPPRESS}
         help_text = f.metadata.get("help", "")
@@ -54,7 +58,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, rename: dict[
             kwargs["type"] = kind
         default = f.default if f.default is not dataclasses.MISSING else None
         flags = (_flag(dest), *f.metadata.get("aliases", ()))
-        parser.add_argument(*flags, help=f"{help_text} (default: {default})".strip(), **kwargs)
+        shown = f"{help_text} (default: {default})" if dest not in _HIDDEN_FIELDS else argparse.SUPPRESS
+        parser.add_argument(*flags, help=shown, **kwargs)
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -66,20 +71,33 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _sampling_options(args: argparse.Namespace) -> dict[str, typing.Any]:
-    """The SamplingParams fields given on the command line."""
-    options = {}
-    for f in dataclasses.fields(SamplingParams):
-        dest = _SAMPLING_FLAG_NAMES.get(f.name, f.name)
-        if hasattr(args, dest):
-            options[f.name] = getattr(args, dest)
-    return options
+    """The SamplingParams fields given on the command line (``--seed`` is the engine's, see cmd_generate)."""
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(SamplingParams)
+        if f.name != "seed" and hasattr(args, f.name)
+    }
+
+
+def _model_from_prompts(args: argparse.Namespace) -> None:
+    """``distserve generate MODEL PROMPT...``, as ``vllm serve MODEL``: with no ``--model``, a first
+    of several positionals that names a model (a model directory, a built-in tiny model or a preset)
+    is the model."""
+    if "model" in args or len(args.prompts) < 2:
+        return
+    from distserve.model_executor.model_loader import names_a_model
+
+    if names_a_model(args.prompts[0]):
+        args.model, args.prompts = args.prompts[0], args.prompts[1:]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    _model_from_prompts(args)
     if args.server:
         return _generate_remote(args)
     from distserve.entrypoints.llm import LLM
 
+    # One seed: locally the engine's (dummy weights and every unseeded request), remotely the requests'.
     params = SamplingParams(**_sampling_options(args))
     engine = LLM(config=_engine_config(args)).engine  # LLM refuses a one-phase role here
     try:
@@ -116,10 +134,12 @@ def _client(args: argparse.Namespace):
 
 def _generate_remote(args: argparse.Namespace) -> int:
     """Stream each prompt's text from a server, then its timings on stderr."""
-    engine_flags = sorted(set(vars(args)) & set(FIELD_SECTION)) + (["config"] if args.config else [])
+    engine_flags = sorted(set(vars(args)) & set(FIELD_SECTION) - {"seed"}) + (["config"] if args.config else [])
     if engine_flags:
         raise ValueError(f"engine settings ({', '.join(engine_flags)}) are the server's: leave them out with --server")
     params = _sampling_options(args)
+    if "seed" in args:
+        params["seed"] = args.seed
     with _client(args) as client:
         for prompt in args.prompts:
             if len(args.prompts) > 1:
@@ -189,7 +209,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from distserve.entrypoints.launch import launch, load_launch_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "plan")}
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "func", "config", "plan", "model_tag")}
+    if args.model_tag is not None:
+        if flags.setdefault("model", args.model_tag) != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag} and --model {flags['model']}")
     cluster_config, server_config = load_launch_config(args.config, args.plan, flags)
     launch(cluster_config, server_config)
     return 0
@@ -205,7 +228,9 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 def _add_client_args(parser: argparse.ArgumentParser, required: bool) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--server", required=required, help="HOST:PORT of a distserve gRPC server")
+    group.add_argument(
+        "--server", required=required, help="HOST[:PORT] of a distserve gRPC server (port default: 50051)"
+    )
     group.add_argument(
         "--api-key", default=os.environ.get(API_KEY_ENV), help=f"the server's API key (default: ${API_KEY_ENV})"
     )
@@ -228,21 +253,42 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"distserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text for prompts, in this process or on a server (--server)")
-    gen.add_argument("prompts", nargs="+", help="prompt texts")
+    gen = sub.add_parser(
+        "generate",
+        usage="%(prog)s [options] [MODEL] PROMPT [PROMPT ...]",
+        help="generate text for prompts, in this process or on a server (--server)",
+        description="Generate text for prompts. `distserve generate MODEL PROMPT...` takes the first of several "
+        "positionals as the model when it names one and --model is not given.",
+    )
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt texts (after an optional MODEL)")
     gen.add_argument("--config", help="YAML file with model/cache/scheduler sections; flags override it")
     _add_client_args(gen, required=False)
     for cls in SECTIONS.values():
         add_dataclass_args(gen.add_argument_group(cls.__name__), cls)
-    add_dataclass_args(gen.add_argument_group("SamplingParams"), SamplingParams, _SAMPLING_FLAG_NAMES)
+    # --seed is the engine's; with --server it seeds the requests (see cmd_generate).
+    add_dataclass_args(gen.add_argument_group("SamplingParams"), SamplingParams, skip=frozenset({"seed"}))
     gen.set_defaults(func=cmd_generate)
 
-    launch = sub.add_parser("launch", help="serve a cluster over gRPC and OpenAI-compatible HTTP until SIGINT/SIGTERM")
+    launch = sub.add_parser(
+        "launch",
+        aliases=["serve"],
+        usage="%(prog)s [MODEL] [options]",
+        help="serve a cluster over gRPC and OpenAI-compatible HTTP until SIGINT/SIGTERM (alias: serve)",
+    )
+    launch.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="model to serve, as --model (local directory or built-in name)"
+    )
     launch.add_argument("--config", help="YAML file: engine sections, cluster: pools, server:; flags override it")
     launch.add_argument("--plan", help="plan file written by the placement planner (a cluster file)")
     pools = launch.add_argument_group("pools")
     for dest, role, key in POOL_FLAGS:
-        pools.add_argument(_flag(dest), dest=dest, type=int, default=argparse.SUPPRESS, help=f"cluster.{role}.{key}")
+        pools.add_argument(
+            _flag(dest),
+            dest=dest,
+            type=int,
+            default=argparse.SUPPRESS,
+            help=f"{key.replace('_', ' ')} of the {role} pool",
+        )
     add_dataclass_args(launch.add_argument_group("ServerConfig"), ServerConfig)
     for cls in SECTIONS.values():
         add_dataclass_args(launch.add_argument_group(cls.__name__), cls)
@@ -253,12 +299,20 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server (default: 10)")
     status.set_defaults(func=cmd_status)
 
-    bench = sub.add_parser("bench", help="serving benchmark through a server's gRPC API: latency, attainment, goodput")
+    bench = sub.add_parser(
+        "bench",
+        usage="%(prog)s --server HOST:PORT [options]",
+        help="serving benchmark through a server's gRPC API: latency, attainment, goodput",
+    )
     _add_client_args(bench, required=True)
     add_bench_args(bench)
     bench.set_defaults(func=cmd_bench)
 
-    prof = sub.add_parser("profile", help="time engine steps over batch shapes and fit a latency model for the planner")
+    prof = sub.add_parser(
+        "profile",
+        usage="%(prog)s --out FILE [options]",
+        help="time engine steps over batch shapes and fit a latency model for the planner",
+    )
     add_profile_args(prof)
     for cls in SECTIONS.values():
         add_dataclass_args(prof.add_argument_group(cls.__name__), cls)
@@ -268,10 +322,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("place", help="placement planner: TP/PP and instance counts for a workload and SLOs (place --help)")
 
     make = sub.add_parser("make-model", help="write a built-in tiny model as a Hugging Face directory")
-    make.add_argument("name", choices=TINY_MODELS)
+    make.add_argument("name", choices=TINY_MODELS, help="built-in tiny model (random weights, local tokenizer)")
     make.add_argument("--out", required=True, help="directory to write")
     make.set_defaults(func=cmd_make_model)
     return parser
+
+
+def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> typing.NoReturn:
+    """Exit 2 on flags the command does not know, naming the closest known flag of each."""
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    known = [flag for action in subparsers.choices[command]._actions for flag in action.option_strings]
+    parts = []
+    for arg in unknown:
+        close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6) if arg.startswith("-") else []
+        parts.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
+    subparsers.choices[command].error(f"unrecognized arguments: {', '.join(parts)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -280,7 +345,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from placement.cli import main as place_main
 
         return place_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "generate":  # prompts after options: argparse takes one run of positionals only
+        args.prompts += [arg for arg in unknown if not arg.startswith("-")]
+        unknown = [arg for arg in unknown if arg.startswith("-")]
+    if unknown:
+        _refuse_unknown(parser, args.command, unknown)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -289,8 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input, a missing file, a port already taken
         print(f"distserve: error: {e}", file=sys.stderr)
         return 2
-    except grpc.RpcError as e:
-        print(f"distserve: error: {args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
+    except CallError as e:  # one sentence: who answered what, or that no server answers there
+        print(f"distserve: error: {e}", file=sys.stderr)
         return 1
 
 

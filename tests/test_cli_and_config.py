@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from distserve import LLM, SamplingParams
 from distserve.cli import main
-from distserve.core.config import SECTIONS, EngineConfig, ModelConfig
+from distserve.core.config import SECTIONS, CacheConfig, EngineConfig, ModelConfig
 from distserve.model_executor.model_loader import resolve_model
 from placement import MODEL_PRESETS, model_shape
 
@@ -204,3 +204,64 @@ def test_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"distserve {version('distserve')}"
+
+
+def _subparsers(parser):
+    import argparse
+
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def test_every_flag_has_help_and_refused_flags_are_not_listed():
+    from distserve.cli import build_parser
+
+    for name, sub in _subparsers(build_parser()).items():
+        for action in sub._actions:
+            if action.option_strings and "--role" not in action.option_strings:
+                assert action.help and action.help.strip(), f"distserve {name} {action.option_strings[0]}: no help"
+        assert "--role" not in sub.format_help(), f"distserve {name} lists --role, which it refuses"
+    assert main(["launch", "--role", "decode"]) == 2  # still refused with a sentence, not silently taken
+
+
+def test_unknown_flags_name_the_closest_known_one(capsys):
+    for argv, hint in [
+        (["launch", "--tensor-paralel-size", "2"], "--tensor-paralel-size (did you mean --tensor-parallel-size?)"),
+        (["serve", "--max-num-batch-tokens", "8"], "(did you mean --max-num-batched-tokens?)"),
+        (["generate", "--temprature", "0", "hi"], "--temprature (did you mean --temperature?)"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert hint in capsys.readouterr().err
+
+
+def test_vllm_spellings():
+    """``distserve launch MODEL`` / ``serve``, ``-tp``/``-pp``, ``generate MODEL PROMPT``."""
+    from distserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "tiny-qwen2", "-tp", "2", "-pp", "1", "--gpu-memory-utilization", "0.5"])
+    assert (args.model_tag, args.tensor_parallel_size, args.pipeline_parallel_size) == ("tiny-qwen2", 2, 1)
+    assert args.gpu_memory_utilization == 0.5
+    assert main(["launch", "tiny-qwen2", "--model", "tiny-opt"]) == 2  # two different models
+
+
+def test_generate_takes_a_positional_model(capsys):
+    options = ["--max-tokens", "6", "--temperature", "0"]
+    assert main(["generate", "tiny-opt", *options, "The cache block", "Hello"]) == 0
+    positional = capsys.readouterr().out
+    assert main(["generate", "--model", "tiny-opt", *options, "The cache block", "Hello"]) == 0
+    assert positional == capsys.readouterr().out
+    assert "--- 'The cache block'" in positional and "tiny-opt" not in positional
+
+
+def test_gpu_memory_utilization_is_a_share_of_total_memory_less_what_the_process_uses():
+    from distserve.model_executor.kv_cache import kv_cache_budget, memory_in_use, total_device_memory
+
+    cpu = torch.device("cpu")
+    config = CacheConfig(gpu_memory_utilization=0.5)
+    budget = kv_cache_budget(config, cpu)
+    expected = total_device_memory(cpu) // 2 - memory_in_use(cpu)
+    assert abs(budget - expected) < 64 * 2**20  # the process's size moves a little between the two reads
+    with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+        CacheConfig(gpu_memory_utilization=1.5)

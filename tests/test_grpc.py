@@ -4,6 +4,8 @@ reflection, concurrency, cancellation, authentication and every refusal's status
 import asyncio
 import json
 import math
+import re
+import socket
 import ssl
 import time
 import urllib.error
@@ -17,9 +19,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 
 from distserve import LLM, SamplingParams
 from distserve.cluster.api import make_cluster_config
-from distserve.entrypoints.client import AsyncClient, Client, make_request
+from distserve.entrypoints.client import AsyncClient, CallError, Client, grpc_target, make_request
 from distserve.entrypoints.server import BackgroundServer
-from distserve.entrypoints.server_config import ServerConfig
+from distserve.entrypoints.server_config import API_KEY_ENV, ServerConfig
 from distserve.v1 import distserve_pb2 as pb
 
 API_KEY = "sk-grpc-test"
@@ -164,16 +166,80 @@ def test_bad_request_gets_invalid_argument_and_the_next_succeeds(client, request
 
 
 def test_detokenize_refuses_unknown_ids(client):
-    with pytest.raises(grpc.RpcError) as error:
+    with pytest.raises(CallError) as error:
         client.detokenize([10**9])
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_a_refusal_raises_a_call_error_of_one_sentence(server, client):
+    with pytest.raises(CallError) as error:
+        client.complete([5] * 3000)
+    refusal = error.value
+    assert refusal.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in refusal.details()
+    assert str(refusal) == f"{server.grpc_address} answered INVALID_ARGUMENT: {refusal.details()}"
+    assert isinstance(refusal, grpc.RpcError)  # code written against raw gRPC errors still catches it
+    with pytest.raises(CallError) as error:
+        client.cluster_info(timeout=1e-9)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert str(error.value) == f"{server.grpc_address} did not answer within the timeout"
+
+
+def test_an_unreachable_server_is_one_sentence():
+    with socket.socket() as probe:  # a port just freed: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    expected = f"cannot reach a server at {address}: connection refused"
+    with Client(address) as client, pytest.raises(CallError) as error:
+        client.cluster_info(timeout=10)
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE and str(error.value) == expected
+
+    async def stream() -> None:
+        async with AsyncClient(address) as aclient:
+            await aclient.complete("Hi")
+
+    with pytest.raises(CallError, match=f"^{re.escape(expected)}$"):
+        asyncio.run(stream())
+
+
+def test_the_api_key_comes_from_the_environment_unless_given(server, monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, API_KEY)
+    with Client(server.grpc_address) as client:
+        assert client.cluster_info().model == "tiny-llama"
+
+    async def tokenize() -> list[int]:
+        async with AsyncClient(server.grpc_address) as aclient:
+            return await aclient.tokenize("Hi")
+
+    assert asyncio.run(tokenize())
+    with Client(server.grpc_address, api_key="sk-wrong") as client, pytest.raises(CallError) as error:
+        client.cluster_info()
+    assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize(
+    "address, target",
+    [
+        ("localhost", "localhost:50051"),
+        ("10.0.0.7:6000", "10.0.0.7:6000"),
+        ("[::1]", "[::1]:50051"),
+        ("::1", "[::1]:50051"),
+        ("[::1]:7000", "[::1]:7000"),
+        ("unix:/tmp/distserve.sock", "unix:/tmp/distserve.sock"),
+        ("dns:///example.com:443", "dns:///example.com:443"),
+    ],
+)
+def test_an_address_without_a_port_means_the_default_grpc_port(address, target):
+    assert grpc_target(address) == target
+    with Client(address) as client:
+        assert client.address == target
+
+
 @pytest.mark.parametrize("api_key", [None, "sk-wrong"])
-def test_missing_or_wrong_key_is_unauthenticated(server, api_key):
+def test_missing_or_wrong_key_is_unauthenticated(server, api_key, monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
     with Client(server.grpc_address, api_key=api_key) as client:
         for call in (lambda: client.complete("Hello"), client.cluster_info, lambda: client.tokenize("x")):
-            with pytest.raises(grpc.RpcError) as error:
+            with pytest.raises(CallError) as error:
                 call()
             assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
             assert "API key" in error.value.details()
@@ -185,7 +251,7 @@ def test_full_admission_queue_is_resource_exhausted(server, client):
     try:
         busy = client.generate("keep going", max_tokens=400, ignore_eos=True)
         next(busy)  # admitted and streaming
-        with pytest.raises(grpc.RpcError) as error:
+        with pytest.raises(CallError) as error:
             client.complete("one too many")
         assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "retry later" in error.value.details()
@@ -208,7 +274,7 @@ def test_a_burst_past_the_admission_limit_is_refused_not_cancelled(server):
             try:
                 await aclient.complete("Hello", max_tokens=2)
                 return "done"
-            except grpc.aio.AioRpcError as e:
+            except CallError as e:
                 return e.code(), "retry later" in e.details()
 
         async with AsyncClient(server.grpc_address, api_key=API_KEY) as aclient:
@@ -243,6 +309,12 @@ def test_status_and_remote_generate_cli(server, client, capsys):
     assert main(["status", "--server", server.grpc_address]) == 1  # no key
     assert "UNAUTHENTICATED" in capsys.readouterr().err
 
+    # --seed with --server is the request's seed: the same samples as the client's seeded call.
+    sampled = client.complete("The cache block", max_tokens=8, temperature=1.0, seed=7)
+    seeded = [*args[:-1], "1.0", "--seed", "7", "The cache block"]  # --temperature 1.0
+    assert main(seeded) == 0
+    assert capsys.readouterr().out == sampled.text + "\n"
+
 
 def test_tls_and_a_lost_decode_instance(ray_cluster, tmp_path):
     """Over TLS, with re-runs and replacement off: streams in flight when the decode instance dies end
@@ -254,7 +326,7 @@ def test_tls_and_a_lost_decode_instance(ray_cluster, tmp_path):
         replace_failed_instances=False,
     )  # fmt: skip
     with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, tls_cert=cert, tls_key=key)) as server:
-        with Client(server.grpc_address) as plaintext, pytest.raises(grpc.RpcError) as error:
+        with Client(server.grpc_address) as plaintext, pytest.raises(CallError) as error:
             plaintext.complete("Hi", timeout=5)
         assert error.value.code() == grpc.StatusCode.UNAVAILABLE
 
@@ -269,7 +341,7 @@ def test_tls_and_a_lost_decode_instance(ray_cluster, tmp_path):
                 assert http_stream.readline().startswith(b"data: {")
                 decode = next(s for s in server.cluster.orchestrator.instances if s.role == "decode")
                 ray_cluster.kill(decode.handle)
-                with pytest.raises(grpc.RpcError) as error:
+                with pytest.raises(CallError) as error:
                     list(grpc_stream)
                 assert error.value.code() == grpc.StatusCode.UNAVAILABLE
                 assert decode.name in error.value.details()
@@ -277,7 +349,7 @@ def test_tls_and_a_lost_decode_instance(ray_cluster, tmp_path):
                 assert "error" in json.loads(events[-1].removeprefix("data: "))
 
             assert decode.failure is not None
-            with pytest.raises(grpc.RpcError) as error:
+            with pytest.raises(CallError) as error:
                 client.complete("Hi")
             assert error.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "no decode instance" in error.value.details()

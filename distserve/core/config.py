@@ -53,6 +53,11 @@ class CacheConfig:
     kv_cache_memory_fraction: float = option(
         0.9, "share of free device memory the KV cache may take when num_kv_blocks is unset"
     )
+    gpu_memory_utilization: float | None = option(
+        None,
+        "as in vLLM: share of the device's total memory (on CPU: of system memory) this instance may "
+        "use for weights, activations and KV cache; when set, kv_cache_memory_fraction is not used",
+    )
     enable_prefix_caching: bool = option(True, "share KV blocks of identical prompt prefixes")
 
     def __post_init__(self) -> None:
@@ -62,6 +67,8 @@ class CacheConfig:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if not 0.0 < self.kv_cache_memory_fraction <= 1.0:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass
@@ -103,8 +110,10 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = option(1, "tensor parallel ranks per pipeline stage")
-    pipeline_parallel_size: int = option(1, "pipeline stages (contiguous slices of the decoder layers)")
+    tensor_parallel_size: int = option(1, "tensor parallel ranks per pipeline stage", aliases=("-tp",))
+    pipeline_parallel_size: int = option(
+        1, "pipeline stages (contiguous slices of the decoder layers)", aliases=("-pp",)
+    )
     placement_strategy: str = option(
         "STRICT_PACK", "Ray placement group strategy for an instance's workers", PLACEMENT_STRATEGIES
     )

@@ -16,16 +16,24 @@ class SamplingParams:
     those filters. A ``seed`` makes the request's samples reproducible whatever it is batched with.
     """
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    max_tokens: int = field(default=16, metadata={"help": "most tokens to generate"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; 0 is greedy"})
+    top_k: int = field(default=0, metadata={"help": "sample from the k likeliest tokens; 0 disables it"})
+    top_p: float = field(
+        default=1.0, metadata={"help": "sample from the smallest set of this probability; 1 disables it"}
+    )
+    seed: int | None = field(default=None, metadata={"help": "seed of this request's samples"})
+    stop: list[str] = field(
+        default_factory=list, metadata={"help": "stop at this string (repeat the flag for several)"}
+    )
+    stop_token_ids: list[int] = field(
+        default_factory=list, metadata={"help": "stop at this token id (repeat the flag for several)"}
+    )
+    ignore_eos: bool = field(default=False, metadata={"help": "keep generating past the end-of-sequence token"})
+    include_stop_str_in_output: bool = field(
+        default=False, metadata={"help": "keep the stop string that ended the text in it"}
+    )
+    skip_special_tokens: bool = field(default=True, metadata={"help": "leave special tokens out of the text"})
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

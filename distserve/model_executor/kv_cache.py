@@ -64,6 +64,29 @@ def free_device_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def total_device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        _, total = torch.cuda.mem_get_info(device)
+        return total
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_in_use(device: torch.device) -> int:
+    """What this process already holds on ``device``: its weights and activations."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device)
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_cache_budget(cache_config: CacheConfig, device: torch.device) -> int:
+    """Bytes the KV cache may take: a share of the free memory, or with ``gpu_memory_utilization``
+    (vLLM's meaning) a share of the total memory less what this process already uses."""
+    if cache_config.gpu_memory_utilization is None:
+        return int(free_device_memory(device) * cache_config.kv_cache_memory_fraction)
+    return int(total_device_memory(device) * cache_config.gpu_memory_utilization) - memory_in_use(device)
+
+
 def determine_num_blocks(
     cache_config: CacheConfig,
     shape: KVCacheShape,
@@ -78,7 +101,7 @@ def determine_num_blocks(
     """
     if cache_config.num_kv_blocks is not None:
         return cache_config.num_kv_blocks
-    budget = int(free_device_memory(device) * cache_config.kv_cache_memory_fraction)
+    budget = kv_cache_budget(cache_config, device)
     if device.type == "cpu":
         budget = min(budget, CPU_KV_CACHE_LIMIT_BYTES) // num_cpu_workers
     staging = staging_bytes(shape.num_kv_heads, shape.head_dim, shape.dtype)
@@ -89,7 +112,8 @@ def determine_num_blocks(
     if num_blocks < 1:
         raise ValueError(
             f"no memory left for the KV cache ({budget} bytes for blocks of {shape.bytes_per_block} bytes): "
-            "lower the model size or set num_kv_blocks"
+            "give it more memory (gpu_memory_utilization, kv_cache_memory_fraction), use a smaller model "
+            "or set num_kv_blocks"
         )
     logger.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB), KV transfer staging %.1f MiB",

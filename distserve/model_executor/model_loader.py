@@ -46,6 +46,15 @@ def _known_names() -> str:
     )
 
 
+def names_a_model(name: str) -> bool:
+    """Whether ``name`` is something ``resolve_model`` would take as a model: a model directory,
+    a built-in tiny model or a preset."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return (path / "config.json").exists()
+    return name.lower() in TINY_MODELS or find_model_preset(name) is not None
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
