@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import os
 import sys
 import types
@@ -23,6 +22,7 @@ from distserve.core.config import FIELD_SECTION, SECTIONS, EngineConfig
 from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.client import CallError
 from distserve.entrypoints.server_config import API_KEY_ENV, ServerConfig
+from placement.cli_hints import refuse_unknown
 
 # Fields whose flag a command would refuse or ignore: kept out of its help. Each pool of a cluster
 # sets its instances' role, and an offline engine runs both phases.
@@ -328,17 +328,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _refuse_unknown(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> typing.NoReturn:
-    """Exit 2 on flags the command does not know, naming the closest known flag of each."""
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    known = [flag for action in subparsers.choices[command]._actions for flag in action.option_strings]
-    parts = []
-    for arg in unknown:
-        close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6) if arg.startswith("-") else []
-        parts.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
-    subparsers.choices[command].error(f"unrecognized arguments: {', '.join(parts)}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["place"]:
@@ -351,11 +340,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.prompts += [arg for arg in unknown if not arg.startswith("-")]
         unknown = [arg for arg in unknown if arg.startswith("-")]
     if unknown:
-        _refuse_unknown(parser, args.command, unknown)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        refuse_unknown(subparsers.choices[args.command], unknown)
     try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         return args.func(args)
     except (ValueError, OSError) as e:  # bad input, a missing file, a port already taken
         print(f"distserve: error: {e}", file=sys.stderr)
@@ -363,6 +353,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CallError as e:  # one sentence: who answered what, or that no server answers there
         print(f"distserve: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C before a command handles signals itself
+        print("distserve: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

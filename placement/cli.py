@@ -18,19 +18,22 @@ from typing import Any
 
 import numpy as np
 
+from placement.cli_hints import parse_args
 from placement.deployment import Deployment
 from placement.fitted import FittedLatency
 from placement.hardware import GPUS, ClusterSpec, cluster_from_dict, gpu_preset_name, load_hardware
 from placement.latency import InstanceModels, Parallelism
-from placement.model_presets import MODEL_PRESETS, ModelShape, find_model_preset, model_shape
+from placement.model_presets import MODEL_PRESETS, TINY_MODEL_PRESETS, ModelShape, find_model_preset, model_shape
 from placement.plan_file import plan_document, read_plan, write_plan
 from placement.planner import (
     Prediction,
+    attainment_curve,
     deployment_capacity,
     deployment_for_rate,
     deployment_goodput,
     fit_to_rate,
     simulate_deployment,
+    unloaded_latency,
 )
 from placement.roofline import Efficiency
 from placement.search import Candidate, Objective, PhaseProblem, SearchResult, search
@@ -57,17 +60,20 @@ class UsageError(Exception):
 
 
 def load_model_shape(model: str) -> ModelShape:
-    """A preset name or a local Hugging Face model directory (its config.json)."""
+    """A preset name, a built-in tiny model's name or a local Hugging Face model directory (its config.json)."""
     path = Path(model).expanduser()
     if path.is_dir():
         config_file = path / "config.json"
         if not config_file.exists():
             raise UsageError(f"{path} has no config.json: it is not a Hugging Face model directory")
         return model_shape(json.loads(config_file.read_text()))
-    preset = find_model_preset(model)
+    preset = find_model_preset(model) or TINY_MODEL_PRESETS.get(model.lower())
     if preset is not None:
         return model_shape(preset)
-    raise UsageError(f"unknown model {model!r}: pass a model directory or a preset ({', '.join(MODEL_PRESETS)})")
+    raise UsageError(
+        f"unknown model {model!r}: pass a model directory, a preset ({', '.join(MODEL_PRESETS)}) or a built-in "
+        f"tiny model ({', '.join(TINY_MODEL_PRESETS)})"
+    )
 
 
 def workload_requests(workload: dict[str, Any], n: int, seed: int, max_context: int) -> list[RequestSpec]:
@@ -151,8 +157,8 @@ def search_notes(args: argparse.Namespace) -> dict[str, Any]:
         "burstiness": args.burstiness,
         "slo": {"ttft": args.slo_ttft, "tpot": args.slo_tpot, "target": args.target},
         "latency": latency,
-        "max_batch_tokens": args.max_batch_tokens,
-        "max_batch_size": args.max_batch_size,
+        "max_batch_tokens": args.max_num_batched_tokens,
+        "max_batch_size": args.max_num_seqs,
         "num_requests": args.num_requests,
         "seed": args.seed,
     }
@@ -208,8 +214,8 @@ def format_table(title: str, ranked: list[Candidate], top: int) -> str:
     lines = [title, f"  {'prefill TP,PP':>13} {'req/s':>8} {'decode TP,PP':>13} {'req/s':>8} {'req/s/GPU':>10}"]
     for c in ranked[:top]:
         lines.append(
-            f"  {str(c.prefill.parallelism):>13} {c.prefill.goodput:>8.2f} "
-            f"{str(c.decode.parallelism):>13} {c.decode.goodput:>8.2f} {c.per_gpu:>10.3f}"
+            f"  {str(c.prefill.parallelism):>13} {c.prefill.goodput:>8.4g} "
+            f"{str(c.decode.parallelism):>13} {c.decode.goodput:>8.4g} {c.per_gpu:>10.4g}"
         )
     if not ranked:
         lines.append("  (no pair: none fits the cluster's nodes, or none met the SLOs)")
@@ -226,15 +232,66 @@ def format_prediction(p: Prediction) -> str:
     )
 
 
-def attainment_curve(problem: PhaseProblem, deployment: Deployment, around: float) -> list[tuple[float, float]]:
-    rates = [around * f for f in (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0)]
-    return [(r, simulate_deployment(problem, deployment, r).attainment) for r in rates]
+def format_seconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
-def plot_curve(path: str, label: str, points: list[tuple[float, float]], target: float, title: str) -> None:
+def why_no_pair(problem: PhaseProblem, result: SearchResult) -> str:
+    """Why no pair made the tables: the SLO no configuration of a phase meets, with the least latency
+    any of them reaches even unloaded; or, when both phases have one, that no pair fits the nodes."""
+    objective, reasons = problem.objective, []
+    for phase, slo, limit in (("prefill", "TTFT", objective.ttft), ("decode", "TPOT", objective.tpot)):
+        tried = [g for (p, _), g in result.phase_goodputs.items() if p == phase]
+        if any(g.goodput > 0 for g in tried):
+            continue
+        best, par = min((unloaded_latency(problem, phase, g.parallelism), g.parallelism) for g in tried)
+        reasons.append(
+            f"the {slo} SLO is {format_seconds(limit)}, and even unloaded {objective.target:.0%} of requests "
+            f"take up to {format_seconds(best)} at the best {phase} TP,PP ({par})"
+        )
+    return "; ".join(reasons) or "no prefill and decode configurations fit the cluster's nodes together"
+
+
+def rate_too_high(
+    problem: PhaseProblem, ranked: list[Candidate], rate: float, tried: tuple[Deployment, Prediction] | None
+) -> int:
+    """Exit 1 saying what the cluster tops out at within the SLOs, and with which deployment: the best
+    pair filling the cluster, or the largest deployment ``tried`` for ``rate`` when it does more."""
+    options = [choose(problem, ranked, None, len(ranked))[0]]
+    if tried is not None:
+        print(f"largest deployment tried: {tried[0].describe()}\n  predicted {format_prediction(tried[1])}")
+        options.append(tried[0])
+    goodputs = [(deployment_goodput(problem, d, deployment_capacity(problem, d)), d) for d in options]
+    most, deployment = max(goodputs, key=lambda pair: pair[0])
+    print(
+        f"no deployment on this cluster meets the SLOs at {rate:g} req/s: the most it serves within them is "
+        f"{most:.3g} req/s, with {deployment.describe()}; plan for that rate or less, or add GPUs",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def plot_curve(
+    path: str, model: str, deployment: Deployment, points: list[tuple[float, float]], objective: Objective,
+    rate: float | None,
+) -> None:  # fmt: skip
     from placement.plots import plot_attainment_vs_rate
 
-    plot_attainment_vs_rate({label: points}, target, path, title)
+    title = (
+        f"{model}: predicted SLO attainment\n{deployment.describe()}\n"
+        f"SLOs: TTFT {format_seconds(objective.ttft)}, TPOT {format_seconds(objective.tpot)}"
+    )
+    marks = {f"planned rate {rate:g} req/s": rate} if rate else {}
+    plot_attainment_vs_rate({"predicted": points}, objective.target, path, title, marks=marks)
+
+
+def warn_profiles(notes: dict[str, Any], prog: str) -> None:
+    """A sentence on stderr for each profile measured on another device or model than the question's."""
+    for path in notes["latency"].get("profiles", []):
+        mismatch = FittedLatency.load(path).mismatch(notes["model"], notes["hardware"]["gpu"]["name"])
+        if mismatch:
+            print(f"{prog}: warning: {path} was {mismatch}: its latencies will not be this cluster's",
+                  file=sys.stderr)  # fmt: skip
 
 
 # --- commands -----------------------------------------------------------------------------------------------
@@ -242,6 +299,7 @@ def plot_curve(path: str, label: str, points: list[tuple[float, float]], target:
 
 def cmd_search(args: argparse.Namespace) -> int:
     notes = search_notes(args)
+    warn_profiles(notes, args.prog)
     problem = build_problem(notes)
     cluster = problem.models.cluster
     affinities = ("high", "low") if args.affinity == "auto" else (args.affinity,)
@@ -263,18 +321,18 @@ def cmd_search(args: argparse.Namespace) -> int:
                            result.low, args.top))
         ranked += result.low[: args.top]
     ranked.sort(key=lambda c: -c.per_gpu)
-    chosen = choose(problem, ranked, args.rate, len(ranked))
-    if chosen is None:
-        print("no configuration meets the SLOs on this cluster", file=sys.stderr)
+    if not ranked:
+        print(f"no configuration meets the SLOs on this cluster: {why_no_pair(problem, result)}", file=sys.stderr)
         return 1
+    chosen = choose(problem, ranked, args.rate, len(ranked))
+    if chosen is None or (chosen[1] is not None and chosen[1].attainment < args.target):
+        return rate_too_high(problem, ranked, args.rate, chosen)
     deployment, prediction = chosen
     capacity = deployment_capacity(problem, deployment)
     goodput = deployment_goodput(problem, deployment, capacity)
     print(f"plan: {deployment.describe()}")
     if prediction is not None:
         print(f"  predicted {format_prediction(prediction)}")
-        if prediction.attainment < args.target:
-            print(f"  the cluster cannot meet the target at {args.rate:g} req/s: this is the largest deployment")
     print(f"  goodput {goodput:.3g} req/s ({goodput / deployment.gpus:.3g} per GPU); capacity {capacity:.3g} req/s")
     layout = deployment.node_layout(cluster.num_nodes, cluster.gpus_per_node) or []
     for i, segments in enumerate(layout):
@@ -292,13 +350,13 @@ def cmd_search(args: argparse.Namespace) -> int:
         nodes={f"node-{i}": segments for i, segments in enumerate(layout)},
     )
     if args.out:
-        document = plan_document(deployment, args.model, cluster.gpus_per_node, args.max_batch_tokens,
-                                 args.max_batch_size, notes)
+        document = plan_document(deployment, args.model, cluster.gpus_per_node, args.max_num_batched_tokens,
+                                 args.max_num_seqs, notes)
         write_plan(args.out, document)
         print(f"wrote {args.out}: serve it with `distserve launch --plan {args.out}`")
     if args.plot:
-        points = attainment_curve(problem, deployment, args.rate or goodput or 1.0)
-        plot_curve(args.plot, deployment.describe(), points, args.target, f"{notes['model']}: predicted attainment")
+        points = attainment_curve(problem, deployment, goodput or capacity, [args.rate] if args.rate else [])
+        plot_curve(args.plot, notes["model"], deployment, points, problem.objective, args.rate)
         print(f"wrote {args.plot}")
     return 0
 
@@ -313,9 +371,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     for key in ("slo_ttft", "slo_tpot", "target"):
         if getattr(args, key) is not None:
             notes["slo"][key.removeprefix("slo_")] = getattr(args, key)
+    warn_profiles(notes, args.prog)
     problem = build_problem(notes)
-    default_rate = args.rate or notes.get("rate") or deployment_capacity(problem, deployment)
-    rates = args.rates or [default_rate]
+    capacity = deployment_capacity(problem, deployment)
+    rates = args.rates or [args.rate or notes.get("rate") or capacity]
     print(f"{deployment.describe()}")
     points = []
     for rate in rates:
@@ -325,7 +384,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{"rate": r, "attainment": a} for r, a in points]))
     if args.plot:
-        plot_curve(args.plot, deployment.describe(), points, problem.objective.target, "predicted attainment")
+        knee = deployment_goodput(problem, deployment, capacity) or capacity
+        curve = attainment_curve(problem, deployment, knee, rates)
+        plot_curve(args.plot, notes["model"], deployment, curve, problem.objective, notes.get("rate"))
         print(f"wrote {args.plot}")
     return 0
 
@@ -399,12 +460,17 @@ def _positive(kind: type):
 def search_parser(prog: str = "distserve place") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
-        description="Pick TP/PP and instance counts; write a plan file.",
-        epilog=f"Also: '{prog} simulate --plan FILE' predicts a plan's attainment at given rates; '{prog} compare "
-        "--trace RUN --profile FILE' compares a real run's request timelines with their simulation.",
+        usage=f"%(prog)s --model MODEL --slo-ttft S --slo-tpot S [options]\n"
+        f"       {prog} simulate --plan FILE [--rate R | --rates R1,R2,...] [options]\n"
+        f"       {prog} compare --trace RUN --profile FILE [options]",
+        description="Pick TP/PP and instance counts for a model, a cluster, a workload and its SLOs; write a plan "
+        f"file for `distserve launch --plan`. '{prog} simulate' predicts a plan's attainment at given rates and "
+        f"'{prog} compare' compares a real run's request timelines with their simulation (each has --help).",
     )
+    p.set_defaults(prog=prog)
     p.add_argument(
-        "--model", required=True, help=f"model directory (config.json) or preset: {', '.join(MODEL_PRESETS)}"
+        "--model", required=True, help=f"model directory (config.json), preset ({', '.join(MODEL_PRESETS)}) or "
+        f"built-in tiny model ({', '.join(TINY_MODEL_PRESETS)})",
     )
     hw = p.add_argument_group("cluster")
     hw.add_argument("--gpu", default="A100-80GB", type=_gpu_name, choices=sorted(GPUS),
@@ -434,15 +500,18 @@ def search_parser(prog: str = "distserve place") -> argparse.ArgumentParser:
                       help="node-affinity algorithm; auto runs both and picks the plan (default: auto)")
     srch.add_argument("--profile", action="append", type=Path,
                       help="fitted latency file from `distserve profile` (repeat per TP,PP); default: roofline")
-    srch.add_argument("--compute-efficiency", type=_positive(float), default=Efficiency.compute)
-    srch.add_argument("--memory-efficiency", type=_positive(float), default=Efficiency.memory)
-    srch.add_argument("--communication-efficiency", type=_positive(float), default=Efficiency.communication)
-    srch.add_argument(
-        "--max-batch-tokens", type=_positive(int), default=4096, help="prefill token budget (default: 4096)"
-    )
-    srch.add_argument("--max-batch-size", type=_positive(int), default=256, help="decode batch limit (default: 256)")
-    srch.add_argument("--num-requests", type=_positive(int), default=1000, help="requests per simulation, at least")
-    srch.add_argument("--seed", type=int, default=0)
+    for name, what in (("compute", "peak FLOP/s"), ("memory", "memory bandwidth"), ("communication", "link bandwidth")):
+        default = getattr(Efficiency, name)
+        srch.add_argument(f"--{name}-efficiency", type=_positive(float), default=default,
+                          help=f"roofline: achieved fraction of {what} (default: {default})")  # fmt: skip
+    # The engine's names (launch, generate); the planner's first names stay as aliases.
+    srch.add_argument("--max-num-batched-tokens", "--max-batch-tokens", type=_positive(int), default=4096,
+                      help="prefill token budget per batch, as the engine's (default: 4096)")  # fmt: skip
+    srch.add_argument("--max-num-seqs", "--max-batch-size", type=_positive(int), default=256,
+                      help="decode batch limit, as the engine's (default: 256)")  # fmt: skip
+    srch.add_argument("--num-requests", type=_positive(int), default=1000,
+                      help="requests per simulation, at least (default: 1000)")  # fmt: skip
+    srch.add_argument("--seed", type=int, default=0, help="seed of the workload and arrival draws (default: 0)")
     srch.add_argument("--processes", type=_positive(int), help="worker processes (default: CPU count)")
     srch.add_argument("--top", type=_positive(int), default=5, help="rows per table (default: 5)")
     out = p.add_argument_group("output")
@@ -453,14 +522,15 @@ def search_parser(prog: str = "distserve place") -> argparse.ArgumentParser:
 
 def simulate_parser(prog: str = "distserve place simulate") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Predict a plan's SLO attainment at given rates.")
+    p.set_defaults(prog=prog.removesuffix(" simulate"))
     p.add_argument("--plan", required=True, help="plan file written by distserve place --out")
-    p.add_argument("--rate", type=_positive(float), help="req/s (default: the plan's rate)")
+    p.add_argument("--rate", type=_positive(float), help="req/s (default: the plan's rate, else its capacity)")
     p.add_argument("--rates", type=_rates, help="comma-separated req/s")
     p.add_argument("--slo-ttft", type=_positive(float), help="override the plan's TTFT SLO")
     p.add_argument("--slo-tpot", type=_positive(float), help="override the plan's TPOT SLO")
     p.add_argument("--target", type=_positive(float), help="override the plan's attainment target")
     p.add_argument("--json", action="store_true", help="also print the (rate, attainment) points as JSON")
-    p.add_argument("--plot", help="PNG of predicted attainment against rate")
+    p.add_argument("--plot", help="PNG of predicted attainment against rate, across the plan's knee and these rates")
     return p
 
 
@@ -502,10 +572,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "distserve place") -> in
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in COMMANDS:
         make_parser, command = COMMANDS[argv[0]]
-        args = make_parser(f"{prog} {argv[0]}").parse_args(argv[1:])
+        args = parse_args(make_parser(f"{prog} {argv[0]}"), argv[1:])
     else:
         command = cmd_search
-        args = search_parser(prog).parse_args(argv[1:] if argv and argv[0] == "search" else argv)
+        args = parse_args(search_parser(prog), argv[1:] if argv and argv[0] == "search" else argv)
     try:
         return command(args)
     except (UsageError, ValueError, OSError, KeyError) as e:

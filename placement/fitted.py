@@ -60,6 +60,21 @@ class FittedLatency:
         d, e, f = self.decode
         return d + e * batch_size + f * total_context
 
+    def mismatch(self, model: str, gpu: str) -> str | None:
+        """What of the profiled setup (``meta``: device, model) differs from a question about ``model``
+        on ``gpu`` (a GPU name such as A100-80GB), as a clause; None when nothing recorded differs.
+        A GPU matches a device whose name holds its chip (A100-80GB: "NVIDIA A100-SXM4-80GB"); a model
+        matches by its last path component, in any case."""
+        differences = []
+        device = self.meta.get("device")
+        chip = gpu.split("-")[0].lower()
+        if device and (device.lower().startswith("cpu") or chip not in device.lower()):
+            differences.append(f"on {device}, not {gpu}")
+        profiled = self.meta.get("model")
+        if profiled and Path(str(profiled)).name.lower() != Path(model).name.lower():
+            differences.append(f"with {profiled}, not {model}")
+        return "measured " + " and ".join(differences) if differences else None
+
     def save(self, path: str | Path) -> None:
         data = {
             "format": FORMAT,

@@ -119,6 +119,34 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# The shapes of distserve's built-in tiny models (distserve/model_executor/tiny_models.py; a test checks
+# they agree). Their weights are made locally, so a plan for one serves real weights, not dummy ones.
+_TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 1024,
+    "max_position_embeddings": 1024,
+}
+TINY_MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": {**_TINY, "model_type": "llama", "intermediate_size": 128, "num_key_value_heads": 2},
+    "tiny-qwen2": {**_TINY, "model_type": "qwen2", "intermediate_size": 128, "num_key_value_heads": 1},
+    "tiny-opt": {**_TINY, "model_type": "opt", "ffn_dim": 128, "word_embed_proj_dim": 64},
+    "tiny-gpt2": {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "vocab_size": 1024,
+        "n_positions": 1024,
+    },
+}
+
+# Families the planner may split over tensor parallel ranks: each has a plan in transformers
+# (``base_model_tp_plan``) or in distserve; the engine also splits other families that have one.
+TENSOR_PARALLEL_FAMILIES = ("llama", "mistral", "opt", "qwen2")
+
+
 def find_model_preset(name: str) -> dict[str, Any] | None:
     """The preset of a model name, matched case-insensitively (``Llama-2-7B`` is ``llama-2-7b``)."""
     return MODEL_PRESETS.get(name.lower())
@@ -137,6 +165,44 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int
     gated_mlp: bool
+    model_type: str  # the Hugging Face family: "llama", "opt", ...
+
+    def tensor_parallel_problem(self, tp: int, has_plan: bool | None = None) -> str | None:
+        """Why ``tp`` tensor parallel ranks cannot shard this model, or None when they can.
+
+        The one rule that the engine (distserve/parallel/tensor_parallel.py) and the planner's
+        candidates follow: the family has a plan to shard it by, attention heads and MLP features
+        split evenly, KV heads split evenly or are replicated (each rank keeps the one its query
+        heads read), and the vocabulary is split when it divides and otherwise kept whole on every
+        rank (``splits_vocab``). The engine knows ``has_plan`` from the model's transformers config;
+        without it, the families of ``TENSOR_PARALLEL_FAMILIES`` have one.
+        """
+        if tp == 1:
+            return None
+        if not (self.model_type in TENSOR_PARALLEL_FAMILIES if has_plan is None else has_plan):
+            return (
+                f"tensor parallelism is not available for model family '{self.model_type}': it has no tensor "
+                "parallel plan; use tensor_parallel_size 1 (pipeline parallelism works for any family)"
+            )
+        if self.num_heads % tp:
+            return (
+                f"{self.model_type} has {self.num_heads} attention heads, which {tp} tensor parallel ranks cannot share"
+            )
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            return (
+                f"{self.model_type} has {self.num_kv_heads} KV heads: {tp} tensor parallel ranks need a divisor "
+                "or a multiple of it"
+            )
+        if self.intermediate_size % tp:
+            return (
+                f"{self.model_type} has an MLP of {self.intermediate_size} features, which {tp} tensor parallel "
+                "ranks cannot share"
+            )
+        return None
+
+    def splits_vocab(self, tp: int) -> bool:
+        """Whether the embedding and LM head are split over ``tp`` ranks (else each rank keeps them whole)."""
+        return self.vocab_size % tp == 0
 
     @property
     def num_params(self) -> int:
@@ -163,4 +229,5 @@ def model_shape(config: dict[str, Any]) -> ModelShape:
         vocab_size=get("vocab_size"),
         max_position_embeddings=get("max_position_embeddings") or get("n_positions"),
         gated_mlp=get("model_type") in ("llama", "mistral", "qwen2"),
+        model_type=get("model_type") or "",
     )

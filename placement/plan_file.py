@@ -47,10 +47,15 @@ def plan_document(
 
 
 def write_plan(path: str | Path, document: dict[str, Any]) -> None:
-    header = (
-        "# distserve placement plan: serve it with `distserve launch --plan THIS_FILE`\n"
-        "# (with real weights: add --model DIR --load-format auto). The plan: section is the planner's\n"
-        "# inputs and predictions; `distserve place simulate --plan THIS_FILE --rate R` re-predicts it.\n"
+    header = "# distserve placement plan: serve it with `distserve launch --plan THIS_FILE`.\n"
+    if document["model"].get("load_format") == "dummy":
+        header += (
+            f"# {document['model']['model']} is a preset, a shape without weights: it serves dummy (random)\n"
+            "# weights; for real ones add --model DIR --load-format auto.\n"
+        )
+    header += (
+        "# The plan: section is the planner's inputs and predictions; `distserve place simulate --plan\n"
+        "# THIS_FILE --rate R` re-predicts it.\n"
     )
     Path(path).write_text(header + yaml.safe_dump(document, sort_keys=False, default_flow_style=False))
 

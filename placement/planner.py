@@ -7,11 +7,14 @@ every instance, the KV transfer between them and both SLOs at once, since a requ
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 from placement.deployment import Deployment
 from placement.goodput import search_goodput
+from placement.latency import Parallelism
 from placement.search import Candidate, PhaseProblem, capacity
 from placement.simulator import SimRequest, SimResult, simulate
 
@@ -107,3 +110,35 @@ def fit_to_rate(
             break
         deployment, prediction = grown, simulate_deployment(problem, grown, rate)
     return deployment, prediction
+
+
+def attainment_curve(
+    problem: PhaseProblem, deployment: Deployment, knee: float, marked: Iterable[float] = (), max_steps: int = 6
+) -> list[tuple[float, float]]:
+    """(rate, predicted attainment) at rates that span the knee: fractions of ``knee`` (the deployment's
+    goodput, where attainment crosses the target) from a quarter up, then 1.5 times higher at each of
+    at most ``max_steps`` steps until attainment is under half the target; ``marked`` rates besides."""
+    if not knee > 0:
+        raise ValueError(f"knee must be > 0, got {knee}")
+    rates = {knee * f for f in (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5)} | set(marked)
+    points = {rate: simulate_deployment(problem, deployment, rate).attainment for rate in rates}
+    rate = max(points)
+    for _ in range(max_steps):
+        if points[rate] < problem.objective.target / 2:
+            break
+        rate *= 1.5
+        points[rate] = simulate_deployment(problem, deployment, rate).attainment
+    return sorted(points.items())
+
+
+def unloaded_latency(problem: PhaseProblem, phase: str, par: Parallelism) -> float:
+    """The least a phase's latency can be at ``par``: the target quantile over the workload of a request
+    served alone, its prefill (TTFT) or a decode step of one sequence halfway through its reply (TPOT)."""
+    requests = problem.requests[: problem.min_requests]
+    if phase == "prefill":
+        batch_time = problem.models.prefill_spec(par).batch_time
+        times = [batch_time([r.prompt_len]) for r in requests]
+    else:
+        step_time = problem.models.decode_spec(par).step_time
+        times = [step_time(1, r.prompt_len + r.output_len // 2) for r in requests]
+    return float(np.quantile(times, problem.objective.target))

@@ -45,11 +45,11 @@ class RooflineModel:
         for name in ("tp", "pp", "dtype_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
-        if m.num_heads % self.tp:
-            raise ValueError(f"tp={self.tp} must divide num_heads={m.num_heads}")
-        # KV heads are split when tp divides them and replicated (one per rank) when they divide tp.
-        if m.num_kv_heads % self.tp and self.tp % m.num_kv_heads:
-            raise ValueError(f"tp={self.tp} and num_kv_heads={m.num_kv_heads}: one must divide the other")
+        # The engine's rule: what it refuses is never a candidate (KV heads are split when tp divides
+        # them and replicated, one per rank, when they divide tp).
+        problem = m.tensor_parallel_problem(self.tp)
+        if problem is not None:
+            raise ValueError(f"tp={self.tp}: {problem}")
         if self.pp > m.num_layers:
             raise ValueError(f"pp={self.pp} exceeds num_layers={m.num_layers}")
         gpus = self.tp * self.pp
@@ -82,8 +82,10 @@ class RooflineModel:
 
     @cached_property
     def _vocab_params_per_rank(self) -> float:
-        # Embedding and LM head are vocab-parallel across TP.
-        return self.model.vocab_size * self.model.hidden_size / self.tp
+        # Embedding and LM head are vocab-parallel across TP, or whole on each rank when the vocabulary
+        # does not divide.
+        shards = self.tp if self.model.splits_vocab(self.tp) else 1
+        return self.model.vocab_size * self.model.hidden_size / shards
 
     @cached_property
     def _kv_bytes_per_token_per_layer(self) -> int:

@@ -229,6 +229,7 @@ def test_unknown_flags_name_the_closest_known_one(capsys):
         (["launch", "--tensor-paralel-size", "2"], "--tensor-paralel-size (did you mean --tensor-parallel-size?)"),
         (["serve", "--max-num-batch-tokens", "8"], "(did you mean --max-num-batched-tokens?)"),
         (["generate", "--temprature", "0", "hi"], "--temprature (did you mean --temperature?)"),
+        (["place", "simulate", "--plan", "p.yaml", "--ratess", "1"], "--ratess (did you mean --rates?)"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             main(argv)

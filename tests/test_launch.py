@@ -1,5 +1,5 @@
 """``distserve launch`` as users run it: a process serving gRPC and HTTP that SIGINT drains and
-stops, leaving no process or Ray actor of its own behind."""
+stops, leaving no process or Ray actor of its own behind, also when the signal comes during start-up."""
 
 import os
 import queue
@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import urllib.request
+import uuid
 
 import grpc
 import psutil
@@ -20,23 +21,49 @@ from distserve.entrypoints.client import Client
 from distserve.entrypoints.launch import load_launch_config
 
 STARTUP_TIMEOUT_S = 180
+TAG_VARIABLE = "DISTSERVE_TEST_LAUNCH_TAG"
 
 
 class Launched:
-    """A ``distserve launch`` subprocess whose log lines are read on a thread."""
+    """A ``distserve launch`` subprocess whose log lines are read on a thread; by default, once it serves.
 
-    def __init__(self, *args: str) -> None:
+    Every process it starts (Ray's included) inherits its ``tag`` in the environment, so what it
+    leaves behind can be found.
+    """
+
+    def __init__(self, *args: str, serving: bool = True) -> None:
         command = [sys.executable, "-m", "distserve.cli", "launch", "--grpc-port", "0", "--http-port", "0", *args]
-        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.tag = uuid.uuid4().hex
+        env = {**os.environ, TAG_VARIABLE: self.tag}
+        self.process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
         self.lines: queue.Queue[str] = queue.Queue()
         self.log: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        self.grpc_address = self.wait_for(r"gRPC listening on (\S+)").group(1)
-        self.http_url = self.wait_for(r"HTTP listening on (\S+)").group(1)
+        if serving:
+            self.grpc_address = self.wait_for(r"gRPC listening on (\S+)").group(1)
+            self.http_url = self.wait_for(r"HTTP listening on (\S+)").group(1)
 
     def _read(self) -> None:
         for line in self.process.stderr:
             self.lines.put(line)
+        self.lines.put("")  # the end: ``rest`` stops here
+
+    def rest(self) -> str:
+        """The log from here to the end of the process (call once it has exited)."""
+        while line := self.lines.get(timeout=10):
+            self.log.append(line)
+        return "".join(self.log)
+
+    def left_behind(self) -> list[psutil.Process]:
+        """Live processes that carry this launch's tag."""
+        found = []
+        for process in psutil.process_iter():
+            try:
+                if process.environ().get(TAG_VARIABLE) == self.tag and process.status() != psutil.STATUS_ZOMBIE:
+                    found.append(process)
+            except psutil.Error:  # gone meanwhile, or another user's
+                pass
+        return found
 
     def wait_for(self, pattern: str, timeout: float = STARTUP_TIMEOUT_S) -> re.Match:
         deadline = time.monotonic() + timeout
@@ -181,3 +208,23 @@ def test_launch_cli_exits_2_on_bad_settings(tmp_path):
     )
     assert result.returncode == 2
     assert "unknown key(s) grpc_prot in section 'server'" in result.stderr
+
+
+@pytest.mark.parametrize("moment", ["starting a local Ray", r"starting \d+ instances"])
+def test_sigint_during_start_up_stops_what_started_and_exits_130(moment):
+    launched = Launched("--model", "tiny-llama", serving=False)
+    try:
+        launched.wait_for(moment)
+        launched.process.send_signal(signal.SIGINT)
+        assert launched.process.wait(timeout=120) == 130
+    finally:
+        if launched.process.poll() is None:
+            launched.process.kill()
+    log = launched.rest()
+    assert "SIGINT during start-up: stopped before serving" in log
+    assert "Traceback" not in log and "Segmentation fault" not in log
+    assert "listening on" not in log
+    deadline = time.monotonic() + 10
+    while left := launched.left_behind():
+        assert time.monotonic() < deadline, f"left behind: {[p.cmdline() for p in left]}"
+        time.sleep(0.5)

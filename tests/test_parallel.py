@@ -227,3 +227,43 @@ def test_tied_embeddings_load_into_every_shard(ray_cluster, tied_llama, tp, pp):
         llm.shutdown()
     for prompt, out in zip(prompts, outputs):
         assert out.output_token_ids == reference_greedy(reference, prompt, 10)
+
+
+# tiny-llama and tiny-opt widened to six heads (three KV heads for Llama), so three ranks split their
+# heads and MLPs while the vocabulary of 1024 does not divide: each rank keeps the embedding and LM head
+# whole, as it does OPT-66B's 50272 at TP=3. The OPT one ties them, as OPT's checkpoints do.
+SIX_HEADS = {
+    "tiny-llama": {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3, "intermediate_size": 192},
+    "tiny-opt": {"hidden_size": 96, "num_attention_heads": 6, "ffn_dim": 192, "word_embed_proj_dim": 96,
+                 "tie_word_embeddings": True},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", SIX_HEADS)
+def test_tp3_keeps_an_uneven_vocabulary_whole_and_equals_transformers(ray_cluster, tmp_path, family):
+    from transformers import AutoModelForCausalLM
+
+    from distserve.model_executor.tiny_models import make_tiny_model
+
+    path = make_tiny_model(family, tmp_path / family, **SIX_HEADS[family])
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert reference.config.vocab_size % 3
+    prompts = random_prompts([2, 45, 120], reference.config.vocab_size, seed=9)
+    llm = LLM(str(path), tensor_parallel_size=3)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outputs):
+        assert out.output_token_ids == reference_greedy(reference, prompt, 16)
+
+
+def test_every_family_the_rule_allows_has_a_plan():
+    """The families ModelShape.tensor_parallel_problem lets through are the ones shard_model has a plan for."""
+    from transformers import AutoConfig
+
+    from distserve.parallel.tensor_parallel import OWN_TP_PLANS
+    from placement.model_presets import TENSOR_PARALLEL_FAMILIES
+
+    for family in TENSOR_PARALLEL_FAMILIES:
+        assert AutoConfig.for_model(family).base_model_tp_plan or family in OWN_TP_PLANS, family

@@ -1,3 +1,4 @@
+import dataclasses
 import subprocess
 import sys
 
@@ -69,6 +70,7 @@ TINY = ModelShape(
     vocab_size=100,
     max_position_embeddings=256,
     gated_mlp=True,
+    model_type="llama",
 )
 TINY_GPU = GPUSpec("tiny", flops=1e12, memory_bandwidth=1e11, memory_bytes=1_000_000)
 
@@ -124,7 +126,7 @@ def test_efficiency_override_scales_compute_bound_time():
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"tp": 3, "pp": 1}, "num_heads"),
+        ({"tp": 3, "pp": 1}, "4 attention heads, which 3 tensor parallel ranks cannot share"),
         ({"tp": 1, "pp": 5}, "num_layers"),
         ({"tp": 0, "pp": 1}, "tp"),
         ({"tp": 4, "pp": 4}, "gpus_per_node"),
@@ -133,6 +135,27 @@ def test_efficiency_override_scales_compute_bound_time():
 def test_bad_parallelism_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         RooflineModel(TINY, tiny_cluster(), **kwargs)
+
+
+def test_the_sharding_rule_of_the_engine():
+    """What the engine refuses is no candidate; an uneven vocabulary is kept whole on every rank."""
+    assert TINY.tensor_parallel_problem(1) is None and TINY.tensor_parallel_problem(4) is None
+    three_kv_heads = dataclasses.replace(TINY, num_heads=6, num_kv_heads=3)
+    assert "3 KV heads: 2 tensor parallel ranks need a divisor" in three_kv_heads.tensor_parallel_problem(2)
+    assert "MLP of 13824 features" in model_shape(MODEL_PRESETS["llama-2-13b"]).tensor_parallel_problem(5)
+    gpt2 = dataclasses.replace(TINY, model_type="gpt2")
+    assert "not available for model family 'gpt2'" in gpt2.tensor_parallel_problem(2)
+    assert gpt2.tensor_parallel_problem(2, has_plan=True) is None  # the engine's knowledge of the family wins
+    assert gpt2.tensor_parallel_problem(1) is None
+    opt66 = model_shape(MODEL_PRESETS["opt-66b"])
+    assert opt66.tensor_parallel_problem(3) is None and not opt66.splits_vocab(3) and opt66.splits_vocab(4)
+    # At TP=3 each rank holds a third of the layers but the whole 50272 x 9216 embedding (tied LM head
+    # counted as a second table, as the engine keeps it).
+    at3, at4 = (RooflineModel(opt66, a100_node(), tp=tp, pp=1) for tp in (3, 4))
+    vocab_table = 50272 * 9216 * 2
+    layers = 64 * at3._layer_params_per_rank * 2
+    assert at3.weight_bytes_per_gpu == pytest.approx(layers + 2 * vocab_table)
+    assert at4.weight_bytes_per_gpu == pytest.approx(64 * at4._layer_params_per_rank * 2 + 2 * vocab_table / 4)
 
 
 def test_cross_node_instances_use_the_network():

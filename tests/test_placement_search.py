@@ -1,7 +1,9 @@
 """Placement search, deployments, plan files and the ``distserve place`` command line."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from placement.hardware import cluster_from_dict
 from placement.latency import InstanceModels, Parallelism
 from placement.model_presets import MODEL_PRESETS, model_shape
 from placement.plan_file import read_plan
-from placement.planner import deployment_for_rate, fit_to_rate, simulate_deployment
+from placement.planner import attainment_curve, deployment_for_rate, fit_to_rate, simulate_deployment
 from placement.search import (
     Objective,
     PhaseGoodput,
@@ -205,13 +207,22 @@ SEARCH = ["--model", "opt-13b", "--nodes", "1", "--gpus-per-node", "4", "--slo-t
           "--num-requests", "200", "--processes", "1"]  # fmt: skip
 
 
-def test_cli_writes_a_plan_that_launch_reads(tmp_path, capsys):
+def test_cli_writes_a_plan_that_launch_reads(tmp_path, capsys, monkeypatch):
+    import placement.plots
+
+    drawn = []
+    plot = placement.plots.plot_attainment_vs_rate
+    monkeypatch.setattr(placement.plots, "plot_attainment_vs_rate",
+                        lambda *args, **kwargs: drawn.append((args, kwargs)) or plot(*args, **kwargs))  # fmt: skip
     plan, png = tmp_path / "plan.yaml", tmp_path / "plan.png"
     code, out, err = run_cli([*SEARCH, "--rate", "5", "--out", str(plan), "--plot", str(png)], capsys)
     assert code == 0, err
     assert "high node-affinity" in out and "low node-affinity" in out and "plan:" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     deployment, notes, document = read_plan(plan)
+    (_, _, _, title), marks = drawn[0][0], drawn[0][1]["marks"]
+    assert title == f"opt-13b: predicted SLO attainment\n{deployment.describe()}\nSLOs: TTFT 250 ms, TPOT 100 ms"
+    assert marks == {"planned rate 5 req/s": 5}
     assert notes["rate"] == 5 and notes["predicted"]["attainment_at_rate"] >= 0.9
     assert notes["predicted"]["gpus"] == deployment.gpus <= 4
     assert document["model"] == {"model": "opt-13b", "load_format": "dummy"}
@@ -234,6 +245,10 @@ def test_cli_writes_a_plan_that_launch_reads(tmp_path, capsys):
     assert points[0]["attainment"] == pytest.approx(notes["predicted"]["attainment_at_rate"], abs=1e-4)
     assert points[1]["attainment"] < points[0]["attainment"]
     assert build_problem(notes).objective == Objective(0.25, 0.1, 0.9)
+
+    # The plotted curve spans the knee: from meeting the target down to under half of it.
+    curve = attainment_curve(build_problem(notes), deployment, notes["predicted"]["goodput"], [5])
+    assert curve[0][1] >= 0.9 > 0.45 > curve[-1][1] and 5 in [rate for rate, _ in curve]
 
 
 def test_cli_without_rate_fills_the_cluster(tmp_path, capsys):
@@ -291,7 +306,70 @@ def test_cli_exits_1_when_no_deployment_meets_the_slos(capsys):
     code, out, err = run_cli([*SEARCH[:-4], "--slo-ttft", "0.001", "--num-requests", "200", "--processes", "1"],
                              capsys)  # fmt: skip
     assert code == 1
-    assert "no configuration meets the SLOs" in err
+    achieved = re.search(r"the TTFT SLO is 1 ms, and even unloaded 90% of requests take up to ([\d.]+) ms", err)
+    assert err.startswith("no configuration meets the SLOs on this cluster: ") and achieved, err
+    assert float(achieved.group(1)) > 10
+
+
+def test_cli_says_what_the_cluster_tops_out_at_when_the_rate_is_too_high(capsys):
+    code, out, err = run_cli([*SEARCH, "--affinity", "high"], capsys)
+    assert code == 0, err
+    most = float(re.search(r"goodput ([\d.]+) req/s", out).group(1))
+    code, _, err = run_cli([*SEARCH, "--affinity", "high", "--rate", "1000"], capsys)
+    assert code == 1
+    assert f"at 1000 req/s: the most it serves within them is {most:.3g} req/s, with 1 prefill" in err
+
+
+def test_cli_warns_when_a_profile_is_of_another_device_or_model(tmp_path, capsys):
+    def profile(device, model):
+        path = tmp_path / f"{Path(model).name}.json"
+        FittedLatency((0.01, 1e-5, 0.0), (0.005, 1e-4, 1e-7), {"device": device, "model": model}).save(path)
+        return str(path)
+
+    base = ["--slo-ttft", "1", "--slo-tpot", "0.1", "--num-requests", "200", "--processes", "1", "--gpus-per-node", "2"]
+    cpu_tiny = profile("cpu x86_64 (2 threads)", "tiny-llama")
+    code, _, err = run_cli(["--model", "llama-3-8b", "--profile", cpu_tiny, *base], capsys)
+    assert code == 0
+    assert (f"distserve place: warning: {cpu_tiny} was measured on cpu x86_64 (2 threads), not A100-80GB and with "
+            "tiny-llama, not llama-3-8b: its latencies will not be this cluster's") in err  # fmt: skip
+    same = profile("NVIDIA A100-SXM4-80GB", "/models/Llama-3-8B")
+    code, _, err = run_cli(["--model", "llama-3-8b", "--profile", same, *base], capsys)
+    assert code == 0 and "warning" not in err
+
+
+def test_cli_batch_flags_have_the_engines_names_and_keep_the_old_ones(tmp_path, capsys):
+    documents = []
+    for flags in (["--max-num-batched-tokens", "2048", "--max-num-seqs", "64"],
+                  ["--max-batch-tokens", "2048", "--max-batch-size", "64"]):  # fmt: skip
+        plan = tmp_path / "plan.yaml"
+        code, _, err = run_cli([*SEARCH, "--affinity", "high", *flags, "--out", str(plan)], capsys)
+        assert code == 0, err
+        documents.append(read_plan(plan)[2]["cluster"])
+    assert documents[0] == documents[1]
+    assert documents[0]["prefill"]["max_num_batched_tokens"] == 2048 and documents[0]["decode"]["max_num_seqs"] == 64
+
+
+def test_every_flag_of_every_place_command_has_help(capsys):
+    from placement.cli import compare_parser, search_parser, simulate_parser
+
+    for parser in (search_parser(), simulate_parser(), compare_parser()):
+        bare = [a.option_strings for a in parser._actions if a.option_strings and not a.help]
+        assert not bare, f"{parser.prog}: {bare}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    usage = capsys.readouterr().out
+    assert "distserve place simulate --plan FILE" in usage and "distserve place compare --trace RUN" in usage
+
+
+def test_cli_plans_for_a_built_in_tiny_model_with_its_real_weights(tmp_path, capsys):
+    plan = tmp_path / "plan.yaml"
+    args = ["--model", "tiny-llama", "--gpus-per-node", "2", "--slo-ttft", "0.1", "--slo-tpot", "0.01",
+            "--num-requests", "200", "--processes", "1", "--out", str(plan)]  # fmt: skip
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    _, _, document = read_plan(plan)
+    assert document["model"] == {"model": "tiny-llama"}  # no load_format: dummy, the engine makes its weights
+    assert "dummy" not in plan.read_text()
 
 
 def test_planner_needs_neither_torch_nor_ray():

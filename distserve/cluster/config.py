@@ -82,6 +82,11 @@ class ClusterConfig:
                 "a cluster has a prefill and a decode pool (disaggregated) or one colocated pool, "
                 f"got {[str(r) for r in roles]}"
             )
+        for pool in self.pools:  # checked now, not when the pool's instances start
+            try:
+                self.engine_config(pool)
+            except ValueError as e:
+                raise ValueError(f"the {pool.role} pool: {e}") from None
 
     @property
     def disaggregated(self) -> bool:
@@ -90,11 +95,15 @@ class ClusterConfig:
     def pool(self, role: Role) -> PoolConfig | None:
         return next((pool for pool in self.pools if pool.role == role), None)
 
+    def engine_config(self, pool: PoolConfig) -> EngineConfig:
+        """The engine config of the pool's instances: the shared settings and the pool's own."""
+        base = {key: value for section in self.engine.to_dict().values() for key, value in section.items()}
+        return EngineConfig.from_flat(**{**base, **pool.options, "role": pool.role})
+
     def instance_configs(self) -> list[tuple[str, EngineConfig]]:
         """(actor name, engine config) of every instance."""
-        base = {key: value for section in self.engine.to_dict().values() for key, value in section.items()}
         return [
-            (f"{self.name}-{pool.role}-{i}", EngineConfig.from_flat(**{**base, **pool.options, "role": pool.role}))
+            (f"{self.name}-{pool.role}-{i}", self.engine_config(pool))
             for pool in self.pools
             for i in range(pool.instances)
         ]

@@ -16,6 +16,7 @@ from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.errors import InvalidRequest, ServingError, to_serving_error
 from distserve.entrypoints.frontend import Frontend
+from distserve.entrypoints.preflight import check_port
 from distserve.entrypoints.server_config import ServerConfig
 from distserve.v1 import distserve_pb2 as pb
 from distserve.v1 import distserve_pb2_grpc as pb_grpc
@@ -189,6 +190,8 @@ class GrpcServer:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.server.max_pending_requests", MAX_QUEUED_CALLS),
             ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_QUEUED_CALLS),
+            # gRPC sets SO_REUSEPORT by default: a second server would then share a busy port silently.
+            ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.aio.server(options=options)
         self.health = health.aio.HealthServicer()
@@ -202,8 +205,12 @@ class GrpcServer:
                 self.port = self.server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)]))
             else:
                 self.port = self.server.add_insecure_port(address)
-        except RuntimeError as e:  # grpc's way of saying the bind failed
-            raise OSError(f"cannot serve gRPC on {address}: the port is in use or the address is not local") from e
+        except RuntimeError:  # grpc's way of saying the bind failed (older versions return port 0)
+            self.port = 0
+        if not self.port:
+            if config.grpc_port:
+                check_port("gRPC", config.host, config.grpc_port)  # names a busy port as such
+            raise OSError(f"the gRPC server cannot listen on {address}")
 
     async def start(self) -> None:
         await self.server.start()

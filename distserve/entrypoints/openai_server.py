@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import json
 import logging
 import math
@@ -24,6 +25,7 @@ from distserve.core.outputs import RequestOutput
 from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.errors import ServingError
 from distserve.entrypoints.frontend import Frontend
+from distserve.entrypoints.preflight import port_in_use
 from distserve.entrypoints.prometheus import CONTENT_TYPE
 from distserve.entrypoints.server_config import ServerConfig
 
@@ -547,7 +549,9 @@ async def start_http_server(frontend: Frontend, config: ServerConfig) -> tuple[w
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.http_port, ssl_context=ssl_context).start()
-    except BaseException:
+    except BaseException as e:
         await runner.cleanup()
+        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+            raise port_in_use("HTTP", config.host, config.http_port) from None
         raise
     return runner, runner.addresses[0][1]

@@ -124,8 +124,9 @@ def _family_configs(tokenizer) -> dict[str, dict]:
 TINY_MODELS = ("tiny-llama", "tiny-qwen2", "tiny-opt", "tiny-gpt2")
 
 
-def make_tiny_model(name: str, out_dir: str | Path) -> Path:
-    """Write tiny model ``name`` as a Hugging Face directory at ``out_dir``."""
+def make_tiny_model(name: str, out_dir: str | Path, **overrides) -> Path:
+    """Write tiny model ``name`` as a Hugging Face directory at ``out_dir``; ``overrides`` change its
+    config fields (``num_attention_heads=6``, ...) for a variant of another shape."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -133,7 +134,7 @@ def make_tiny_model(name: str, out_dir: str | Path) -> Path:
     if name not in TINY_MODELS:
         raise ValueError(f"unknown tiny model '{name}'; choose one of {', '.join(TINY_MODELS)}")
     tokenizer = train_tokenizer()
-    facts = dict(_family_configs(tokenizer)[name])
+    facts = {**_family_configs(tokenizer)[name], **overrides}
     config = AutoConfig.for_model(facts.pop("model_type"), **facts)
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

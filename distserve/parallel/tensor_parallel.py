@@ -3,8 +3,11 @@
 A ``colwise`` linear keeps a slice of its output features, a ``rowwise`` one a slice of its input
 features followed by an all-reduce, and ``colwise_gather_output`` (the LM head) all-gathers the
 vocabulary slices. Attention projections are split by whole heads; when a model has fewer KV
-heads than ranks, each rank keeps the one KV head its query heads use. The model is sharded
-while its parameters are still on the meta device, so a rank only ever loads its own slices.
+heads than ranks, each rank keeps the one KV head its query heads use. An embedding or LM head
+whose vocabulary does not divide over the ranks is kept whole on each (OPT's 50272 at TP=3).
+What can be sharded is ``ModelShape.tensor_parallel_problem``, the rule the planner follows too.
+The model is sharded while its parameters are still on the meta device, so a rank only ever
+loads its own slices.
 """
 
 from __future__ import annotations
@@ -95,26 +98,13 @@ class GatheredColumnLinear(nn.Linear):
 
 
 def check_tensor_parallel(hf_config, shape: ModelShape, tp_size: int) -> None:
-    """Raise ValueError, naming the family, when ``tp_size`` ranks cannot shard this model."""
+    """Raise ValueError, naming the family, when ``tp_size`` ranks cannot shard this model: the
+    planner's rule (``ModelShape.tensor_parallel_problem``), and a plan to shard it by."""
     config = hf_config.get_text_config()
-    if tp_size == 1:
-        return
-    if not getattr(config, "base_model_tp_plan", None) and config.model_type not in OWN_TP_PLANS:
-        raise ValueError(
-            f"tensor parallelism is not available for model family '{config.model_type}': its config has no "
-            "base_model_tp_plan and distserve has no plan of its own for it; use tensor_parallel_size 1 "
-            "(pipeline parallelism works for any family)"
-        )
-    num_heads, num_kv_heads = shape.num_heads, shape.num_kv_heads
-    if num_heads % tp_size:
-        raise ValueError(
-            f"{config.model_type} has {num_heads} attention heads, which {tp_size} tensor parallel ranks cannot share"
-        )
-    if num_kv_heads % tp_size and tp_size % num_kv_heads:
-        raise ValueError(
-            f"{config.model_type} has {num_kv_heads} KV heads: {tp_size} tensor parallel ranks need a divisor "
-            "or a multiple of it"
-        )
+    has_plan = bool(getattr(config, "base_model_tp_plan", None)) or config.model_type in OWN_TP_PLANS
+    problem = shape.tensor_parallel_problem(tp_size, has_plan)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def tp_plan(model: nn.Module) -> dict[str, str]:
@@ -162,13 +152,15 @@ def shard_model(model: nn.Module, shape: ModelShape, tp_size: int, tp_rank: int,
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         if style == "embedding_rowwise" and type(module) is nn.Embedding:
-            if module.num_embeddings % tp_size == 0:  # otherwise the embeddings stay whole
+            if shape.splits_vocab(tp_size):  # otherwise the embeddings stay whole on every rank
                 rows = module.num_embeddings // tp_size
                 start = tp_rank * rows
                 kwargs = {"dtype": module.weight.dtype, "device": module.weight.device}
                 setattr(parent, attr, VocabParallelEmbedding(rows, module.embedding_dim, start, group, **kwargs))
                 shards[f"{name}.weight"] = Shard(0, start, start + rows, module.num_embeddings)
             continue
+        if style == "colwise_gather_output" and not shape.splits_vocab(tp_size):
+            continue  # an LM head whose vocabulary does not divide stays whole on every rank
         if style not in LINEAR_STYLES:
             raise ValueError(f"tensor parallel style '{style}' of {name} ({model_type}) is not supported")
         if type(module) is not nn.Linear:
@@ -187,8 +179,6 @@ def shard_model(model: nn.Module, shape: ModelShape, tp_size: int, tp_rank: int,
             start, end = _split(module.out_features // unit, tp_size, tp_rank, name, replicable=head_dim is not None)
             out = (end - start) * unit
             if style == "colwise_gather_output":
-                if module.out_features % tp_size:
-                    continue  # an LM head that does not split evenly stays whole on every rank
                 new = GatheredColumnLinear(module.in_features, out, has_bias, group, **kwargs)
             else:
                 new = nn.Linear(module.in_features, out, bias=has_bias, **kwargs)
