@@ -55,15 +55,19 @@ def _stop(ray, handle) -> None:
 
 
 @pytest.mark.parametrize(
-    "family, tp, pp",
-    [("tiny-llama", 2, 1), ("tiny-qwen2", 1, 2), ("tiny-qwen2", 2, 2), ("tiny-opt", 2, 1)],
-    ids=["llama-tp2", "qwen2-pp2", "qwen2-tp2xpp2", "opt-tp2"],
-)
-def test_parallel_instance_greedy_equals_transformers(ray_cluster, reference_model, family, tp, pp):
-    """Mixed lengths in a KV pool that forces preemption; tiny-qwen2 has one KV head, replicated at TP=2."""
+    "family, tp, pp, chunk",
+    [("tiny-llama", 2, 1, 0), ("tiny-qwen2", 1, 2, 0), ("tiny-qwen2", 2, 2, 0), ("tiny-opt", 2, 1, 0),
+     ("tiny-llama", 2, 2, 16)],
+    ids=["llama-tp2", "qwen2-pp2", "qwen2-tp2xpp2", "opt-tp2", "llama-tp2xpp2-chunked16"],
+)  # fmt: skip
+def test_parallel_instance_greedy_equals_transformers(ray_cluster, reference_model, family, tp, pp, chunk):
+    """Mixed lengths in a KV pool that forces preemption; tiny-qwen2 has one KV head, replicated at TP=2.
+    ``chunk``: chunked prefill with that token budget, decode tokens and prompt chunks in one step."""
     ray = ray_cluster
     model = reference_model(family)
-    handle = _launch(ray, family, tp, pp, f"{family}-tp{tp}-pp{pp}", block_size=8, num_kv_blocks=30)
+    chunking = {"enable_chunked_prefill": True, "max_num_batched_tokens": chunk} if chunk else {}
+    name = f"{family}-tp{tp}-pp{pp}-c{chunk}"
+    handle = _launch(ray, family, tp, pp, name, block_size=8, num_kv_blocks=30, **chunking)
     try:
         prompts = random_prompts(LENGTHS, model.config.vocab_size, seed=3)
         ids = _submit(ray, handle, prompts, MAX_TOKENS)

@@ -77,7 +77,14 @@ class SchedulerConfig:
         Role.COLOCATED, "which phases this instance runs (in a cluster, its pool sets it)", ROLES
     )
     policy: str = option("fcfs", "prefill queue order", POLICIES)
-    max_num_batched_tokens: int = option(4096, "prefill token budget per batch (DistServe's L_m)")
+    max_num_batched_tokens: int = option(
+        4096, "prefill token budget per batch (DistServe's L_m); with chunked prefill, every step's tokens"
+    )
+    enable_chunked_prefill: bool = option(
+        False,
+        "colocated instances: each step runs every decoding sequence's token, then chunks of prompts up to "
+        "max_num_batched_tokens, as vLLM does (off: a step is a whole prefill batch or a decode step)",
+    )
     max_num_seqs: int = option(256, "most sequences running at once")
     sjf_aging_tokens: float = option(
         64.0, "SJF aging: a waiting prompt counts this many tokens shorter per prefill step it waits"
@@ -98,6 +105,11 @@ class SchedulerConfig:
         _check_choice("policy", self.policy, POLICIES)
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.enable_chunked_prefill and self.role is not Role.COLOCATED:
+            raise ValueError(
+                f"enable_chunked_prefill is for colocated instances, which run both phases; a {self.role} "
+                "instance runs one"
+            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.sjf_aging_tokens < 0:

@@ -199,7 +199,7 @@ class LLMEngine:
         timer.lap("schedule")
         if not batch.seqs:
             return []
-        model_input = BatchInput.from_sequences(batch.is_prefill, batch.seqs)
+        model_input = BatchInput.from_sequences(batch.is_prefill, batch.seqs, batch.num_decode, batch.num_new_tokens)
         started = time.time()
         output = self.executor.execute_model(model_input)
         timer.lap("execute")
@@ -209,15 +209,20 @@ class LLMEngine:
             metrics = seq.metrics
             if seq.num_output_tokens:  # decoding, or a recompute after preemption
                 metrics.steps.append(step)
-            else:  # its first prefill: on a decode instance every request has its first token already
-                metrics.prefill_start, metrics.prefill_end = started, ended
+            else:  # its first prefill (over several steps when chunked); a decode instance never sees one
+                metrics.prefill_start = metrics.prefill_start or started
+                metrics.prefill_end = ended
                 metrics.prefill_batch_size, metrics.prefill_batch_tokens = len(batch.seqs), model_input.num_tokens
         # Split the executor's time into the driver rank's phases and the rest (calls, transfers).
         timer.seconds["dispatch"] = timer.seconds.pop("execute") - sum(output.seconds.values())
         timer.seconds.update(output.seconds)
-        deltas = [
-            self._append_token(seq, token, batch.is_prefill) for seq, token in zip(batch.seqs, output.sampled_token_ids)
-        ]
+        tokens = iter(output.sampled_token_ids)  # one per sequence that samples, in batch order
+        deltas = []
+        for i, (seq, seq_input) in enumerate(zip(batch.seqs, model_input.seqs)):
+            if seq_input.sample:
+                deltas.append(self._append_token(seq, next(tokens), batch.is_prefill and i >= batch.num_decode))
+            else:  # a prompt chunk short of the prompt's end
+                seq.num_computed_tokens += len(seq_input.input_token_ids)
         timer.lap("postprocess")
         self.stats.add(StepRecord(batch.is_prefill, len(batch.seqs), model_input.num_tokens, timer.seconds))
         return deltas

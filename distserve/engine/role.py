@@ -16,7 +16,12 @@ from distserve.core.handover import Handover
 from distserve.core.outputs import RequestDelta
 from distserve.core.role import Role
 from distserve.core.sequence import Sequence
-from distserve.scheduling.scheduler import PrefillFirstScheduler, ScheduledBatch, Scheduler
+from distserve.scheduling.scheduler import (
+    ChunkedPrefillScheduler,
+    PrefillFirstScheduler,
+    ScheduledBatch,
+    Scheduler,
+)
 
 if TYPE_CHECKING:
     from distserve.engine.llm_engine import LLMEngine
@@ -101,4 +106,6 @@ class ColocatedRole(InstanceRole):
     role = Role.COLOCATED
 
     def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine, PrefillFirstScheduler(engine.config.scheduler, engine.block_manager))
+        config = engine.config.scheduler
+        scheduler = ChunkedPrefillScheduler if config.enable_chunked_prefill else PrefillFirstScheduler
+        super().__init__(engine, scheduler(config, engine.block_manager))

@@ -33,10 +33,11 @@ class PrefillSeqMeta:
 
 @dataclass
 class AttentionMetadata:
-    is_prefill: bool
+    is_prefill: bool  # whether prompt tokens run; with chunked prefill the first num_decode_tokens decode
     block_size: int
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     prefill_seqs: list[PrefillSeqMeta] | None = None
+    num_decode_tokens: int = 0  # in a prefill batch: decode tokens packed before the prompts' tokens
     decode_block_tables: torch.Tensor | None = None  # [batch, max_blocks], padded with block 0
     decode_mask: torch.Tensor | None = None  # [batch, 1, 1, max_blocks * block_size] valid context positions
     decode_positions: torch.Tensor | None = None  # [batch] position of each query token
@@ -114,17 +115,22 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, new_k)
     v_cache.index_copy_(0, meta.slot_mapping, new_v)
     gqa = query.shape[1] != key.shape[1]
-    if meta.is_prefill:
-        out = _prefill_attention(query[0], key[0], value[0], k_cache, v_cache, scaling, sliding_window, gqa)
-    else:
+    if not meta.is_prefill:
         out = _decode_attention(query[0], k_cache, v_cache, scaling, sliding_window, gqa)
+    else:
+        out = _prefill_attention(query[0], key[0], value[0], k_cache, v_cache, scaling, sliding_window, gqa)
+        if meta.num_decode_tokens:  # chunked prefill: decode tokens first, as one batched call
+            q_decode = query[0, :, : meta.num_decode_tokens]
+            out = torch.cat([_decode_attention(q_decode, k_cache, v_cache, scaling, sliding_window, gqa), out])
     return out.unsqueeze(0), None
 
 
 def _prefill_attention(q, k, v, k_cache, v_cache, scaling, sliding_window, gqa) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole context. Returns ``[tokens, heads, dim]``."""
+    """Causal attention of each sequence's new tokens over its whole context. Returns ``[tokens, heads, dim]``
+    for the prompts' tokens (those after the batch's decode tokens)."""
     meta = _context.metadata
-    out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
+    first = meta.num_decode_tokens
+    out = torch.empty(q.shape[1] - first, q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
     for s in meta.prefill_seqs:
         end = s.query_start + s.query_len
         qs = q[:, s.query_start : end]
@@ -139,7 +145,7 @@ def _prefill_attention(q, k, v, k_cache, v_cache, scaling, sliding_window, gqa) 
         else:
             mask = _causal_mask(s.query_len, s.context_len, sliding_window, q.device)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-        out[s.query_start : end] = o.transpose(0, 1)
+        out[s.query_start - first : end - first] = o.transpose(0, 1)
     return out
 
 

@@ -4,6 +4,7 @@ stage) or the hidden states for the next stage."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -30,21 +31,44 @@ class SeqInput:
     block_table: list[int]
     sampling_params: SamplingParams
     output_index: int  # which output token the step samples (seeded sampling draws per position)
+    sample: bool = True  # False for a prompt chunk short of the prompt's end: no token comes of it
 
     @classmethod
-    def from_sequence(cls, seq: Sequence, is_prefill: bool) -> SeqInput:
+    def from_sequence(cls, seq: Sequence, is_prefill: bool, num_new_tokens: int | None = None) -> SeqInput:
+        """The sequence's uncomputed tokens (prefill) or its newest token (decode); ``num_new_tokens``
+        runs only that many, a chunk of its prompt."""
         start = seq.num_computed_tokens if is_prefill else seq.num_tokens - 1
-        return cls(seq.all_token_ids[start:], start, list(seq.block_table), seq.sampling_params, seq.num_output_tokens)
+        end = seq.num_tokens if num_new_tokens is None else start + num_new_tokens
+        tokens = seq.all_token_ids[start:end]
+        return cls(
+            tokens, start, list(seq.block_table), seq.sampling_params, seq.num_output_tokens, end == seq.num_tokens
+        )
 
 
 @dataclass
 class BatchInput:
+    """A step's sequences: all decode (``is_prefill`` False), all prefill, or with chunked prefill
+    the first ``num_decode`` decoding one token each and the rest running prompt chunks."""
+
     is_prefill: bool
     seqs: list[SeqInput]
+    num_decode: int = 0
 
     @classmethod
-    def from_sequences(cls, is_prefill: bool, seqs: list[Sequence]) -> BatchInput:
-        return cls(is_prefill, [SeqInput.from_sequence(s, is_prefill) for s in seqs])
+    def from_sequences(
+        cls, is_prefill: bool, seqs: list[Sequence], num_decode: int = 0, num_new_tokens: list[int] | None = None
+    ) -> BatchInput:
+        counts = num_new_tokens or [None] * len(seqs)
+        inputs = [
+            SeqInput.from_sequence(seq, is_prefill and i >= num_decode, count)
+            for i, (seq, count) in enumerate(zip(seqs, counts))
+        ]
+        return cls(is_prefill, inputs, num_decode if is_prefill else len(seqs))
+
+    @property
+    def sampling_seqs(self) -> list[SeqInput]:
+        """The sequences that sample a token this step, in the order of the logits' rows."""
+        return [s for s in self.seqs if s.sample]
 
     @property
     def num_tokens(self) -> int:
@@ -67,19 +91,40 @@ class ModelRunner:
 
     def prepare(self, batch: BatchInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
         """Input ids, positions, attention metadata and the rows whose logits are needed."""
-        return self.prepare_prefill(batch.seqs) if batch.is_prefill else self.prepare_decode(batch.seqs)
+        if not batch.is_prefill:
+            return self.prepare_decode(batch.seqs)
+        if batch.num_decode == 0:
+            return self.prepare_prefill(batch.seqs)
+        return self.prepare_mixed(batch.seqs[: batch.num_decode], batch.seqs[batch.num_decode :])
+
+    def prepare_mixed(
+        self, decode: list[SeqInput], prompts: list[SeqInput]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Decode tokens first, then prompt chunks, in one packed sequence (chunked prefill)."""
+        d_ids, d_positions, d_meta, _ = self.prepare_decode(decode)
+        p_ids, p_positions, p_meta, p_rows = self.prepare_prefill(prompts, query_offset=len(decode))
+        meta = dataclasses.replace(
+            d_meta,
+            is_prefill=True,
+            slot_mapping=torch.cat([d_meta.slot_mapping, p_meta.slot_mapping]),
+            prefill_seqs=p_meta.prefill_seqs,
+            num_decode_tokens=len(decode),
+        )
+        rows = torch.cat([torch.arange(len(decode), device=self.device), p_rows + len(decode)])
+        return torch.cat([d_ids, p_ids]), torch.cat([d_positions, p_positions]), meta, rows
 
     def prepare_prefill(
-        self, seqs: list[SeqInput]
+        self, seqs: list[SeqInput], query_offset: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Pack the uncomputed tokens of each sequence; the logit row of each is its last token."""
+        """Pack the new tokens of each sequence (after ``query_offset`` tokens of others); the logit
+        row of each sequence that samples is its last token."""
         bs = self.block_size
         input_ids: list[int] = []
         slot_chunks: list[torch.Tensor] = []
         position_chunks: list[torch.Tensor] = []
         metas: list[PrefillSeqMeta] = []
         last_rows: list[int] = []
-        query_start = 0
+        query_start = query_offset
         for seq in seqs:
             start, end = seq.start, seq.start + len(seq.input_token_ids)
             input_ids.extend(seq.input_token_ids)
@@ -90,7 +135,8 @@ class ModelRunner:
             position_chunks.append(positions[start:])
             metas.append(PrefillSeqMeta(query_start, end - start, end, blocks if start > 0 else None))
             query_start += end - start
-            last_rows.append(query_start - 1)
+            if seq.sample:
+                last_rows.append(query_start - 1 - query_offset)
         meta = AttentionMetadata(
             is_prefill=True, block_size=bs, slot_mapping=torch.cat(slot_chunks), prefill_seqs=metas
         )

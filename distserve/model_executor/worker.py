@@ -113,7 +113,8 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so the forward's time is not booked to sampling
         timer.lap("forward")
-        tokens = self.sampler(out, [s.sampling_params for s in batch.seqs], [s.output_index for s in batch.seqs])
+        sampling = batch.sampling_seqs
+        tokens = self.sampler(out, [s.sampling_params for s in sampling], [s.output_index for s in sampling])
         timer.lap("sample")
         return ModelOutput(tokens, timer.seconds)
 

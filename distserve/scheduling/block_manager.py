@@ -98,8 +98,10 @@ class BlockManager:
         reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return seq.num_blocks(self.block_size) - len(hits) + reused_free <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` blocks for all its tokens, sharing cached prefix blocks."""
+    def allocate(self, seq: Sequence, register: bool = True) -> None:
+        """Give ``seq`` blocks for all its tokens, sharing cached prefix blocks. With ``register``
+        its full blocks join the prefix cache now, for a batch that computes them all in its step;
+        a prompt computed over several steps registers them as they are (``register_computed``)."""
         if seq.block_table:
             raise RuntimeError(f"{seq} already holds blocks")
         hits = self._cached_prefix(seq)
@@ -113,11 +115,17 @@ class BlockManager:
         for i in range(len(hits), seq.num_blocks(self.block_size)):
             block_id = self._take_free_block()
             seq.block_table.append(block_id)
-            if i < num_full:
+            if register and i < num_full:
                 self._register(seq, i, block_id)
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         self.prefix_cache_queried_tokens += seq.num_tokens
         self.prefix_cache_hit_tokens += seq.num_cached_tokens
+
+    def register_computed(self, seq: Sequence, from_token: int) -> None:
+        """Enter ``seq``'s full blocks whose KV is computed, from the one holding ``from_token`` on,
+        into the prefix cache."""
+        for index in range(from_token // self.block_size, seq.num_computed_tokens // self.block_size):
+            self._register(seq, index, seq.block_table[index])
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the KV of ``seq``'s last token has a slot (possibly after taking one new block)."""

@@ -45,7 +45,7 @@ class RunningBatch:
             seq = queue.pop(0)
             while not self.block_manager.can_append(seq):
                 victim = queue.pop() if queue else seq
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
@@ -54,7 +54,8 @@ class RunningBatch:
                 batch.append(seq)
         return batch, preempted
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Take ``seq`` out and free its blocks; it is recomputed from its tokens when it runs again."""
         self.seqs.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING

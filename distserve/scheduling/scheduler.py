@@ -3,6 +3,8 @@
 ``PrefillFirstScheduler`` runs both phases (colocated and decode instances): a prefill batch
 whenever one can be formed, otherwise a decode step of every running sequence. A decode
 instance needs it too, because a sequence it preempts is recomputed through the prefill queue.
+``ChunkedPrefillScheduler`` (colocated instances with chunked prefill) mixes the phases in one
+step under one token budget, as vLLM and Sarathi-Serve do.
 ``PrefillOnlyScheduler`` (prefill instances) runs prompts only: a sequence leaves it with its
 first token, and its blocks go with it to the role that holds them for decode.
 """
@@ -22,7 +24,9 @@ from distserve.scheduling.waiting_queue import WaitingQueue
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
-    is_prefill: bool
+    is_prefill: bool  # whether prompt tokens run (the first ``num_decode`` of ``seqs`` run one token each)
+    num_decode: int = 0
+    num_new_tokens: list[int] | None = None  # tokens each sequence runs; None: all it has not computed
 
 
 class Scheduler(Protocol):
@@ -90,6 +94,66 @@ class PrefillFirstScheduler:
             self.waiting.remove(seq)
         if seq.block_table:
             self.block_manager.free(seq)
+
+
+class ChunkedPrefillScheduler(PrefillFirstScheduler):
+    """One token budget per step (``max_num_batched_tokens``): every decoding sequence's newest token
+    first, then chunks of prompts, those begun before admission order, then new ones in policy order.
+
+    A prompt's blocks are allocated when it is admitted and join the prefix cache once their KV is
+    computed, so no other request reads a block a later chunk has yet to fill. When decode growth
+    runs out of blocks the most recently admitted sequences are preempted, prompts half-way included,
+    and that step admits no new prompt.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        super().__init__(config, block_manager)
+        self.budget = config.max_num_batched_tokens
+        self.chunks: list[tuple[Sequence, int]] = []  # the last step's prompt chunks: (sequence, first token)
+
+    def schedule(self) -> ScheduledBatch:
+        for seq, first in self.chunks:  # their KV is in the cache now
+            if seq.block_table:
+                self.block_manager.register_computed(seq, first)
+        queue = list(self.running.seqs)  # admission order
+        decode: list[Sequence] = []
+        prompts: list[Sequence] = []
+        preempted: list[Sequence] = []
+        while queue:
+            seq = queue.pop(0)
+            if seq.num_tokens - seq.num_computed_tokens > 1:
+                prompts.append(seq)
+                continue
+            while not self.block_manager.can_append(seq):
+                victim = queue.pop() if queue else prompts.pop() if prompts else seq
+                self.running.preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.append_slot(seq)
+                decode.append(seq)
+        budget = max(0, self.budget - len(decode))
+        chunks: list[tuple[Sequence, int]] = []
+        for seq in prompts:
+            chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if chunk == 0:
+                break
+            chunks.append((seq, chunk))
+            budget -= chunk
+        for seq in reversed(preempted):
+            self.waiting.resume(seq)
+        if not preempted:
+            for seq, chunk in self.waiting.admit(self.running.free_seq_slots, budget):
+                self.running.add(seq)
+                chunks.append((seq, chunk))
+        self.chunks = [(seq, seq.num_computed_tokens) for seq, _ in chunks]
+        return ScheduledBatch(
+            decode + [seq for seq, _ in chunks],
+            is_prefill=bool(chunks),
+            num_decode=len(decode),
+            num_new_tokens=[1] * len(decode) + [chunk for _, chunk in chunks],
+        )
 
 
 class PrefillOnlyScheduler:

@@ -58,12 +58,9 @@ class WaitingQueue:
         budget or the free blocks, so a sequence at the head is never overtaken and its wait is
         bounded. A sequence longer than the whole budget runs alone.
         """
-        if max_seqs <= 0 or not len(self):
-            return []
-        self.waiting.sort(key=self.key)
         batch: list[Sequence] = []
         num_tokens = 0
-        for seq in (*self.resumed, *self.waiting):
+        for seq in self._in_order(max_seqs):
             if len(batch) == max_seqs:
                 break
             new_tokens = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
@@ -75,10 +72,39 @@ class WaitingQueue:
             seq.status = SequenceStatus.RUNNING
             batch.append(seq)
             num_tokens += new_tokens
-        if batch:
-            scheduled = {s.seq_id for s in batch}
-            self.resumed = deque(s for s in self.resumed if s.seq_id not in scheduled)
-            self.waiting = [s for s in self.waiting if s.seq_id not in scheduled]
-            for seq in self.waiting:
-                seq.prefill_steps_waited += 1
+        self._taken(batch)
         return batch
+
+    def admit(self, max_seqs: int, budget: int) -> list[tuple[Sequence, int]]:
+        """Chunked prefill: admit sequences in policy order while ``budget`` tokens remain, each with
+        the chunk of its uncomputed tokens that fits. Blocks for all its tokens are allocated now (so
+        an admitted prompt never waits for blocks half-way); they join the prefix cache as their KV
+        is computed. As in ``schedule``, the head is never overtaken."""
+        batch: list[tuple[Sequence, int]] = []
+        for seq in self._in_order(max_seqs):
+            if len(batch) == max_seqs or budget <= 0 or not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq, register=False)
+            seq.status = SequenceStatus.RUNNING
+            chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            batch.append((seq, chunk))
+            budget -= chunk
+        self._taken([seq for seq, _ in batch])
+        return batch
+
+    def _in_order(self, max_seqs: int) -> list[Sequence]:
+        """Resumed sequences, then the waiting ones in policy order (none when no slot is free)."""
+        if max_seqs <= 0:
+            return []
+        self.waiting.sort(key=self.key)
+        return [*self.resumed, *self.waiting]
+
+    def _taken(self, batch: list[Sequence]) -> None:
+        """Drop the scheduled sequences from the queues; the others waited one more step."""
+        if not batch:
+            return
+        scheduled = {s.seq_id for s in batch}
+        self.resumed = deque(s for s in self.resumed if s.seq_id not in scheduled)
+        self.waiting = [s for s in self.waiting if s.seq_id not in scheduled]
+        for seq in self.waiting:
+            seq.prefill_steps_waited += 1

@@ -1,0 +1,83 @@
+"""Chunked prefill on a colocated instance: prompts split over many steps beside decoding
+sequences give greedy output equal to transformers' generate(), with prefix caching and
+preemption, and every block freed."""
+
+from collections import deque
+
+import pytest
+from conftest import FAMILIES, assert_engine_idle, random_prompts, reference_greedy
+
+from distserve import LLM, SamplingParams
+from distserve.core.config import EngineConfig
+
+LENGTHS = [1, 7, 16, 33, 64, 101, 150, 200]
+MAX_TOKENS = [12, 30, 5, 40, 17, 25, 9, 33]
+
+
+def _check(llm, model, prompts, max_tokens=MAX_TOKENS):
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens]
+    for prompt, n, out in zip(prompts, max_tokens, llm.generate(prompts, params)):
+        assert out.output_token_ids == reference_greedy(model, prompt, n), f"prompt of {len(prompt)} tokens"
+    assert_engine_idle(llm.engine)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("budget", [16, 61, 512])
+def test_chunked_prefill_equals_transformers(family, budget, reference_model):
+    model = reference_model(family)
+    llm = LLM(family, enable_chunked_prefill=True, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    llm.engine.stats.records = deque(maxlen=10_000)  # every step, to check what they mixed
+    _check(llm, model, random_prompts(LENGTHS, model.config.vocab_size))
+    records = llm.engine.stats.records
+    assert max(r.num_tokens for r in records) <= max(budget, len(LENGTHS))  # decode tokens run even past it
+    if budget < max(LENGTHS):  # prompts longer than the budget ran over several steps, beside decodes
+        assert any(r.is_prefill and r.num_tokens > 1 and r.batch_size > 1 for r in records)
+
+
+def test_prompts_split_across_steps_share_cached_prefixes(reference_model):
+    """A prompt whose prefix another prompt is still computing must not read those blocks early:
+    blocks join the prefix cache only once their KV is in it."""
+    model = reference_model("tiny-llama")
+    vocab = model.config.vocab_size
+    prefix = random_prompts([96], vocab, seed=1)[0]
+    prompts = [prefix + suffix for suffix in random_prompts([3, 20, 41, 7, 64, 1, 30, 12], vocab, seed=2)]
+    llm = LLM("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=8)
+    _check(llm, model, prompts)
+    hits = llm.engine.block_manager.prefix_cache_hit_tokens
+    _check(llm, model, prompts)  # again: now every prompt finds its full blocks cached
+    assert llm.engine.block_manager.prefix_cache_hit_tokens - hits >= 8 * 96
+
+
+def test_a_preempted_half_computed_prompt_leaves_no_uncomputed_block_in_the_prefix_cache(reference_model):
+    """Prompts sharing a 64-token prefix in a pool so small that prompts are preempted half-way:
+    had their blocks joined the prefix cache when allocated, a later prompt would read the KV of
+    blocks never computed (this pool and these prompts show it for one request)."""
+    model = reference_model("tiny-llama")
+    vocab = model.config.vocab_size
+    prefix = random_prompts([64], vocab, seed=1)[0]
+    prompts = [prefix + suffix for suffix in random_prompts([3, 20, 41, 7, 64, 1, 30, 12], vocab, seed=2)]
+    llm = LLM("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=8, num_kv_blocks=24)
+    _check(llm, model, prompts, [40, 30, 35, 40, 17, 25, 30, 33])
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_cache_hit_tokens > 0
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-opt"])
+def test_small_kv_pool_preempts_chunked_prompts_and_recomputes(family, reference_model):
+    model = reference_model(family)
+    llm = LLM(family, enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=8, num_kv_blocks=30)
+    _check(llm, model, random_prompts(LENGTHS, model.config.vocab_size, seed=3))
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_is_the_same_chunked_or_not():
+    prompts = random_prompts([5, 80, 33, 140], 1000, seed=5)
+    params = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=i) for i in range(len(prompts))]
+    whole = LLM("tiny-qwen2").generate(prompts, params)
+    chunked = LLM("tiny-qwen2", enable_chunked_prefill=True, max_num_batched_tokens=24).generate(prompts, params)
+    assert [o.output_token_ids for o in chunked] == [o.output_token_ids for o in whole]
+
+
+def test_chunked_prefill_is_for_colocated_instances():
+    for role in ("prefill", "decode"):
+        with pytest.raises(ValueError, match=f"enable_chunked_prefill is for colocated instances.*a {role} instance"):
+            EngineConfig.from_flat(role=role, enable_chunked_prefill=True)
