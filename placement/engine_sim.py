@@ -26,7 +26,10 @@ Each rule is the engine's (module or function in ``distserve/`` in brackets):
   ``transfer_time(prompt_len)``; at the pull's end the prefill instance frees the KV and the request
   joins the running batch. Preempted requests are recomputed there by ``PrefillFirstScheduler``.
 * Colocated instances (``engine/role.py`` ``ColocatedRole``): ``PrefillFirstScheduler`` over new and
-  preempted requests, with the prefix cache.
+  preempted requests, with the prefix cache; or ``ChunkedPrefillScheduler`` (``chunked_prefill``),
+  whose step of decode tokens and prompt chunks takes ``step_time`` of its decode part plus
+  ``batch_time`` of its chunks (the two fits' constant terms both count: an approximation), and
+  whose chunks short of a prompt's end sample nothing.
 * Latency: a prefill batch takes ``batch_time(tokens computed per sequence)``, a decode step
   ``step_time(batch size, sum of the sequences' tokens)``; a batch's tokens are sampled at its end.
 
@@ -44,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from placement.kv_blocks import BatchScheduler, BlockPool, SimSeq
+from placement.kv_blocks import BatchScheduler, BlockPool, ChunkedBatchScheduler, SimSeq
 from placement.sim_specs import (
     ColocatedInstanceSpec,
     Contention,
@@ -198,12 +201,18 @@ class _EngineSim:
             self.timelines[seq.request].num_preemptions += 1
         if not batch:
             return
+        chunks = computed
         if computed is None:
             duration = inst.step_time(len(batch), sum(s.num_tokens for s in batch))
+        elif isinstance(inst.scheduler, ChunkedBatchScheduler):
+            decode = [s for s in batch if s.num_tokens - s.num_computed == 1]  # packed first, as the engine does
+            chunks = computed[len(decode) :] or None
+            duration = inst.step_time(len(decode), sum(s.num_tokens for s in decode)) if decode else 0
+            duration += inst.batch_time(chunks) if chunks else 0
         else:
             duration = inst.batch_time(computed)
         inst.busy = True
-        factor = self.contention_factor(now, inst, inst.contention if computed is None else inst.prefill_contention)
+        factor = self.contention_factor(now, inst, inst.contention if chunks is None else inst.prefill_contention)
         if factor != 1:  # (exact latencies, such as the tests' fractions, stay exact without contention)
             duration *= factor
         # The instance's turn ends a step gap after the batch: its outputs are processed, then it schedules.
@@ -239,13 +248,23 @@ class _EngineSim:
         size = len(step.batch)
         sampled = turn_end - self.delays.step_gap if self.delays.step_gap else turn_end
         delivered = _later(sampled, self.delays.delivery)  # when the orchestrator has the token
-        for seq in step.batch:
+        chunked = isinstance(inst.scheduler, ChunkedBatchScheduler)
+        for i, seq in enumerate(step.batch):
             r = seq.request
             req, timeline = self.reqs[r], self.timelines[r]
+            if chunked:
+                seq.num_computed += step.computed[i]
+                if timeline.prefill_start is None:
+                    timeline.prefill_start = step.start
+                if seq.num_computed < seq.num_tokens:  # a chunk short of the prompt's end
+                    continue
+                seq.num_computed = seq.num_tokens
             seq.num_tokens += 1
             timeline.token_times.append(delivered)
             if step.computed is not None and timeline.prefill_end is None:
-                timeline.prefill_start, timeline.prefill_end = step.start, sampled
+                if timeline.prefill_start is None or not chunked:
+                    timeline.prefill_start = step.start
+                timeline.prefill_end = sampled
                 timeline.prefill_batch_size, timeline.prefill_batch_tokens = size, sum(step.computed)
             else:
                 timeline.steps.append((step.start, sampled, size))
@@ -325,7 +344,8 @@ def simulate_colocated(requests: Sequence[SimRequest], spec: ColocatedInstanceSp
     instances: list[_Engine] = []
     for i in range(spec.count):
         pool = BlockPool(spec.num_blocks, spec.block_size, spec.prefix_caching)
-        scheduler = BatchScheduler(pool, spec.max_batch_tokens, spec.max_batch_size)
+        scheduler_class = ChunkedBatchScheduler if spec.chunked_prefill else BatchScheduler
+        scheduler = scheduler_class(pool, spec.max_batch_tokens, spec.max_batch_size)
         instances.append(_Engine(f"colocated-{i}", scheduler, spec.batch_time, spec.step_time, spec.contention,
                                  spec.prefill_contention))  # fmt: skip
     _check_fits(requests, [e.pool for e in instances])

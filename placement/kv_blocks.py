@@ -2,7 +2,8 @@
 
 Each class follows one of ``distserve/scheduling``, rule for rule, so the block-mode simulator makes
 the same choices the engine would: ``BlockPool`` is ``BlockManager``, ``BatchScheduler`` is
-``WaitingQueue`` (FCFS) plus ``RunningBatch`` under ``PrefillFirstScheduler``. Prompts are taken to
+``WaitingQueue`` (FCFS) plus ``RunningBatch`` under ``PrefillFirstScheduler``, and
+``ChunkedBatchScheduler`` is ``ChunkedPrefillScheduler``. Prompts are taken to
 share no prefix with one another (a block's key is its request and index), so the prefix cache only
 ever hits when a preempted request is recomputed where its freed blocks are still cached.
 """
@@ -20,6 +21,7 @@ class SimSeq:
     request: int
     num_tokens: int  # prompt plus the tokens sampled so far
     blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the blocks (kept by the chunked scheduler only)
 
 
 class BlockPool:
@@ -63,15 +65,20 @@ class BlockPool:
         # and with no shared prefixes every hit is free, so all the sequence's blocks must be free.
         return self.blocks_needed(seq.num_tokens) <= self.num_free
 
-    def allocate(self, seq: SimSeq, hits: list[int]) -> None:
+    def allocate(self, seq: SimSeq, hits: list[int], register: bool = True) -> None:
         for block in hits:
             del self.cached[block]
         seq.blocks = list(hits)
         num_full = seq.num_tokens // self.block_size
         for i in range(len(hits), self.blocks_needed(seq.num_tokens)):
             seq.blocks.append(self._take())
-            if i < num_full:
+            if register and i < num_full:
                 self._register(seq, i)
+
+    def register_computed(self, seq: SimSeq, from_token: int) -> None:
+        """``BlockManager.register_computed``."""
+        for index in range(from_token // self.block_size, seq.num_computed // self.block_size):
+            self._register(seq, index)
 
     def can_append(self, seq: SimSeq) -> bool:
         return len(seq.blocks) >= self.blocks_needed(seq.num_tokens) or self.num_free > 0
@@ -178,3 +185,70 @@ class BatchScheduler:
     def finish(self, seq: SimSeq) -> None:
         del self.running[seq.request]
         self.pool.release(seq)
+
+
+class ChunkedBatchScheduler(BatchScheduler):
+    """``ChunkedPrefillScheduler``: one budget of ``max_batch_tokens`` per step, every decoding
+    sequence's token first, then chunks of prompts begun, then of new ones (FCFS). The caller
+    advances ``num_computed`` (and ``num_tokens`` for a sequence whose chunk reaches its end)."""
+
+    def __init__(self, pool: BlockPool, max_batch_tokens: int, max_num_seqs: int) -> None:
+        super().__init__(pool, max_batch_tokens, max_num_seqs)
+        self.chunks: list[tuple[SimSeq, int]] = []  # the last step's prompt chunks: (sequence, first token)
+
+    def schedule(self) -> tuple[list[SimSeq], list[int] | None, list[SimSeq]]:
+        """(batch: decoding sequences then prompt chunks, tokens each computes, sequences preempted)."""
+        for seq, first in self.chunks:  # their KV is in the blocks now
+            if seq.blocks:
+                self.pool.register_computed(seq, first)
+        queue = deque(self.running.values())
+        decode: list[SimSeq] = []
+        prompts: list[SimSeq] = []
+        preempted: list[SimSeq] = []
+        while queue:
+            seq = queue.popleft()
+            if seq.num_tokens - seq.num_computed > 1:
+                prompts.append(seq)
+                continue
+            while not self.pool.can_append(seq):
+                victim = queue.pop() if queue else prompts.pop() if prompts else seq
+                del self.running[victim.request]
+                self.pool.release(victim)
+                victim.num_computed = 0
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.pool.append_slot(seq)
+                decode.append(seq)
+        budget = max(0, self.max_batch_tokens - len(decode))
+        chunks: list[tuple[SimSeq, int]] = []
+        for seq in prompts:
+            chunk = min(seq.num_tokens - seq.num_computed, budget)
+            if chunk == 0:
+                break
+            chunks.append((seq, chunk))
+            budget -= chunk
+        self.resumed.extend(reversed(preempted))
+        if not preempted:
+            chunks += self._admit(budget)
+        self.chunks = [(seq, seq.num_computed) for seq, _ in chunks]
+        batch = decode + [seq for seq, _ in chunks]
+        return batch, [1] * len(decode) + [chunk for _, chunk in chunks], preempted
+
+    def _admit(self, budget: int) -> list[tuple[SimSeq, int]]:
+        """``WaitingQueue.admit``: FCFS while budget, sequence slots and blocks last."""
+        admitted: list[tuple[SimSeq, int]] = []
+        for seq in (*self.resumed, *self.waiting):
+            if len(self.running) >= self.max_num_seqs or budget <= 0 or not self.pool.can_allocate(seq):
+                break
+            hits = self.pool.cached_prefix(seq)
+            self.pool.allocate(seq, hits, register=False)
+            seq.num_computed = len(hits) * self.pool.block_size
+            self.running[seq.request] = seq
+            chunk = min(seq.num_tokens - seq.num_computed, budget)
+            admitted.append((seq, chunk))
+            budget -= chunk
+        for _ in admitted:
+            (self.resumed or self.waiting).popleft()
+        return admitted

@@ -146,6 +146,40 @@ def test_colocated_cluster_is_the_same_api(ray_cluster, llama):
         wait_nothing_in_use(cluster.info)
 
 
+def test_chunked_colocated_cluster_equals_transformers_and_frees_prompts_left_half_way(ray_cluster, llama):
+    """Chunked prefill through the orchestrator: greedy output unchanged, a prompt's prefill spans
+    steps, and requests cancelled while their prompts are half computed leave no block in use."""
+    chunked = {"enable_chunked_prefill": True, "max_num_batched_tokens": 16}
+    with Cluster(model="tiny-llama", block_size=8, colocated={"instances": 2}, **chunked) as cluster:
+        prompts = random_prompts(LENGTHS, 1024, seed=7)
+        outputs = cluster.generate(prompts, [_greedy(n) for n in MAX_TOKENS])
+        for prompt, n, out in zip(prompts, MAX_TOKENS, outputs):
+            assert out.output_token_ids == reference_greedy(llama, prompt, n)
+        longest = outputs[LENGTHS.index(200)].metrics
+        assert longest.prefill_batch_tokens <= 16 < 200  # its last chunk's step, not the whole prompt
+
+        async def leave_after(prompt, delay: float) -> list:
+            seen = []
+
+            async def consume():
+                async for out in cluster._async.generate(prompt, _greedy(50)):
+                    seen.append(out)
+
+            try:
+                await asyncio.wait_for(consume(), delay)
+            except TimeoutError:
+                pass
+            return seen
+
+        async def scenario():
+            prompts = random_prompts([200, 180, 150, 120] * 2, 1024, seed=8)
+            return await asyncio.gather(*(leave_after(p, 0.01 * (i + 1)) for i, p in enumerate(prompts)))
+
+        left = cluster._run(scenario())
+        assert any(not seen for seen in left)  # some left before their prompts were through
+        wait_nothing_in_use(cluster.info)
+
+
 def test_text_matches_the_offline_engine(small_cluster):
     prompts = ["The cache block", "Hello world, the server", "A"]
     offline = LLM("tiny-llama").generate(prompts, _greedy(24))

@@ -1,6 +1,7 @@
 """Per-request timelines of the simulator against schedules computed by hand, and its block rules
 against the engine's own scheduler."""
 
+import dataclasses
 import random
 from fractions import Fraction
 
@@ -10,8 +11,8 @@ from distserve.core.config import SchedulerConfig
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.sequence import Sequence
 from distserve.scheduling.block_manager import BlockManager
-from distserve.scheduling.scheduler import PrefillFirstScheduler
-from placement.kv_blocks import BatchScheduler, BlockPool, SimSeq
+from distserve.scheduling.scheduler import ChunkedPrefillScheduler, PrefillFirstScheduler
+from placement.kv_blocks import BatchScheduler, BlockPool, ChunkedBatchScheduler, SimSeq
 from placement.simulator import (
     ColocatedInstanceSpec,
     Contention,
@@ -140,6 +141,25 @@ def test_colocated_timeline_by_hand():
         2, 40, 3, 0.6, prefill_queued=0.6, prefill_start=2.7, prefill_end=4.1, prefill_batch_size=1,
         prefill_batch_tokens=40, steps=[(4.1, 4.2, 3), (4.2, 4.3, 2)], token_times=[4.1, 4.2, 4.3], finish=4.3,
         **where,
+    )  # fmt: skip
+
+
+def test_chunked_colocated_timeline_by_hand():
+    # A 16-token budget per step. A's 40-token prompt runs in chunks of 16, 16 and 8 (0-1.16, 1.16-2.32,
+    # 2.32-3.48); B (30 tokens, in at 0.5) is admitted with the 8 tokens left in A's last chunk step, then
+    # runs 15 and 7 beside A's decode tokens (each step: step_time 0.1 plus its chunk's batch_time).
+    reqs = [SimRequest(Fraction(0), 40, 3), SimRequest(Fraction(1, 2), 30, 2)]
+    spec = dataclasses.replace(colocated_spec(max_batch_tokens=16), chunked_prefill=True)
+    a, b = (r.timeline for r in simulate_colocated(reqs, spec))
+    where = {"prefill_instance": "colocated-0"}
+    assert plain(a) == expected(
+        0, 40, 3, 0.0, prefill_queued=0.0, prefill_start=0.0, prefill_end=3.48, prefill_batch_size=2,
+        prefill_batch_tokens=16, steps=[(3.48, 4.73, 2), (4.73, 5.9, 2)], token_times=[3.48, 4.73, 5.9],
+        finish=5.9, **where,
+    )  # fmt: skip
+    assert plain(b) == expected(
+        1, 30, 2, 0.5, prefill_queued=0.5, prefill_start=2.32, prefill_end=5.9, prefill_batch_size=2,
+        prefill_batch_tokens=8, steps=[(5.9, 6.0, 1)], token_times=[5.9, 6.0], finish=6.0, **where,
     )  # fmt: skip
 
 
@@ -318,3 +338,48 @@ def test_contention_stretches_batches_by_what_runs_beside_them():
     assert b.steps == [(2.75, 3.0, 1)]
     assert (c.prefill_start, c.prefill_end, c.finish) == (2.25, 3.75, 3.75)
     assert d.token_times == [5.0, 6.0] and d.steps == [(5.5, 6.0, 1)]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_chunked_block_rules_match_the_engine_scheduler(prefix_caching):
+    """``ChunkedBatchScheduler`` and the engine's ``ChunkedPrefillScheduler`` side by side: the same
+    decode tokens and prompt chunks every step, the same preemptions and block tables."""
+    rng = random.Random(8)
+    manager = BlockManager(12, 4, prefix_caching)
+    config = SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=5, enable_chunked_prefill=True)
+    real = ChunkedPrefillScheduler(config, manager)
+    pool = BlockPool(12, 4, prefix_caching)
+    sim = ChunkedBatchScheduler(pool, 10, 5)
+    outputs: dict[int, int] = {}
+    preemptions = chunks_short_of_the_end = 0
+    for _ in range(2000):
+        if rng.random() < 0.2:
+            r = len(outputs)
+            prompt = [r, *(rng.randrange(100) for _ in range(rng.randint(0, 19)))]
+            outputs[r] = rng.randint(1, 48 - len(prompt))
+            real.add(Sequence(prompt, SamplingParams(max_tokens=outputs[r]), str(r), arrival_time=float(r)))
+            sim.waiting.append(SimSeq(r, len(prompt)))
+        batch = real.schedule()
+        seqs, computed, preempted = sim.schedule()
+        assert [int(s.request_id) for s in batch.seqs] == [s.request for s in seqs]
+        assert (batch.num_new_tokens or []) == computed
+        assert [s.block_table for s in batch.seqs] == [s.blocks for s in seqs]
+        assert manager.num_free_blocks == pool.num_free
+        preemptions += len(preempted)
+        assert real.num_preemptions == preemptions
+        for seq, sim_seq, n in zip(batch.seqs, seqs, computed):
+            sim_seq.num_computed += n
+            if seq.num_computed_tokens + n < seq.num_tokens:  # a chunk short of the prompt's end
+                seq.num_computed_tokens += n
+                chunks_short_of_the_end += 1
+                continue
+            seq.append_token(rng.randrange(100))
+            seq.num_computed_tokens = seq.num_tokens - 1
+            sim_seq.num_tokens += 1
+            sim_seq.num_computed = sim_seq.num_tokens - 1
+            if seq.num_output_tokens >= outputs[sim_seq.request]:
+                real.finish(seq)
+                sim.finish(sim_seq)
+    assert preemptions > 10 and chunks_short_of_the_end > 100
+    if prefix_caching:
+        assert manager.prefix_cache_hit_tokens > 0
