@@ -548,7 +548,8 @@ def compare_parser(prog: str = "distserve place compare") -> argparse.ArgumentPa
     dep = p.add_argument_group("deployment the run was made on")
     for name, setting in RunSetup.__dataclass_fields__.items():
         default = getattr(defaults, name)
-        dep.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
+        kind = {"action": argparse.BooleanOptionalAction} if isinstance(default, bool) else {"type": type(default)}
+        dep.add_argument(f"--{name.replace('_', '-')}", default=default, **kind,
                          help=f"{setting.metadata['help']} (default: {default})")  # fmt: skip
     p.add_argument("--slo-ttft", type=_positive(float), help="TTFT SLO, seconds: compare attainment too")
     p.add_argument("--slo-tpot", type=_positive(float), help="TPOT SLO, seconds")

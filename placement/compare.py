@@ -315,7 +315,8 @@ class RunSetup:
     colocated_instances: int = _setting(0, "colocated instances; more than 0 means a colocated deployment")
     num_kv_blocks: int = _setting(1024, "KV blocks per instance")
     block_size: int = _setting(16, "tokens per KV block")
-    max_num_batched_tokens: int = _setting(4096, "prefill token budget")
+    max_num_batched_tokens: int = _setting(4096, "prefill token budget (with chunked prefill: every step's)")
+    enable_chunked_prefill: bool = _setting(False, "the colocated instances ran chunked prefill")
     max_num_seqs: int = _setting(256, "most requests an instance runs at once")
     kv_hold_fraction: float = _setting(0.5, "share of a prefill pool that KV held for decode may fill")
     transfer_fixed: float = _setting(0.0, "seconds per KV pull, whatever its size")
@@ -342,7 +343,8 @@ def simulate_like(
     if d.colocated_instances:
         spec = ColocatedInstanceSpec(d.colocated_instances, batch_time, step_time, d.max_num_batched_tokens,
                                      d.max_num_seqs, d.block_size, d.num_kv_blocks,
-                                     contention=step_contention, prefill_contention=prefill_contention)  # fmt: skip
+                                     contention=step_contention, prefill_contention=prefill_contention,
+                                     chunked_prefill=d.enable_chunked_prefill)  # fmt: skip
         results = simulate_colocated(requests, spec, delays)
     else:
         prefill = PrefillInstanceSpec(d.prefill_instances, batch_time, None, d.max_num_batched_tokens, kv_tokens,
