@@ -11,6 +11,7 @@ import pytest
 from conftest import in_use, random_prompts, reference_greedy, wait_nothing_in_use
 
 from distserve import LLM, AsyncCluster, Cluster, SamplingParams
+from distserve.cluster.instance import IDLE_HEALTH_CHECK_S
 
 LENGTHS = [1, 7, 16, 33, 64, 101, 150, 200]
 MAX_TOKENS = [12, 30, 5, 40, 17, 25, 9, 33]
@@ -157,6 +158,8 @@ def test_chunked_colocated_cluster_equals_transformers_and_frees_prompts_left_ha
             assert out.output_token_ids == reference_greedy(llama, prompt, n)
         longest = outputs[LENGTHS.index(200)].metrics
         assert longest.prefill_batch_tokens <= 16 < 200  # its last chunk's step, not the whole prompt
+        # Its 13 chunk steps follow one another: a step that samples nothing is no reason to idle.
+        assert longest.prefill_end - longest.prefill_start < 13 * IDLE_HEALTH_CHECK_S / 2
 
         async def leave_after(prompt, delay: float) -> list:
             seen = []

@@ -215,8 +215,11 @@ class Instance:
                     if not self._wakeup.wait(IDLE_HEALTH_CHECK_S):  # a quiet second: are the workers alive?
                         engine.executor.check_health()
                     continue
+                steps = engine.stats.num_steps
                 deltas = engine.step()
-                if not deltas:  # nothing could run (prefill held back): wait for a release
+                # No batch could run (prefill held back): wait for a release. A batch of prompt chunks
+                # short of their ends runs without a delta, and the next must follow at once.
+                if engine.stats.num_steps == steps:
                     self._wakeup.wait(IDLE_HEALTH_CHECK_S)
                 self._publish(deltas)
         except InstanceFailure as e:
