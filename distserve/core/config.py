@@ -108,7 +108,7 @@ class SchedulerConfig:
         if self.enable_chunked_prefill and self.role is not Role.COLOCATED:
             raise ValueError(
                 f"enable_chunked_prefill is for colocated instances, which run both phases; a {self.role} "
-                "instance runs one"
+                "instance runs one (a colocated pool: --colocated-instances N)"
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
