@@ -158,6 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per batch (distserve and CB)")
     p.add_argument("--max-batched-tokens", type=int, default=4096, help="prefill token budget per batch")
+    p.add_argument(
+        "--enable-chunked-prefill", action="store_true", help="distserve: decode tokens and prompt chunks in one step"
+    )
     p.add_argument("--static-batch-size", type=int, default=16)
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--init-range", type=float, default=0.02, help="initializer_range of the random weights")
@@ -222,6 +225,7 @@ def build_engine(model_dir: Path, requests: list[Request], args: argparse.Namesp
         num_kv_blocks=blocks,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
     )
     return LLMEngine(config, max_step_records=100_000)
 
