@@ -11,6 +11,7 @@ ever hits when a preempted request is recomputed where its freed blocks are stil
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -97,6 +98,7 @@ class BlockPool:
             else:
                 self.uncached.appendleft(block)
         seq.blocks = []
+        seq.num_computed = 0
 
     def _take(self) -> int:
         if self.uncached:
@@ -153,13 +155,22 @@ class BatchScheduler:
 
     def schedule_decode(self) -> tuple[list[SimSeq], list[SimSeq]]:
         """``RunningBatch.schedule``: (sequences to decode, sequences preempted), most recent preempted first."""
+        batch, _, preempted = self.grow(lambda seq: True)
+        return batch, preempted
+
+    def grow(self, decodes: Callable[[SimSeq], bool]) -> tuple[list[SimSeq], list[SimSeq], list[SimSeq]]:
+        """``RunningBatch.grow``: (sequences given a slot, the others, sequences preempted)."""
         queue = deque(self.running.values())
         batch: list[SimSeq] = []
+        others: list[SimSeq] = []
         preempted: list[SimSeq] = []
         while queue:
             seq = queue.popleft()
+            if not decodes(seq):
+                others.append(seq)
+                continue
             while not self.pool.can_append(seq):
-                victim = queue.pop() if queue else seq
+                victim = queue.pop() if queue else others.pop() if others else seq
                 del self.running[victim.request]
                 self.pool.release(victim)
                 preempted.append(victim)
@@ -168,7 +179,7 @@ class BatchScheduler:
             else:
                 self.pool.append_slot(seq)
                 batch.append(seq)
-        return batch, preempted
+        return batch, others, preempted
 
     def schedule(self) -> tuple[list[SimSeq], list[int] | None, list[SimSeq]]:
         """``PrefillFirstScheduler.schedule``: (batch, tokens each computes for a prefill batch or None
@@ -201,26 +212,7 @@ class ChunkedBatchScheduler(BatchScheduler):
         for seq, first in self.chunks:  # their KV is in the blocks now
             if seq.blocks:
                 self.pool.register_computed(seq, first)
-        queue = deque(self.running.values())
-        decode: list[SimSeq] = []
-        prompts: list[SimSeq] = []
-        preempted: list[SimSeq] = []
-        while queue:
-            seq = queue.popleft()
-            if seq.num_tokens - seq.num_computed > 1:
-                prompts.append(seq)
-                continue
-            while not self.pool.can_append(seq):
-                victim = queue.pop() if queue else prompts.pop() if prompts else seq
-                del self.running[victim.request]
-                self.pool.release(victim)
-                victim.num_computed = 0
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                self.pool.append_slot(seq)
-                decode.append(seq)
+        decode, prompts, preempted = self.grow(lambda seq: seq.num_tokens - seq.num_computed == 1)
         budget = max(0, self.max_batch_tokens - len(decode))
         chunks: list[tuple[SimSeq, int]] = []
         for seq in prompts:

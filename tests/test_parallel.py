@@ -224,13 +224,18 @@ def test_tied_embeddings_load_into_every_shard(ray_cluster, tied_llama, tp, pp):
     reference = AutoModelForCausalLM.from_pretrained(tied_llama).eval()
     assert reference.config.tie_word_embeddings
     prompts = random_prompts([3, 30, 80], reference.config.vocab_size, seed=8)
-    llm = LLM(str(tied_llama), tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    _assert_greedy_at_layout(tied_llama, reference, prompts, 10, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+
+
+def _assert_greedy_at_layout(model_dir, reference, prompts, max_tokens: int, **layout) -> None:
+    """The model served at ``layout`` (TP/PP sizes) gives transformers' greedy tokens."""
+    llm = LLM(str(model_dir), **layout)
     try:
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0))
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     finally:
         llm.shutdown()
     for prompt, out in zip(prompts, outputs):
-        assert out.output_token_ids == reference_greedy(reference, prompt, 10)
+        assert out.output_token_ids == reference_greedy(reference, prompt, max_tokens)
 
 
 # tiny-llama and tiny-opt widened to six heads (three KV heads for Llama), so three ranks split their
@@ -253,13 +258,7 @@ def test_tp3_keeps_an_uneven_vocabulary_whole_and_equals_transformers(ray_cluste
     reference = AutoModelForCausalLM.from_pretrained(path).eval()
     assert reference.config.vocab_size % 3
     prompts = random_prompts([2, 45, 120], reference.config.vocab_size, seed=9)
-    llm = LLM(str(path), tensor_parallel_size=3)
-    try:
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0))
-    finally:
-        llm.shutdown()
-    for prompt, out in zip(prompts, outputs):
-        assert out.output_token_ids == reference_greedy(reference, prompt, 16)
+    _assert_greedy_at_layout(path, reference, prompts, 16, tensor_parallel_size=3)
 
 
 def test_every_family_the_rule_allows_has_a_plan():

@@ -75,13 +75,9 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-def _has_weight_files(model_dir: Path) -> bool:
-    return any(model_dir.glob("*.safetensors")) or any(model_dir.glob("*.bin"))
-
-
 def _resolve(engine: EngineConfig, loaded_tokenizers: set[Path]) -> ResolvedModel:
     """The model of ``engine``, once its directory, weights and tokenizer are known to be usable."""
-    from distserve.model_executor.model_loader import load_tokenizer, resolve_model
+    from distserve.model_executor.model_loader import load_tokenizer, resolve_model, weight_files
 
     name = engine.model.model
     if "/" in name and not Path(name).expanduser().exists():
@@ -94,7 +90,7 @@ def _resolve(engine: EngineConfig, loaded_tokenizers: set[Path]) -> ResolvedMode
     except (OSError, ValueError) as e:
         raise ValueError(_first_line(e)) from None
     model_dir = resolved.model_dir  # None for a preset, which has dummy weights only
-    if model_dir is not None and engine.model.load_format == "auto" and not _has_weight_files(model_dir):
+    if model_dir is not None and engine.model.load_format == "auto" and not weight_files(model_dir):
         raise ValueError(
             f"{model_dir} has no weights (*.safetensors or *.bin): add them, or serve random weights of "
             "its architecture with --load-format dummy"

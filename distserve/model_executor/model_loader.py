@@ -191,16 +191,21 @@ class _WeightSource:
         raise NotImplementedError
 
 
+def weight_files(model_dir: Path) -> list[Path]:
+    """A checkpoint's weight files: its safetensors files, or else its .bin files."""
+    return sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
+
+
 class _Checkpoint(_WeightSource):
     """Reads only the slices a rank needs from safetensors files (or whole tensors from .bin files)."""
 
     def __init__(self, model_dir: Path, model: torch.nn.Module) -> None:
         self.files: dict[str, Any] = {}
-        for path in sorted(model_dir.glob("*.safetensors")):
-            handle = safe_open(path, framework="pt")
-            self.files.update(dict.fromkeys(handle.keys(), handle))
-        if not self.files:
-            for path in sorted(model_dir.glob("*.bin")):
+        for path in weight_files(model_dir):
+            if path.suffix == ".safetensors":
+                handle = safe_open(path, framework="pt")
+                self.files.update(dict.fromkeys(handle.keys(), handle))
+            else:
                 state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
                 self.files.update({key: state for key in state})
         if not self.files:

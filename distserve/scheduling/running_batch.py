@@ -7,6 +7,8 @@ later) until the rest fit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from distserve.core.sequence import Sequence, SequenceStatus
 from distserve.scheduling.block_manager import BlockManager
 
@@ -38,13 +40,24 @@ class RunningBatch:
 
     def schedule(self) -> tuple[list[Sequence], list[Sequence]]:
         """Returns (sequences to decode this step, sequences preempted to make room)."""
+        batch, _, preempted = self.grow(lambda seq: True)
+        return batch, preempted
+
+    def grow(self, decodes: Callable[[Sequence], bool]) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
+        """A slot for the newest token of each sequence that ``decodes``, in admission order; when no
+        block is free, the most recently admitted sequences (decoding or not) are preempted until the
+        rest fit. Returns (sequences given a slot, the others, sequences preempted)."""
         queue = list(self.seqs)
         batch: list[Sequence] = []
+        others: list[Sequence] = []
         preempted: list[Sequence] = []
         while queue:
             seq = queue.pop(0)
+            if not decodes(seq):
+                others.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
-                victim = queue.pop() if queue else seq
+                victim = queue.pop() if queue else others.pop() if others else seq
                 self.preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -52,7 +65,7 @@ class RunningBatch:
             else:
                 self.block_manager.append_slot(seq)
                 batch.append(seq)
-        return batch, preempted
+        return batch, others, preempted
 
     def preempt(self, seq: Sequence) -> None:
         """Take ``seq`` out and free its blocks; it is recomputed from its tokens when it runs again."""

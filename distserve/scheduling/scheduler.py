@@ -115,24 +115,7 @@ class ChunkedPrefillScheduler(PrefillFirstScheduler):
         for seq, first in self.chunks:  # their KV is in the cache now
             if seq.block_table:
                 self.block_manager.register_computed(seq, first)
-        queue = list(self.running.seqs)  # admission order
-        decode: list[Sequence] = []
-        prompts: list[Sequence] = []
-        preempted: list[Sequence] = []
-        while queue:
-            seq = queue.pop(0)
-            if seq.num_tokens - seq.num_computed_tokens > 1:
-                prompts.append(seq)
-                continue
-            while not self.block_manager.can_append(seq):
-                victim = queue.pop() if queue else prompts.pop() if prompts else seq
-                self.running.preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                self.block_manager.append_slot(seq)
-                decode.append(seq)
+        decode, prompts, preempted = self.running.grow(lambda seq: seq.num_tokens - seq.num_computed_tokens == 1)
         budget = max(0, self.budget - len(decode))
         chunks: list[tuple[Sequence, int]] = []
         for seq in prompts:
