@@ -51,7 +51,7 @@ def write_plan(path: str | Path, document: dict[str, Any]) -> None:
     if document["model"].get("load_format") == "dummy":
         header += (
             f"# {document['model']['model']} is a preset, a shape without weights: it serves dummy (random)\n"
-            "# weights; for real ones add --model DIR --load-format auto.\n"
+            "# weights; for real ones add --model DIR (a local model directory: its weights load).\n"
         )
     header += (
         "# The plan: section is the planner's inputs and predictions; `distserve place simulate --plan\n"
