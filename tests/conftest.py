@@ -44,11 +44,13 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[l
 
 
 def assert_engine_idle(engine) -> None:
-    """An engine holds nothing: every block free and unreferenced, no request, its role idle."""
+    """An engine holds nothing: every block free and unreferenced, no request queued, running, held
+    or arriving."""
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} blocks in use"
     assert all(b.ref_count == 0 for b in bm.blocks)
-    assert not engine.requests and engine.role.is_idle()
+    assert not engine.requests and not engine.has_unfinished_requests() and not len(engine.kv_hold)
+    assert engine.role.ready_to_leave()
 
 
 IN_USE_FIELDS = ("num_waiting", "num_running", "num_held", "num_pending")

@@ -9,6 +9,8 @@ from conftest import FAMILIES, assert_engine_idle, random_prompts, reference_gre
 
 from distserve import LLM, SamplingParams
 from distserve.core.config import EngineConfig
+from distserve.engine.llm_engine import LLMEngine
+from distserve.scheduling.scheduler import ChunkedPrefillScheduler, PrefillOnlyScheduler
 
 LENGTHS = [1, 7, 16, 33, 64, 101, 150, 200]
 MAX_TOKENS = [12, 30, 5, 40, 17, 25, 9, 33]
@@ -77,7 +79,9 @@ def test_seeded_sampling_is_the_same_chunked_or_not():
     assert [o.output_token_ids for o in chunked] == [o.output_token_ids for o in whole]
 
 
-def test_chunked_prefill_is_for_colocated_instances():
-    for role in ("prefill", "decode"):
-        with pytest.raises(ValueError, match=f"enable_chunked_prefill is for colocated instances.*a {role} instance"):
-            EngineConfig.from_flat(role=role, enable_chunked_prefill=True)
+def test_chunked_prefill_applies_while_an_instance_is_colocated():
+    engine = LLMEngine(EngineConfig.from_flat(model="tiny-llama", role="prefill", enable_chunked_prefill=True))
+    assert isinstance(engine.scheduler, PrefillOnlyScheduler)
+    assert engine.change_role("colocated") == []
+    assert isinstance(engine.scheduler, ChunkedPrefillScheduler)
+    engine.shutdown()

@@ -249,7 +249,7 @@ def test_a_pull_that_fails_ends_the_request_with_an_error(ray_cluster):
     config = EngineConfig.from_flat(model="tiny-llama", role="decode", block_size=8, num_kv_blocks=16)
     decode = launch_instance(config, "orphan-decode")
     try:
-        handover = Handover("orphan", 0, "no-such-instance", None, [5] * 40, [6], _greedy(8), 0, [0] * 5, 8)
+        handover = Handover("orphan", 0, "no-such-instance", None, [5] * 40, [6], _greedy(8), 0, [0] * 5, 8, 40, 0)
         ray.get(decode.add_handover.remote(handover))
         outputs = []
         deadline = time.monotonic() + 10

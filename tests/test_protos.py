@@ -24,5 +24,5 @@ def test_stubs_describe_the_service():
     from distserve.v1 import distserve_pb2
 
     service = distserve_pb2.DESCRIPTOR.services_by_name["DistServe"]
-    assert {m.name for m in service.methods} == {"Generate", "GetClusterInfo", "Tokenize", "Detokenize"}
+    assert {m.name for m in service.methods} == {"Generate", "GetClusterInfo", "Tokenize", "Detokenize", "SetRoles"}
     assert service.methods_by_name["Generate"].server_streaming

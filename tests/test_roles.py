@@ -12,8 +12,8 @@ from distserve.core.handover import Handover
 from distserve.core.outputs import OutputBuilder, RequestOutput
 from distserve.core.sequence import Sequence
 from distserve.engine.decode_role import DecodeAdmission
+from distserve.engine.kv_hold import KVHold
 from distserve.engine.llm_engine import LLMEngine
-from distserve.engine.prefill_role import KVHold
 from distserve.kv_transfer.plan import token_slots
 from distserve.scheduling.block_manager import BlockManager
 
@@ -23,7 +23,7 @@ BLOCK = 4
 def _handover(request_id: str, num_prompt: int, attempt: int = 0) -> Handover:
     prompt = list(range(3, 3 + num_prompt))
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    return Handover(request_id, attempt, "prefill-0", None, prompt, [7], params, 0, [0] * 8, BLOCK)
+    return Handover(request_id, attempt, "prefill-0", None, prompt, [7], params, 0, [0] * 8, BLOCK, num_prompt, 0)
 
 
 def _held(bm: BlockManager, request_id: str, num_tokens: int, attempt: int = 0) -> Sequence:
@@ -158,8 +158,8 @@ class InProcessPuller:
     def complete(self) -> list:
         deltas = []
         for handover, table in self.submitted:
-            src = token_slots(handover.block_table, handover.num_prompt_tokens, handover.block_size)
-            dst = token_slots(table, handover.num_prompt_tokens, self.decode.block_manager.block_size)
+            src = token_slots(handover.block_table, handover.num_kv_tokens, handover.block_size)
+            dst = token_slots(table, handover.num_kv_tokens, self.decode.block_manager.block_size)
             source = self.prefill.executor.worker.kv_cache.tensor
             self.decode.executor.worker.kv_cache.tensor[:, :, dst] = source[:, :, src]
             error = None if self.prefill.release_kv(handover.request_id, handover.attempt) else "KV no longer held"
@@ -241,7 +241,7 @@ def test_decode_cancelled_while_its_kv_arrives_frees_both_sides():
 
 def test_kv_held_past_its_deadline_fails_the_request_and_the_pull():
     prefill, decode, puller = make_engines()
-    prefill.role.hold.timeout = 0.05
+    prefill.kv_hold.timeout = 0.05
     prefill.add_request(list(range(3, 30)), SamplingParams(max_tokens=4, temperature=0.0), "late")
     (delta,) = prefill.step()
     decode.add_handover(delta.handover)
@@ -277,14 +277,9 @@ def test_a_rerun_supersedes_an_abandoned_run_on_the_same_engine(llama):
         assert_engine_idle(engine)
 
 
-def test_an_idle_engine_changes_role_without_reloading(llama):
+def test_an_engine_changes_role_without_reloading(llama):
     prefill, decode, puller = make_engines()
     executor = prefill.executor
-    prefill.add_request(list(range(3, 20)), SamplingParams(max_tokens=4, temperature=0.0), "held")
-    prefill.step()
-    with pytest.raises(RuntimeError, match="drain it first"):
-        prefill.change_role(Role.COLOCATED)
-    prefill.abort_request("held")
     prefill.change_role(Role.COLOCATED)
     assert prefill.executor is executor and prefill.block_manager.enable_prefix_caching
     prompt = random_prompts([50], llama.config.vocab_size, seed=7)[0]

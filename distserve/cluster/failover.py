@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import ray
@@ -37,7 +38,7 @@ class Failover:
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orchestrator = orchestrator
         self._replacing: dict[Role, int] = {}  # replacements under way, by role
-        self._pool_changed = asyncio.Condition()  # notified when a replacement comes up or gives up
+        self._pool_changed = asyncio.Condition()  # notified when a replacement or a role change ends
         self._generation = 0  # numbers replacement actors' names
 
     def instance_failed(self, entry: InstanceState, error: BaseException) -> None:
@@ -50,7 +51,7 @@ class Failover:
             orchestrator.spawn(self._replace(entry))
         orchestrator.spawn(self._tell_peers(entry))
         for state in list(orchestrator.requests.values()):
-            if state.finished or entry not in (state.prefill, state.decode):
+            if state.finished or entry not in state.instances():
                 continue
             if entry is state.prefill and entry is not state.decode and state.metrics.migration_end is not None:
                 continue  # its KV is on the decode instance already: it no longer needs the prefill side
@@ -63,50 +64,63 @@ class Failover:
         peers = [s for s in self.orchestrator.instances if s is not failed and s.failure is None]
         await asyncio.gather(*(s.handle.forget_peer.remote(failed.name) for s in peers), return_exceptions=True)
 
-    async def healthy(self, role: Role) -> list[InstanceState]:
-        """The healthy instances of ``role``; while there are none but a replacement is starting, wait
-        for it (up to REPLACEMENT_WAIT_S)."""
-        pool = self.orchestrator.pool(role)
-        if pool or not self._replacing.get(role):
-            return pool
+    async def healthy(self, pool: Callable[[], list[InstanceState]]) -> list[InstanceState]:
+        """``pool()`` (healthy instances that take new work); while it is empty but an instance is
+        being replaced or changing role, wait for that (up to REPLACEMENT_WAIT_S)."""
+        if pool() or not self._under_way():
+            return pool()
         async with self._pool_changed:
             try:
                 await asyncio.wait_for(
-                    self._pool_changed.wait_for(lambda: self.orchestrator.pool(role) or not self._replacing.get(role)),
-                    REPLACEMENT_WAIT_S,
+                    self._pool_changed.wait_for(lambda: pool() or not self._under_way()), REPLACEMENT_WAIT_S
                 )
             except TimeoutError:
                 pass
-        return self.orchestrator.pool(role)
+        return pool()
 
-    def unavailable_role(self) -> Role | None:
-        """A role the cluster needs with no healthy instance and no replacement starting."""
-        roles = (Role.PREFILL, Role.DECODE) if self.orchestrator.config.disaggregated else (Role.COLOCATED,)
-        return next((r for r in roles if not self.orchestrator.pool(r) and not self._replacing.get(r)), None)
+    async def pools_changed(self) -> None:
+        """Wake the requests waiting for an instance to take them."""
+        async with self._pool_changed:
+            self._pool_changed.notify_all()
 
-    async def rerun(self, state: RequestState, attempt: int, error: InstanceFailure) -> None:
+    def _under_way(self) -> bool:
+        return any(self._replacing.values()) or self.orchestrator.roles.num_changing > 0
+
+    def unavailable_role(self) -> str | None:
+        """The role the cluster needs with no healthy instance, nor one being replaced or changing."""
+        if self._under_way():
+            return None
+        orchestrator = self.orchestrator
+        if not orchestrator.entry_pool():
+            return "decode" if orchestrator.pool(Role.PREFILL) else "prefill or colocated"
+        return None
+
+    async def rerun(self, state: RequestState, attempt: int, error: InstanceFailure | None) -> None:
         """Free the failed run's (``attempt``'s) blocks on the instances still up, then run the request
         again from its prompt as its next attempt, so outputs of the old run still in flight are told
-        apart. Another failure of the same run, reported while or after this one re-runs it, is ignored."""
+        apart. Another failure of the same run, reported while or after this one re-runs it, is ignored.
+        ``error`` None: the run was given back by a role change, which counts as no failure."""
         orchestrator = self.orchestrator
         if state.finished or state.cancelled or state.attempt != attempt or state.rerunning:
             return
         state.rerunning = True
         try:
-            targets = [s for s in (state.prefill, state.decode) if s is not None]
+            targets = state.instances()
             orchestrator.unassign(state)
             await orchestrator.abort_run(targets, state.request_id, attempt)
             final = None
-            if state.attempt + 1 >= orchestrator.config.max_request_attempts:
+            state.failed_runs += error is not None
+            if state.failed_runs >= orchestrator.config.max_request_attempts:
                 final = error
             elif role := self.unavailable_role():
-                final = InstanceFailure(f"{error}; no {role} instance is left to run it again")
+                final = InstanceFailure(f"{error or 'given back'}; no {role} instance is left to run it again")
             if final is not None:  # no run left: the request ends with the failure
                 orchestrator.forget(state)
                 state.queue.put_nowait(final)
                 return
             state.new_attempt()
-            logger.warning("%s; re-running %s (run %d)", error, state.request_id, state.attempt + 1)
+            logger.log(logging.WARNING if error else logging.DEBUG, "%s; re-running %s (run %d)",
+                       error or "given back by a role change", state.request_id, state.attempt + 1)  # fmt: skip
         finally:
             state.rerunning = False
         try:

@@ -3,8 +3,9 @@
 The actor owns the engine (its role, scheduler, block manager, output processing) and drives
 the executor's workers from its own step loop thread, so callers are never on the per-step path:
 they queue requests and long-poll for deltas. A rank of one runs the model in the actor itself.
-Calls from other threads reach the step loop through an inbox; only the prefill side's
-``release_kv`` answers at once, because the puller must know whether the KV it read was still held.
+Calls from other threads reach the step loop through an inbox; only ``release_kv`` (on the side
+that holds KV) answers at once, because the puller must know whether the KV it read was still held.
+A role change (``change_role``) happens in the step loop between two steps.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,11 +50,22 @@ class InstanceInfo:
     num_waiting: int
     num_running: int
     num_preemptions: int
-    num_held: int  # prefill: prefilled requests waiting for decode to pull their KV
+    num_held: int  # requests handed on whose KV waits for a decode instance to pull it
     num_pending: int  # decode: handed-over requests waiting for blocks or for their KV
     num_throttled_steps: int  # prefill: steps that admitted nothing because held KV passed its limit
     num_admission_waits: int  # decode: handed-over requests that had to wait for free blocks
     failure: str | None
+
+
+@dataclass
+class RoleChange:
+    """A role change asked of the step loop, and its outcome for the caller waiting on ``done``."""
+
+    role: Role
+    asked: float  # time.monotonic() of the call
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    seconds: float = 0.0
+    error: Exception | None = None
 
 
 class Instance:
@@ -67,6 +80,7 @@ class Instance:
         self._active: dict[str, int] = {}  # request id -> attempt, of runs queued or running; under _lock
         self._failure: str | None = None
         self._stopping = False
+        self._role_change: RoleChange | None = None  # asked for, not yet done; set and read by the step loop
         endpoints = self.engine.executor.kv_endpoints(ray.get_runtime_context().current_actor)
         self.migrator = Migrator(name, endpoints, config.cache.block_size, self._pulled)
         self.engine.kv_puller = self.migrator
@@ -93,11 +107,22 @@ class Instance:
         return seq.request_id
 
     def add_handover(self, handover: Handover) -> None:
-        """Decode: take a request over from a prefill instance once its blocks can be allocated."""
-        if self.engine.role.role is not Role.DECODE:
-            raise RuntimeError(f"{self.name} is a {self.engine.role.role} instance: only decode instances take over")
+        """Decode: take a request over from the instance holding its KV once its blocks can be
+        allocated. One that reaches a role that cannot take it is handed back (its delta carries it)."""
         self._claim(handover.request_id, handover.attempt)
         self._send("handover", handover)
+
+    def change_role(self, role: Role | str) -> float:
+        """Play ``role`` from now on, without reloading anything; returns once the engine has changed,
+        with the seconds that took. Callers have stopped sending the old role's work; what the new
+        role cannot serve leaves with a delta (``LLMEngine.change_role``). A decode instance first
+        finishes pulling the KV it has started to take over."""
+        change = RoleChange(Role.parse(role), time.monotonic())
+        self._send("role", change)
+        change.done.wait()
+        if change.error is not None:
+            raise change.error
+        return change.seconds
 
     def abort_request(self, request_id: str, attempt: int | None = None) -> None:
         """Stop a request (``attempt``: only that run) and free its blocks; its last delta says
@@ -161,7 +186,7 @@ class Instance:
             num_waiting=scheduler.num_waiting,
             num_running=scheduler.num_running,
             num_preemptions=scheduler.num_preemptions,
-            num_held=stats.num_held,
+            num_held=len(engine.kv_hold),
             num_pending=stats.num_pending,
             num_throttled_steps=stats.num_throttled_steps,
             num_admission_waits=stats.num_admission_waits,
@@ -210,7 +235,9 @@ class Instance:
             while not self._stopping:
                 self._wakeup.clear()
                 self._take_inbox()
-                self._publish(engine.tick())  # KV pulled or past its deadline (prefill), admissions (decode)
+                self._publish(engine.tick())
+                if self._role_change is not None and engine.role.ready_to_leave():
+                    self._change_role()  # KV pulled or past its deadline (prefill), admissions (decode)
                 if not engine.has_unfinished_requests():
                     if not self._wakeup.wait(IDLE_HEALTH_CHECK_S):  # a quiet second: are the workers alive?
                         engine.executor.check_health()
@@ -235,16 +262,32 @@ class Instance:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add":
+            if kind == "add" and not self.engine.role.takes_prompts:  # sent before a change to decode
+                deltas.append(RequestDelta(payload.request_id, payload.attempt, [], "", True, "requeue", 0))
+            elif kind == "add":
                 self.engine.add_sequence(payload)
+            elif kind == "handover" and self.engine.role.role is not Role.DECODE:  # sent before a change
+                self._forget(payload.request_id, payload.attempt)
+                deltas.append(RequestDelta(payload.request_id, payload.attempt, [], "", False, None, 0, payload))
             elif kind == "handover":
                 self.engine.add_handover(payload)
+            elif kind == "role":
+                self._role_change = payload
             elif kind == "abort":
                 delta = self.engine.abort_request(*payload)
                 deltas += [delta] if delta is not None else []
             elif kind == "pulled":
                 deltas += self.engine.pull_done(*payload)
         self._publish(deltas)
+
+    def _change_role(self) -> None:
+        change, self._role_change = self._role_change, None
+        try:
+            self._publish(self.engine.change_role(change.role))
+        except Exception as e:
+            change.error = e
+        change.seconds = time.monotonic() - change.asked
+        change.done.set()
 
     def _pulled(self, request_id: str, attempt: int, record: MigrationRecord | None, error: str | None) -> None:
         """Called on the migrator's thread; the step loop takes it from there."""

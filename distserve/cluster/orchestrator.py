@@ -5,7 +5,10 @@ so it is never on an instance's per-step path.
 
 Request path (disaggregated): tokenize and validate here -> a prefill instance (``Router``) ->
 its first token comes back with a ``Handover`` -> the decode instance with the most room takes
-it over and pulls the KV -> its tokens stream back. Colocated: one instance does both. Instances
+it over and pulls the KV -> its tokens stream back. Colocated: one instance does both. Roles may
+change while serving (``RoleChanger``), so a cluster can mix prefill, decode and colocated
+instances: new prompts go to prefill and colocated ones, hand-overs to decode ones, and a request
+an instance hands on or gives back when it changes role moves on the same way. Instances
 send each step's deltas; a request's ``OutputBuilder`` adds them up into what its client sees.
 A request keeps its client's id everywhere; each run of it (``attempt``) is told apart, so a
 re-run after an instance failure (``Failover``) never takes an old run's output for its own.
@@ -28,6 +31,7 @@ import ray
 from distserve.cluster.config import ClusterConfig
 from distserve.cluster.failover import Failover
 from distserve.cluster.instance import InstanceInfo, launch_instance
+from distserve.cluster.role_changes import RoleChanger
 from distserve.cluster.routing import InstanceState, Router
 from distserve.core.errors import InstanceFailure, RequestError
 from distserve.core.handover import Handover
@@ -55,9 +59,11 @@ class RequestState:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     prefill: InstanceState | None = None  # the instance that prefills it (or does both, colocated)
     decode: InstanceState | None = None
+    source: InstanceState | None = None  # an instance holding its KV for the next decode instance
     finished: bool = False
     cancelled: bool = False
     attempt: int = 0  # the current run: 0, then one more per re-run
+    failed_runs: int = 0  # runs ended by a failure (not by a role change giving the request back)
     rerunning: bool = False
     delivered_tokens: int = 0  # how far the client has got
     delivered_text: int = 0  # characters
@@ -70,6 +76,11 @@ class RequestState:
     def load(self) -> int:
         """Tokens it may occupy on an instance: the prompt and the most it may generate."""
         return len(self.prompt_token_ids) + self.params.max_tokens
+
+    def instances(self) -> list[InstanceState]:
+        """Where its current run may have blocks."""
+        found = [s for s in (self.prefill, self.decode, self.source) if s is not None]
+        return [s for i, s in enumerate(found) if s not in found[:i]]
 
     def new_attempt(self) -> None:
         self.attempt += 1
@@ -97,6 +108,7 @@ class Orchestrator:
         self.requests: dict[str, RequestState] = {}  # by the client's request id
         self.router = Router(config.engine.cache.block_size)
         self.failover = Failover(self)
+        self.roles = RoleChanger(self)
         self.closed = False
         self._pollers: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # hand-overs and aborts in flight, kept from the GC
@@ -148,8 +160,15 @@ class Orchestrator:
         self._pollers.append(asyncio.create_task(self._poll(entry)))
 
     def pool(self, role: Role) -> list[InstanceState]:
-        """The healthy instances of ``role``."""
-        return [s for s in self.instances if s.role == role and s.failure is None]
+        """The healthy instances of ``role`` that take new work (none is changing role)."""
+        return [s for s in self.instances if s.role == role and s.failure is None and s.changing_to is None]
+
+    def entry_pool(self) -> list[InstanceState]:
+        """Where new prompts may go: colocated instances, and prefill ones while a decode instance is
+        there (or becoming one) to take their requests over."""
+        live = [s for s in self.instances if s.failure is None]
+        decode = any(Role.DECODE in (s.role, s.changing_to) for s in live)
+        return self.pool(Role.COLOCATED) + (self.pool(Role.PREFILL) if decode else [])
 
     # Requests -------------------------------------------------------------------------------
 
@@ -193,8 +212,7 @@ class Orchestrator:
     async def submit(self, state: RequestState) -> None:
         """Send the request's current run to a prefill (or colocated) instance, waiting for a
         replacement when none is healthy."""
-        pool = await self.failover.healthy(Role.PREFILL if self.config.disaggregated else Role.COLOCATED)
-        entry = self.router.pick_prefill(pool, state.prompt_token_ids)
+        entry = self.router.pick_prefill(await self.failover.healthy(self.entry_pool), state.prompt_token_ids)
         self._assign(state, entry, "prefill")
         attempt = state.attempt
         try:
@@ -220,12 +238,12 @@ class Orchestrator:
         for entry in (state.prefill, state.decode):
             if entry is not None:
                 entry.load_tokens -= state.load
-        state.prefill = state.decode = None
+        state.prefill = state.decode = state.source = None
 
     async def _cancel(self, state: RequestState) -> None:
         """Abort wherever the request may be: both instances free its blocks."""
         state.cancelled = True
-        await self.abort_run([s for s in (state.prefill, state.decode) if s is not None], state.request_id)
+        await self.abort_run(state.instances(), state.request_id)
 
     async def abort_run(self, targets: list[InstanceState], request_id: str, attempt: int | None = None) -> None:
         """Abort a request (``attempt``: only that run) on the instances it was on: each frees its blocks."""
@@ -275,6 +293,9 @@ class Orchestrator:
             failure = InstanceFailure(f"request {state.request_id} failed on {entry.name}")
             self.spawn(self.failover.rerun(state, delta.attempt, failure))
             return
+        if delta.finished and delta.finish_reason == "requeue":  # given back by a role change
+            self.spawn(self.failover.rerun(state, delta.attempt, None))
+            return
         now = time.time()
         # A re-run repeats tokens the request already has: time only the ones past them.
         num_tokens = len(state.run.output_token_ids) + len(delta.new_token_ids)
@@ -284,13 +305,18 @@ class Orchestrator:
             state.metrics.finished_time = now
         output = state.run.add(delta)
         if delta.handover is not None:
-            self.spawn(self._hand_over(state, delta.handover))
+            self.spawn(self._hand_over(state, delta.handover, entry))
         state.queue.put_nowait(output)
 
-    async def _hand_over(self, state: RequestState, handover: Handover) -> None:
-        """Give a prefilled request to the decode instance with the most room."""
+    async def _hand_over(self, state: RequestState, handover: Handover, sender: InstanceState) -> None:
+        """Give a prefilled request to the decode instance with the most room; or a request that
+        ``sender`` hands on (it left decode) or back (it could not take it over) to another one."""
+        if state.decode is not None:  # it moves on from a decode instance
+            state.decode.load_tokens -= state.load
+            state.decode = None
+        state.source = self._named(handover.prefill_instance) or sender
         try:
-            entry = self.router.pick_decode(await self.failover.healthy(Role.DECODE))
+            entry = self.router.pick_decode(await self.failover.healthy(lambda: self.pool(Role.DECODE)))
             self._assign(state, entry, "decode")
             state.metrics.handover_time = time.time()
             await entry.handle.add_handover.remote(handover)
@@ -302,6 +328,9 @@ class Orchestrator:
         except Exception as e:  # refused (RequestError) or a bug: the request cannot go on
             await self._cancel(state)
             state.queue.put_nowait(e)
+
+    def _named(self, name: str) -> InstanceState | None:
+        return next((s for s in self.instances if s.name == name), None)
 
     async def info(self) -> list[InstanceInfo]:
         """Each instance's current state (queues, KV use, failure)."""

@@ -20,7 +20,7 @@ from distserve.core.role import Role
 PREFIX_LOAD_SLACK = 0.25
 
 
-@dataclass
+@dataclass(eq=False)  # one per instance, told apart by identity
 class InstanceState:
     """The orchestrator's view of one instance."""
 
@@ -31,6 +31,7 @@ class InstanceState:
     config: EngineConfig  # what a replacement is started with
     load_tokens: int = 0  # tokens of the requests assigned to it and not yet done with it
     failure: str | None = None
+    changing_to: Role | None = None  # a role change under way: it gets no new work meanwhile
 
     @property
     def load(self) -> float:

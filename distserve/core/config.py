@@ -82,8 +82,9 @@ class SchedulerConfig:
     )
     enable_chunked_prefill: bool = option(
         False,
-        "colocated instances: each step runs every decoding sequence's token, then chunks of prompts up to "
-        "max_num_batched_tokens, as vLLM does (off: a step is a whole prefill batch or a decode step)",
+        "while an instance is colocated: each step runs every decoding sequence's token, then chunks of "
+        "prompts up to max_num_batched_tokens, as vLLM does (off: a step is a whole prefill batch or a "
+        "decode step)",
     )
     max_num_seqs: int = option(256, "most sequences running at once")
     sjf_aging_tokens: float = option(
@@ -105,11 +106,6 @@ class SchedulerConfig:
         _check_choice("policy", self.policy, POLICIES)
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if self.enable_chunked_prefill and self.role is not Role.COLOCATED:
-            raise ValueError(
-                f"enable_chunked_prefill is for colocated instances, which run both phases; a {self.role} "
-                "instance runs one (a colocated pool: --colocated-instances N)"
-            )
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.sjf_aging_tokens < 0:

@@ -62,7 +62,8 @@ class Sequence:
 
     @classmethod
     def from_handover(cls, handover: Handover) -> Sequence:
-        """A prefilled request as the decode side runs it: prompt and the tokens prefill sampled."""
+        """A handed-over request as the decode side runs it: prompt, the tokens generated so far and
+        how much of their text was sent."""
         seq = cls(
             handover.prompt_token_ids,
             handover.sampling_params,
@@ -72,6 +73,7 @@ class Sequence:
             attempt=handover.attempt,
         )
         seq.all_token_ids += handover.output_token_ids
+        seq.num_text_sent = handover.num_text_sent
         return seq
 
     def __len__(self) -> int:

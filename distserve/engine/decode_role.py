@@ -72,7 +72,7 @@ class DecodeAdmission:
             self.pending.popleft()
             self.block_manager.allocate(seq)
             seq.metrics.decode_admitted = time.time()
-            seq.num_computed_tokens = seq.num_prompt_tokens  # the pull brings the prompt's KV
+            seq.num_computed_tokens = handover.num_kv_tokens  # what the pull brings
             self.pulling[_key(seq)] = seq
             admitted.append((seq, handover))
         return admitted
@@ -107,6 +107,7 @@ def _key(seq: Sequence) -> RunKey:
 class DecodeRole(InstanceRole):
     role = Role.DECODE
     prefix_caching = False
+    takes_prompts = False
 
     def __init__(self, engine: LLMEngine) -> None:
         config = engine.config.scheduler
@@ -150,8 +151,8 @@ class DecodeRole(InstanceRole):
         self.engine.forget(seq)  # its id is free for a re-run; the pull's end finishes it
         return None
 
-    def is_idle(self) -> bool:
-        return super().is_idle() and not len(self.admission)
+    def ready_to_leave(self) -> bool:
+        return not len(self.admission)
 
     def stats(self) -> RoleStats:
         return RoleStats(num_pending=len(self.admission), num_admission_waits=self.admission.num_waits)

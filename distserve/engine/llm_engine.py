@@ -22,6 +22,7 @@ from distserve.engine.decode_role import DecodeRole, KVPuller
 from distserve.engine.detokenizer import Detokenizer, find_stop_string
 from distserve.engine.executor import make_executor
 from distserve.engine.input_processor import InputProcessor
+from distserve.engine.kv_hold import KVHold
 from distserve.engine.prefill_role import PrefillRole
 from distserve.engine.role import ColocatedRole, InstanceRole
 from distserve.model_executor.model_loader import ResolvedModel, load_tokenizer, resolve_model
@@ -63,7 +64,9 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}  # every request this engine has, by id: one run each
         self.kv_puller: KVPuller | None = None  # how a decode role pulls KV: the instance's migrator
         self.stats = StepStats(max_step_records)
-        self.role = self._make_role(config.scheduler.role)
+        scheduler = config.scheduler
+        self.kv_hold = KVHold(scheduler.kv_hold_timeout, max(1, int(scheduler.kv_hold_fraction * num_blocks)))
+        self.role = self._make_role(scheduler.role)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -88,15 +91,41 @@ class LLMEngine:
         self.block_manager.set_prefix_caching(self.config.cache.enable_prefix_caching and role_class.prefix_caching)
         return role_class(self)
 
-    def change_role(self, role: Role | str) -> None:
-        """Play ``role`` from now on, keeping the weights, the KV cache and the executor. Only an idle
-        role can be left (nothing queued, running, held or arriving): drain it first."""
+    def change_role(self, role: Role | str) -> list[RequestDelta]:
+        """Play ``role`` from now on, keeping the weights, the KV cache and the executor; call between
+        steps, once ``role.ready_to_leave()``. The new role adopts the requests it can serve; the
+        others leave with a delta: a decoding request the new role cannot decode is handed on with
+        its KV (the delta carries the hand-over), and one it cannot run here at all (a prompt a
+        decode role will not prefill, a prompt part-way through its chunks, a preempted request a
+        prefill role cannot decode) ends with ``finish_reason="requeue"``, to run elsewhere."""
         role = Role.parse(role)
-        if not self.role.is_idle():
-            raise RuntimeError(f"{self.name} still has requests as a {self.role.role} instance: drain it first")
+        old, new_class = self.role, ROLE_CLASSES[role]
+        if not old.ready_to_leave():
+            raise RuntimeError(f"{self.name} is still taking requests over: it cannot leave {old.role} yet")
+        kept_waiting, kept_running, requeued, deltas = [], [], [], []
+        for seq in old.scheduler.waiting_seqs():
+            can_run = new_class.decodes if seq.num_output_tokens else new_class.takes_prompts and not seq.block_table
+            (kept_waiting if can_run else requeued).append(seq)
+        for seq in old.scheduler.running_seqs():
+            if not seq.num_output_tokens or seq.num_computed_tokens < seq.num_tokens - 1:
+                requeued.append(seq)  # part-way through its prompt's (or a recompute's) chunks
+            elif new_class.decodes:
+                kept_running.append(seq)
+            else:
+                old.scheduler.finish_running(seq)  # its blocks go to the hold, not back to the pool
+                deltas.append(self._delta(seq, [], "", self.hand_off(seq)))
+        deltas += [self.finish(seq, "requeue") for seq in requeued]
         self.config = dataclasses.replace(self.config, scheduler=dataclasses.replace(self.config.scheduler, role=role))
         self.role = self._make_role(role)
+        for seq in kept_waiting:
+            if seq.num_output_tokens:  # preempted while decoding: recomputed before new prompts
+                self.role.scheduler.waiting.resume(seq)
+            else:
+                self.role.scheduler.add(seq)
+        for seq in kept_running:
+            self.role.scheduler.running.add(seq)
         logger.info("%s is a %s instance now", self.name, role)
+        return deltas
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -123,9 +152,8 @@ class LLMEngine:
                 raise RequestError(f"request id '{seq.request_id}' is already in use")
             self.abort_request(seq.request_id, current.attempt)
         self.detokenizer.start(seq)
-        if seq.num_output_tokens:  # text the client has had already
+        if seq.num_output_tokens:  # handed over: its text so far, of which num_text_sent was sent
             self.detokenizer.step(seq)
-            self._unsent_text(seq)
         self.requests[seq.request_id] = seq
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -152,10 +180,29 @@ class LLMEngine:
         """Decode: take a prefilled request over; it decodes once its KV has been pulled."""
         self.role.add_handover(handover)
 
+    def hand_off(self, seq: Sequence) -> Handover:
+        """Hold ``seq``'s KV for a decode instance to pull, and the hand-over that says where it is.
+        The caller has taken ``seq`` out of its scheduler; the hold frees its blocks after the pull."""
+        self.kv_hold.hold(seq, time.monotonic())
+        return Handover(
+            seq.request_id,
+            seq.attempt,
+            self.name,
+            seq.prompt,
+            seq.prompt_token_ids,
+            seq.output_token_ids,
+            seq.sampling_params,
+            seq.priority,
+            list(seq.block_table),
+            self.block_manager.block_size,
+            seq.num_computed_tokens,
+            seq.num_text_sent,
+        )
+
     def release_kv(self, request_id: str, attempt: int) -> bool:
-        """Prefill: decode has pulled this run's KV, which can go; False when it went already (at the
-        hold deadline, or aborted), so what was pulled cannot be trusted. Safe from any thread."""
-        return self.role.release_kv(request_id, attempt)
+        """A decode instance has pulled this run's held KV, which can go; False when it went already
+        (at the hold deadline, or aborted), so what was pulled cannot be trusted. Safe from any thread."""
+        return self.kv_hold.release(request_id, attempt)
 
     def pull_done(
         self, request_id: str, attempt: int, start: float | None, end: float | None, error: str | None
@@ -178,8 +225,14 @@ class LLMEngine:
         return self.role.has_work()
 
     def tick(self) -> list[RequestDelta]:
-        """The role's housekeeping between steps: KV pulled or expired (prefill), admissions (decode)."""
-        return self.role.tick(time.monotonic())
+        """Housekeeping between steps: held KV pulled (freed: the request goes on elsewhere) or past
+        its deadline (failed), then the role's own (decode: admissions)."""
+        now = time.monotonic()
+        for seq in self.kv_hold.take_released():
+            self.forget(seq)
+            self.block_manager.free(seq)
+        deltas = [self.finish(seq, "error") for seq in self.kv_hold.expire(now)]
+        return deltas + self.role.tick(now)
 
     def finish(self, seq: Sequence, reason: str) -> RequestDelta:
         """End ``seq`` with ``reason``, free its blocks; its final delta."""
@@ -242,8 +295,9 @@ class LLMEngine:
         if reason is not None:
             self._finish(seq, reason)
             return self._delta(seq, [token], self._unsent_text(seq))
+        text = self._unsent_text(seq)  # first: the hand-over says how much text was sent
         handover = self.role.after_prefill(seq) if after_prefill else None
-        return self._delta(seq, [token], self._unsent_text(seq), handover)
+        return self._delta(seq, [token], text, handover)
 
     @staticmethod
     def _unsent_text(seq: Sequence) -> str:
@@ -258,7 +312,10 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        self.role.finish(seq)
+        if self.kv_hold.drop(seq):
+            self.block_manager.free(seq)
+        else:
+            self.role.finish(seq)
         self.forget(seq)
 
     def _delta(self, seq: Sequence, tokens: list[int], text: str, handover: Handover | None = None) -> RequestDelta:

@@ -2,9 +2,9 @@
 
 The engine (block manager, detokenizer, executor, output deltas) is the same in every role; the
 role object decides what a step schedules and what happens around it, and holds the role's own
-state machine (``PrefillRole``: the KV held for decode; ``DecodeRole``: the admission of
-handed-over requests). An engine swaps its role object to change role while running, once the
-old one holds nothing (``LLMEngine.change_role``).
+state machine (``PrefillRole``: back-pressure from the KV held for decode; ``DecodeRole``: the
+admission of handed-over requests). An engine swaps its role object to change role while running
+(``LLMEngine.change_role``); the new role adopts the requests it can serve.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
 class RoleStats:
     """The role's own counters, as ``InstanceInfo`` reports them."""
 
-    num_held: int = 0  # prefill: prefilled requests whose KV waits for decode to pull it
     num_pending: int = 0  # decode: handed-over requests waiting for blocks or for their KV
     num_throttled_steps: int = 0  # prefill: steps that admitted nothing because held KV passed its limit
     num_admission_waits: int = 0  # decode: handed-over requests that had to wait for free blocks
@@ -42,6 +41,8 @@ class InstanceRole:
 
     role: Role
     prefix_caching = True  # whether the role may share KV blocks through the prefix cache
+    takes_prompts = True  # whether it runs new prompts (a decode role only recomputes its own)
+    decodes = True  # whether it decodes (a prefill role hands every request on after its first token)
 
     def __init__(self, engine: LLMEngine, scheduler: Scheduler) -> None:
         self.engine = engine
@@ -61,9 +62,9 @@ class InstanceRole:
         """Whether a step can run."""
         return self.scheduler.has_unfinished()
 
-    def is_idle(self) -> bool:
-        """Nothing queued, running, held or arriving: the engine may change role."""
-        return not self.has_work() and not self.engine.requests
+    def ready_to_leave(self) -> bool:
+        """Whether the engine may swap this role for another now (a decode role: no KV arriving)."""
+        return True
 
     def after_prefill(self, seq: Sequence) -> Handover | None:
         """Called when an unfinished request has sampled its token after a prefill (its first, or
@@ -95,9 +96,6 @@ class InstanceRole:
         self, request_id: str, attempt: int, start: float | None, end: float | None, error: str | None
     ) -> list[RequestDelta]:
         raise self._not_this_role("only decode instances pull KV")
-
-    def release_kv(self, request_id: str, attempt: int) -> bool:
-        raise self._not_this_role("only prefill instances hold KV for decode")
 
 
 class ColocatedRole(InstanceRole):

@@ -150,7 +150,7 @@ class Migrator:
     def _pull(self, handover: Handover, block_table: list[int]) -> MigrationRecord:
         start = time.time()
         handle, sources, plan = self._source(handover.prefill_instance)
-        num_tokens = handover.num_prompt_tokens
+        num_tokens = handover.num_kv_tokens
         src_slots = token_slots(handover.block_table, num_tokens, handover.block_size)
         dst_slots = token_slots(block_table, num_tokens, self.block_size)
         num_bytes = 0

@@ -53,6 +53,15 @@ class Scheduler(Protocol):
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence wherever it is and free its blocks."""
 
+    def waiting_seqs(self) -> list[Sequence]:
+        """Sequences queued for prefill (preempted ones first), for a role change to sort out."""
+
+    def running_seqs(self) -> list[Sequence]:
+        """Sequences with blocks in the running batch."""
+
+    def finish_running(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the running batch, keeping its blocks (it is handed on)."""
+
 
 class PrefillFirstScheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -94,6 +103,15 @@ class PrefillFirstScheduler:
             self.waiting.remove(seq)
         if seq.block_table:
             self.block_manager.free(seq)
+
+    def waiting_seqs(self) -> list[Sequence]:
+        return self.waiting.seqs()
+
+    def running_seqs(self) -> list[Sequence]:
+        return list(self.running.seqs)
+
+    def finish_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
 
 
 class ChunkedPrefillScheduler(PrefillFirstScheduler):
@@ -165,3 +183,12 @@ class PrefillOnlyScheduler:
         self.waiting.remove(seq)
         if seq.block_table:
             self.block_manager.free(seq)
+
+    def waiting_seqs(self) -> list[Sequence]:
+        return self.waiting.seqs()
+
+    def running_seqs(self) -> list[Sequence]:
+        return []  # a prefill batch runs within one step
+
+    def finish_running(self, seq: Sequence) -> None:
+        raise RuntimeError("a prefill-only scheduler runs no batch between steps")

@@ -44,6 +44,9 @@ class WaitingQueue:
         seq.status = SequenceStatus.WAITING
         self.resumed.append(seq)
 
+    def seqs(self) -> list[Sequence]:
+        return [*self.resumed, *self.waiting]
+
     def remove(self, seq: Sequence) -> bool:
         for queue in (self.waiting, self.resumed):
             if seq in queue:

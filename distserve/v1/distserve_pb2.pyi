@@ -192,7 +192,7 @@ class InstanceInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_held: _Optional[int] = ..., num_pending: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
-    __slots__ = ("model", "instances", "num_pending_requests", "max_pending_requests", "max_model_len", "draining", "vocab_size")
+    __slots__ = ("model", "instances", "num_pending_requests", "max_pending_requests", "max_model_len", "draining", "vocab_size", "role_changes", "role_control")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,8 @@ class ClusterInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    ROLE_CONTROL_FIELD_NUMBER: _ClassVar[int]
     model: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
     num_pending_requests: int
@@ -207,7 +209,46 @@ class ClusterInfo(_message.Message):
     max_model_len: int
     draining: bool
     vocab_size: int
-    def __init__(self, model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., num_pending_requests: _Optional[int] = ..., max_pending_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    role_changes: _containers.RepeatedCompositeFieldContainer[RoleChange]
+    role_control: str
+    def __init__(self, model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., num_pending_requests: _Optional[int] = ..., max_pending_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., role_changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., role_control: _Optional[str] = ...) -> None: ...
+
+class RoleChange(_message.Message):
+    __slots__ = ("instance", "old_role", "new_role", "started", "seconds", "reason", "error")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    OLD_ROLE_FIELD_NUMBER: _ClassVar[int]
+    NEW_ROLE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    instance: str
+    old_role: Role
+    new_role: Role
+    started: float
+    seconds: float
+    reason: str
+    error: str
+    def __init__(self, instance: _Optional[str] = ..., old_role: _Optional[_Union[Role, str]] = ..., new_role: _Optional[_Union[Role, str]] = ..., started: _Optional[float] = ..., seconds: _Optional[float] = ..., reason: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class SetRolesRequest(_message.Message):
+    __slots__ = ("roles",)
+    class RolesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Role
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Role, str]] = ...) -> None: ...
+    ROLES_FIELD_NUMBER: _ClassVar[int]
+    roles: _containers.ScalarMap[str, Role]
+    def __init__(self, roles: _Optional[_Mapping[str, Role]] = ...) -> None: ...
+
+class SetRolesResponse(_message.Message):
+    __slots__ = ("changes",)
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    changes: _containers.RepeatedCompositeFieldContainer[RoleChange]
+    def __init__(self, changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "add_special_tokens")

@@ -54,6 +54,11 @@ class DistServeStub:
                 request_serializer=distserve_dot_v1_dot_distserve__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=distserve_dot_v1_dot_distserve__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.SetRoles = channel.unary_unary(
+                '/distserve.v1.DistServe/SetRoles',
+                request_serializer=distserve_dot_v1_dot_distserve__pb2.SetRolesRequest.SerializeToString,
+                response_deserializer=distserve_dot_v1_dot_distserve__pb2.SetRolesResponse.FromString,
+                _registered_method=True)
 
 
 class DistServeServicer:
@@ -85,6 +90,15 @@ class DistServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRoles(self, request, context):
+        """Give instances new roles while serving (weights and KV cache kept); returns once every named
+        instance serves its new role. INVALID_ARGUMENT names an unknown instance or a layout that
+        could not serve (no instance taking prompts, prefill without decode); nothing changes then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DistServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +121,11 @@ def add_DistServeServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=distserve_dot_v1_dot_distserve__pb2.DetokenizeRequest.FromString,
                     response_serializer=distserve_dot_v1_dot_distserve__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'SetRoles': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRoles,
+                    request_deserializer=distserve_dot_v1_dot_distserve__pb2.SetRolesRequest.FromString,
+                    response_serializer=distserve_dot_v1_dot_distserve__pb2.SetRolesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +236,33 @@ class DistServe:
             '/distserve.v1.DistServe/Detokenize',
             distserve_dot_v1_dot_distserve__pb2.DetokenizeRequest.SerializeToString,
             distserve_dot_v1_dot_distserve__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRoles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/distserve.v1.DistServe/SetRoles',
+            distserve_dot_v1_dot_distserve__pb2.SetRolesRequest.SerializeToString,
+            distserve_dot_v1_dot_distserve__pb2.SetRolesResponse.FromString,
             options,
             channel_credentials,
             insecure,
