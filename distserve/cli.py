@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 import types
 import typing
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from pathlib import Path
 from distserve.benchmark.command import add_bench_args
 from distserve.benchmark.profiler import add_profile_args
 from distserve.cluster.config import POOL_FLAGS
+from distserve.cluster.role_controller import ROLE_CONTROL_MODES
 from distserve.core.config import FIELD_SECTION, SECTIONS, EngineConfig
 from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.client import CallError
@@ -156,7 +158,6 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from distserve.v1 import distserve_pb2 as pb
 
     with _client(args) as client:
         info = client.cluster_info(timeout=args.timeout)
@@ -173,7 +174,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         rows.append(
             (
                 i.name,
-                pb.Role.Name(i.role).removeprefix("ROLE_").lower(),
+                _role_name(i.role),
                 f"{i.tensor_parallel_size}x{i.pipeline_parallel_size}",
                 f"{used}/{i.num_blocks} ({used / max(i.num_blocks, 1):.0%})",
                 str(i.num_waiting),
@@ -187,7 +188,54 @@ def cmd_status(args: argparse.Namespace) -> int:
     widths = [max(len(row[c]) for row in rows) for c in range(len(columns))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    print(f"roles: {info.role_control}" + (", latest changes:" if info.role_changes else ""))
+    for change in info.role_changes[-5:]:
+        _print_role_change(change)
     return 0 if health == "SERVING" and not any(i.failure for i in info.instances) else 1
+
+
+def _role_name(role: int) -> str:
+    from distserve.v1 import distserve_pb2 as pb
+
+    return pb.Role.Name(role).removeprefix("ROLE_").lower()
+
+
+def _print_role_change(change) -> None:
+    when = time.strftime("%H:%M:%S", time.localtime(change.started))
+    outcome = f"failed: {change.error}" if change.error else f"{change.seconds * 1e3:.0f} ms"
+    print(f"  {when} {change.instance}: {_role_name(change.old_role)} -> {_role_name(change.new_role)}, "
+          f"{outcome} ({change.reason})")  # fmt: skip
+
+
+def cmd_roles(args: argparse.Namespace) -> int:
+    from distserve.v1 import distserve_pb2 as pb
+
+    roles = {}
+    for change in args.changes:
+        name, _, role = change.partition("=")
+        value = getattr(pb, f"ROLE_{role.upper()}", None) if role and role.islower() else None
+        if not name or value is None or role == "unspecified":
+            print(f"distserve roles: '{change}' is not INSTANCE=ROLE with ROLE prefill, decode or colocated",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        roles[name] = value
+    with _client(args) as client:
+        if roles:
+            changes = client.set_roles(roles, timeout=args.timeout).changes
+            for change in changes:
+                _print_role_change(change)
+            if not changes:
+                print("no role changed: every instance has its role already")
+            return 0 if all(not change.error for change in changes) else 1
+        info = client.cluster_info(timeout=args.timeout)
+    print(f"role control: {info.role_control}")
+    for i in info.instances:
+        print(f"  {i.name}: {_role_name(i.role)}")
+    if info.role_changes:
+        print("latest changes:")
+        for change in info.role_changes:
+            _print_role_change(change)
+    return 0
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -289,6 +337,18 @@ def build_parser() -> argparse.ArgumentParser:
             default=argparse.SUPPRESS,
             help=f"{key.replace('_', ' ')} of the {role} pool",
         )
+    control = launch.add_argument_group("role control")
+    control.add_argument(
+        "--role-control",
+        choices=ROLE_CONTROL_MODES,
+        default=argparse.SUPPRESS,
+        help="fixed: roles change only by `distserve roles`; adaptive: also by a controller that moves instances "
+        "between colocated and prefill/decode from the SLOs' live attainment (needs --slo-ttft and --slo-tpot)",
+    )
+    for name, what in (("ttft", "time to first token"), ("tpot", "time per output token")):
+        control.add_argument(
+            f"--slo-{name}", type=float, default=argparse.SUPPRESS, help=f"{what} SLO in seconds, for adaptive roles"
+        )
     add_dataclass_args(launch.add_argument_group("ServerConfig"), ServerConfig)
     for cls in SECTIONS.values():
         add_dataclass_args(launch.add_argument_group(cls.__name__), cls)
@@ -298,6 +358,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_args(status, required=True)
     status.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the server (default: 10)")
     status.set_defaults(func=cmd_status)
+
+    roles = sub.add_parser(
+        "roles",
+        usage="%(prog)s --server HOST:PORT [INSTANCE=ROLE ...]",
+        help="change instances' roles on a running server (prefill, decode, colocated), or list them",
+        description="Give instances new roles while the server serves: weights and KV cache stay, requests "
+        "move on to other instances or stay where the new role can serve them. Without INSTANCE=ROLE, list "
+        "the roles and the latest changes.",
+    )
+    roles.add_argument("changes", nargs="*", metavar="INSTANCE=ROLE", help="an instance name and its new role")
+    _add_client_args(roles, required=True)
+    roles.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the changes (default: 120)")
+    roles.set_defaults(func=cmd_roles)
 
     bench = sub.add_parser(
         "bench",

@@ -19,8 +19,10 @@ from distserve.cluster.background_loop import BackgroundLoop
 from distserve.cluster.config import CLUSTER_KEYS, ROLES, ClusterConfig
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.orchestrator import Orchestrator
+from distserve.cluster.role_changes import RoleChangeRecord
 from distserve.core.config import EngineConfig
 from distserve.core.outputs import RequestOutput
+from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.engine.ray_runtime import ensure_ray_async
 
@@ -100,6 +102,18 @@ class AsyncCluster:
         self._check_running()
         return await self.orchestrator.info()
 
+    async def set_roles(self, roles: dict[str, Role | str]) -> list[RoleChangeRecord]:
+        """Give instances (by name, as ``info()`` lists them) new roles while serving; returns once
+        they serve them, a record per instance whose role changed. Raises RequestError, changing
+        nothing, for an unknown instance or a layout that could not serve."""
+        self._check_running()
+        return await self.orchestrator.roles.set_roles(roles)
+
+    @property
+    def role_changes(self) -> list[RoleChangeRecord]:
+        """Every role change so far, by an operator or the controller, oldest first."""
+        return list(self.orchestrator.roles.history)
+
     async def shutdown(self) -> None:
         """Stop every instance; nothing to do for a cluster not running."""
         if self.state == "running":
@@ -163,6 +177,13 @@ class Cluster:
 
     def info(self) -> list[InstanceInfo]:
         return self._run(self._async.info())
+
+    def set_roles(self, roles: dict[str, Role | str]) -> list[RoleChangeRecord]:
+        return self._run(self._async.set_roles(roles))
+
+    @property
+    def role_changes(self) -> list[RoleChangeRecord]:
+        return self._async.role_changes
 
     def shutdown(self) -> None:
         if self._loop.running:

@@ -13,6 +13,7 @@ cluster:
   decode: {instances: 2, max_num_seqs: 128}
   max_request_attempts: 3          # runs of a request, the first included, across instance failures
   replace_failed_instances: true   # start a new instance in place of one that died
+  role_control: {mode: adaptive, slo_ttft: 0.5, slo_tpot: 0.05}  # roles follow the load
 ```
 """
 
@@ -23,10 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from distserve.cluster.role_controller import RoleControlConfig
 from distserve.core.config import FIELD_SECTION, EngineConfig, read_sections
 from distserve.core.role import ROLES, Role
 
-CLUSTER_KEYS = ("name", "max_request_attempts", "replace_failed_instances")
+CLUSTER_KEYS = ("name", "max_request_attempts", "replace_failed_instances", "role_control")
 # Per-pool CLI flags of ``distserve launch``: (flag dest, role, pool key);
 # ``--prefill-tensor-parallel-size`` is ``cluster.prefill.tensor_parallel_size``.
 POOL_FLAGS = [
@@ -34,6 +36,9 @@ POOL_FLAGS = [
     for role in ROLES
     for key in ("instances", "tensor_parallel_size", "pipeline_parallel_size")
 ]
+
+# Role-control CLI flags of ``distserve launch``: (flag dest, key of ``cluster.role_control``).
+ROLE_CONTROL_FLAGS = [("role_control", "mode"), ("slo_ttft", "slo_ttft"), ("slo_tpot", "slo_tpot")]
 
 
 @dataclass
@@ -68,8 +73,14 @@ class ClusterConfig:
     # runs in all; 1 fails it instead (UNAVAILABLE).
     max_request_attempts: int = 3
     replace_failed_instances: bool = True
+    role_control: RoleControlConfig = field(default_factory=RoleControlConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.role_control, dict):
+            unknown = set(self.role_control) - set(RoleControlConfig.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"unknown role_control option(s): {', '.join(sorted(unknown))}")
+            self.role_control = RoleControlConfig(**self.role_control)
         if not isinstance(self.max_request_attempts, int) or self.max_request_attempts < 1:
             raise ValueError(f"max_request_attempts must be a positive integer, got {self.max_request_attempts!r}")
         if not isinstance(self.replace_failed_instances, bool):
@@ -119,7 +130,7 @@ class ClusterConfig:
     @classmethod
     def from_pools(cls, engine: EngineConfig, pools: dict[str, Any]) -> ClusterConfig:
         """``pools`` maps roles to pool options, plus the optional cluster-wide keys (``name``,
-        ``max_request_attempts``, ``replace_failed_instances``); no pools means 1 prefill + 1 decode,
+        ``max_request_attempts``, ``replace_failed_instances``, ``role_control``); no pools means 1 prefill + 1 decode,
         and one of the two alone keeps the other's defaults."""
         pools = dict(pools)
         settings = {key: pools.pop(key) for key in CLUSTER_KEYS if key in pools}

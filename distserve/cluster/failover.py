@@ -84,7 +84,7 @@ class Failover:
             self._pool_changed.notify_all()
 
     def _under_way(self) -> bool:
-        return any(self._replacing.values()) or self.orchestrator.roles.num_changing > 0
+        return any(self._replacing.values()) or self.orchestrator.roles.under_way
 
     def unavailable_role(self) -> str | None:
         """The role the cluster needs with no healthy instance, nor one being replaced or changing."""

@@ -108,8 +108,10 @@ class Instance:
 
     def add_handover(self, handover: Handover) -> None:
         """Decode: take a request over from the instance holding its KV once its blocks can be
-        allocated. One that reaches a role that cannot take it is handed back (its delta carries it)."""
-        self._claim(handover.request_id, handover.attempt)
+        allocated. One that reaches a role that cannot take it is handed back (its delta carries it).
+        One whose KV this instance holds itself (it left prefill since) decodes here without a pull."""
+        if handover.prefill_instance != self.name:  # the holder has claimed the run already
+            self._claim(handover.request_id, handover.attempt)
         self._send("handover", handover)
 
     def change_role(self, role: Role | str) -> float:
@@ -267,7 +269,8 @@ class Instance:
             elif kind == "add":
                 self.engine.add_sequence(payload)
             elif kind == "handover" and self.engine.role.role is not Role.DECODE:  # sent before a change
-                self._forget(payload.request_id, payload.attempt)
+                if payload.prefill_instance != self.name:
+                    self._forget(payload.request_id, payload.attempt)
                 deltas.append(RequestDelta(payload.request_id, payload.attempt, [], "", False, None, 0, payload))
             elif kind == "handover":
                 self.engine.add_handover(payload)

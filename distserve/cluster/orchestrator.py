@@ -32,6 +32,7 @@ from distserve.cluster.config import ClusterConfig
 from distserve.cluster.failover import Failover
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.role_changes import RoleChanger
+from distserve.cluster.role_controller import FinishedRequest, RoleController
 from distserve.cluster.routing import InstanceState, Router
 from distserve.core.errors import InstanceFailure, RequestError
 from distserve.core.handover import Handover
@@ -109,6 +110,7 @@ class Orchestrator:
         self.router = Router(config.engine.cache.block_size)
         self.failover = Failover(self)
         self.roles = RoleChanger(self)
+        self.controller = RoleController(self, config.role_control)
         self.closed = False
         self._pollers: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # hand-overs and aborts in flight, kept from the GC
@@ -141,6 +143,8 @@ class Orchestrator:
             smallest.info.num_blocks,
             smallest.info.block_size,
         )
+        if self.config.role_control.mode == "adaptive":
+            self._pollers.append(asyncio.create_task(self.controller.run()))
 
     async def shutdown(self) -> None:
         self.closed = True
@@ -303,10 +307,19 @@ class Orchestrator:
         if delta.finished:
             state.finished = True
             state.metrics.finished_time = now
+            self._observe(state)
         output = state.run.add(delta)
         if delta.handover is not None:
             self.spawn(self._hand_over(state, delta.handover, entry))
         state.queue.put_nowait(output)
+
+    def _observe(self, state: RequestState) -> None:
+        """A request's latencies, for the role controller."""
+        times = state.metrics.token_times
+        if times:
+            tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+            arrival = state.metrics.arrival_time
+            self.controller.observe(FinishedRequest(arrival, times[-1], times[0] - arrival, tpot))
 
     async def _hand_over(self, state: RequestState, handover: Handover, sender: InstanceState) -> None:
         """Give a prefilled request to the decode instance with the most room; or a request that

@@ -44,7 +44,7 @@ class RoleChanger:
     def __init__(self, orchestrator: Orchestrator) -> None:
         self.orchestrator = orchestrator
         self.history: list[RoleChangeRecord] = []
-        self.num_changing = 0  # instances changing now
+        self.under_way = False  # a set of changes is being made (between its phases too)
         self._lock = asyncio.Lock()  # one set of changes at a time
 
     def layout(self) -> dict[str, Role]:
@@ -58,8 +58,13 @@ class RoleChanger:
         async with self._lock:
             changes = self._check(roles)
             records = []
-            for phase in self._phases(changes):
-                records += await asyncio.gather(*(self._change(entry, role, reason) for entry, role in phase))
+            self.under_way = bool(changes)
+            try:
+                for phase in self._phases(changes):
+                    records += await asyncio.gather(*(self._change(entry, role, reason) for entry, role in phase))
+            finally:
+                self.under_way = False
+                await self.orchestrator.failover.pools_changed()
             return records
 
     def _check(self, roles: dict[str, Role | str]) -> dict[InstanceState, Role]:
@@ -93,7 +98,6 @@ class RoleChanger:
         orchestrator = self.orchestrator
         record = RoleChangeRecord(entry.name, entry.role, role, time.time(), 0.0, reason)
         entry.changing_to = role
-        self.num_changing += 1
         try:
             record.seconds = await entry.handle.change_role.remote(role)
             entry.role = role
@@ -106,7 +110,6 @@ class RoleChanger:
             logger.error("%s could not change to %s: %s", entry.name, role, e)
         finally:
             entry.changing_to = None
-            self.num_changing -= 1
             await orchestrator.failover.pools_changed()
         self.history.append(record)
         return record

@@ -46,6 +46,15 @@ class KVHold:
             self._released.append(entry[0])
             return True
 
+    def take(self, request_id: str, attempt: int) -> Sequence | None:
+        """Stop holding a run, blocks and all, for its own engine to decode; None if not held."""
+        with self._lock:
+            entry = self._held.get(request_id)
+            if entry is None or entry[0].attempt != attempt:
+                return None
+            del self._held[request_id]
+            return entry[0]
+
     def take_released(self) -> list[Sequence]:
         with self._lock:
             released, self._released = self._released, []

@@ -177,8 +177,13 @@ class LLMEngine:
         return seq.request_id
 
     def add_handover(self, handover: Handover) -> None:
-        """Decode: take a prefilled request over; it decodes once its KV has been pulled."""
-        self.role.add_handover(handover)
+        """Decode: take a prefilled request over; it decodes once its KV has been pulled. A request
+        this engine holds itself (it changed role since) decodes from its blocks here at once, unless
+        its end came already (its hold expired, or it was aborted)."""
+        if handover.prefill_instance != self.name:
+            self.role.add_handover(handover)
+        elif seq := self.kv_hold.take(handover.request_id, handover.attempt):
+            self.role.adopt(seq)
 
     def hand_off(self, seq: Sequence) -> Handover:
         """Hold ``seq``'s KV for a decode instance to pull, and the hand-over that says where it is.

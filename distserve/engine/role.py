@@ -92,6 +92,10 @@ class InstanceRole:
     def add_handover(self, handover: Handover) -> None:
         raise self._not_this_role("only decode instances take requests over from prefill")
 
+    def adopt(self, seq: Sequence) -> None:
+        """Decode a request whose KV is in this engine's blocks already (it held it for decode)."""
+        raise self._not_this_role("only decode instances take requests over from prefill")
+
     def pull_done(
         self, request_id: str, attempt: int, start: float | None, end: float | None, error: str | None
     ) -> list[RequestDelta]:

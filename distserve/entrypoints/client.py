@@ -57,6 +57,13 @@ class CallError(grpc.aio.AioRpcError):
         return type(self), (self.address, self.code(), self.details())
 
 
+def _roles_request(roles: dict[str, int | str]) -> pb.SetRolesRequest:
+    """``roles`` by name: a ``pb.Role`` value or a role's name ("decode")."""
+    return pb.SetRolesRequest(
+        roles={name: getattr(pb, f"ROLE_{r.upper()}") if isinstance(r, str) else r for name, r in roles.items()}
+    )
+
+
 def grpc_target(address: str) -> str:
     """``address`` with the default port when it names none (gRPC alone would try 443):
     ``HOST`` -> ``HOST:50051``, ``::1`` or ``[::1]`` -> ``[::1]:50051``; ``HOST:PORT``,
@@ -174,6 +181,11 @@ class Client(_Base):
         with self._errors():
             return self.stub.GetClusterInfo(pb.GetClusterInfoRequest(), metadata=self.metadata, timeout=timeout)
 
+    def set_roles(self, roles: dict[str, int | str], timeout: float | None = None) -> pb.SetRolesResponse:
+        """Give instances new roles (``pb.ROLE_DECODE`` or ``"decode"``); returns once they serve them."""
+        with self._errors():
+            return self.stub.SetRoles(_roles_request(roles), metadata=self.metadata, timeout=timeout)
+
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         with self._errors():
@@ -228,6 +240,10 @@ class AsyncClient(_Base):
     async def cluster_info(self, timeout: float | None = None) -> pb.ClusterInfo:
         with self._errors():
             return await self.stub.GetClusterInfo(pb.GetClusterInfoRequest(), metadata=self.metadata, timeout=timeout)
+
+    async def set_roles(self, roles: dict[str, int | str], timeout: float | None = None) -> pb.SetRolesResponse:
+        with self._errors():
+            return await self.stub.SetRoles(_roles_request(roles), metadata=self.metadata, timeout=timeout)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)

@@ -12,7 +12,9 @@ from contextlib import contextmanager, nullcontext
 
 from distserve.cluster.api import AsyncCluster
 from distserve.cluster.instance import InstanceInfo
+from distserve.cluster.role_changes import RoleChangeRecord
 from distserve.core.outputs import RequestOutput
+from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.errors import (
     InvalidRequest,
@@ -117,8 +119,18 @@ class Frontend:
 
     async def info(self) -> list[InstanceInfo]:
         infos = await self.cluster.info()
-        self.metrics.update_instances(infos, self.num_pending)
+        self.metrics.update_instances(infos, self.num_pending, self.cluster.role_changes)
         return infos
+
+    async def set_roles(self, roles: dict[str, Role | str]) -> list[RoleChangeRecord]:
+        try:
+            return await self.cluster.set_roles(roles)
+        except Exception as e:
+            raise to_serving_error(e) from e
+
+    @property
+    def role_control(self) -> str:
+        return self.cluster.config.role_control.mode
 
     def end_drain(self) -> None:
         """Stop waiting for in-flight requests (they are cancelled when the servers stop)."""

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from distserve.cluster.instance import InstanceInfo
+from distserve.cluster.role_changes import RoleChangeRecord
 from distserve.core.outputs import RequestMetrics, RequestOutput
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # answer them RESOURCE_EXHAUSTED; each queued call costs a few KiB.
 MAX_QUEUED_CALLS = 16384
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
+MAX_ROLE_CHANGES = 50  # the latest role changes ClusterInfo carries
 _ROLES = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE, Role.COLOCATED: pb.ROLE_COLOCATED}
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "skip_special_tokens")
 
@@ -124,6 +126,18 @@ def instance_to_proto(info: InstanceInfo) -> pb.InstanceInfo:
     )
 
 
+def role_change_to_proto(record: RoleChangeRecord) -> pb.RoleChange:
+    return pb.RoleChange(
+        instance=record.instance,
+        old_role=_ROLES[record.old_role],
+        new_role=_ROLES[record.new_role],
+        started=record.started,
+        seconds=record.seconds,
+        reason=record.reason,
+        error=record.error or "",
+    )
+
+
 class DistServeServicer(pb_grpc.DistServeServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
@@ -163,7 +177,22 @@ class DistServeServicer(pb_grpc.DistServeServicer):
             max_model_len=self.frontend.max_model_len,
             draining=self.frontend.draining,
             vocab_size=self.frontend.vocab_size,
+            role_changes=[role_change_to_proto(r) for r in self.frontend.cluster.role_changes[-MAX_ROLE_CHANGES:]],
+            role_control=self.frontend.role_control,
         )
+
+    async def SetRoles(self, request: pb.SetRolesRequest, context: grpc.aio.ServicerContext):
+        await self._authenticate(context)
+        by_proto = {value: role for role, value in _ROLES.items()}
+        unknown = {name: value for name, value in request.roles.items() if value not in by_proto}
+        if unknown or not request.roles:
+            message = "name at least one instance" if not request.roles else f"no role given for {', '.join(unknown)}"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        try:
+            records = await self.frontend.set_roles({name: by_proto[value] for name, value in request.roles.items()})
+        except ServingError as e:
+            await context.abort(e.grpc_code, str(e))
+        return pb.SetRolesResponse(changes=[role_change_to_proto(r) for r in records])
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
         await self._authenticate(context)

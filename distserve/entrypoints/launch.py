@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distserve.cluster.config import POOL_FLAGS, ClusterConfig
+from distserve.cluster.config import POOL_FLAGS, ROLE_CONTROL_FLAGS, ClusterConfig
 from distserve.core.config import read_sections
 from distserve.entrypoints.preflight import preflight
 from distserve.entrypoints.server_config import ServerConfig
@@ -93,6 +93,9 @@ def load_launch_config(
     for dest, role, key in POOL_FLAGS:
         if dest in flags:
             pools = _merge(pools, {role: {key: flags.pop(dest)}})
+    for dest, key in ROLE_CONTROL_FLAGS:
+        if dest in flags:
+            pools = _merge(pools, {"role_control": {key: flags.pop(dest)}})
     if pools:
         if any(role in pools for role in ("prefill", "decode")) and "colocated" in pools:
             raise ValueError("give prefill/decode pools or a colocated pool, not both")

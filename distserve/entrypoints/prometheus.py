@@ -2,14 +2,20 @@
 
 Request latencies are observed when a request finishes; instance gauges (queues, KV use) are
 read from the instances when the endpoint is scraped, so they are never stale by more than a
-scrape. Each server has its own registry, so several can run in one process (tests)."""
+scrape; so are role changes (a counter per instance and direction, and their durations). Each
+server has its own registry, so several can run in one process (tests)."""
 
 from __future__ import annotations
+
+import contextlib
+import itertools
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from distserve.cluster.instance import InstanceInfo
+from distserve.cluster.role_changes import RoleChangeRecord
 from distserve.core.outputs import RequestOutput
+from distserve.core.role import ROLES
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -50,6 +56,9 @@ class ServingMetrics:
         self.kv_usage = instance_gauge("kv_cache_usage", "share of KV blocks in use")
         self.preemptions = instance_gauge("preemptions", "requests preempted since start")
         self.healthy = instance_gauge("healthy", "1 while the instance serves")
+        self.role_changes = counter("role_changes", "instances' role changes", ("instance", "old_role", "new_role"))
+        self.role_change_time = histogram("role_change_seconds", "asked to serving the new role")
+        self._num_role_changes = 0  # of the cluster's history, observed already
 
     def observe_finished(self, output: RequestOutput) -> None:
         m = output.metrics
@@ -71,10 +80,22 @@ class ServingMetrics:
     def observe_error(self, code_name: str) -> None:
         self.errors.labels(code_name).inc()
 
-    def update_instances(self, infos: list[InstanceInfo], num_pending: int) -> None:
+    def update_instances(
+        self, infos: list[InstanceInfo], num_pending: int, role_changes: list[RoleChangeRecord]
+    ) -> None:
         self.pending.set(num_pending)
+        for record in role_changes[self._num_role_changes :]:
+            if record.error is None:
+                self.role_changes.labels(record.instance, record.old_role, record.new_role).inc()
+                self.role_change_time.observe(record.seconds)
+        self._num_role_changes = len(role_changes)
+        gauges = (self.waiting, self.running, self.held, self.kv_usage, self.preemptions, self.healthy)
         for info in infos:
             labels = (info.name, info.role)
+            for gauge, role in itertools.product(gauges, ROLES):
+                if role != info.role:  # a series of a role it left, if any
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(info.name, role)
             self.waiting.labels(*labels).set(info.num_waiting)
             self.running.labels(*labels).set(info.num_running)
             self.held.labels(*labels).set(info.num_held)

@@ -1,0 +1,171 @@
+"""Instances change role while serving: every direction under load, with requests held for decode,
+arriving at decode or decoding at the time of the change; outputs stay greedy-equal to
+transformers and nothing stays in use. Then the refusals, the gRPC call and CLI, and the
+controller's decisions."""
+
+import asyncio
+import subprocess
+import sys
+import urllib.request
+
+import grpc
+import pytest
+from conftest import in_use, random_prompts, reference_greedy, wait_nothing_in_use, wait_nothing_in_use_async
+
+from distserve import AsyncCluster, SamplingParams
+from distserve.cluster.api import make_cluster_config
+from distserve.cluster.config import ClusterConfig
+from distserve.cluster.role_controller import Attainment, RoleControlConfig, propose
+from distserve.core.errors import RequestError
+from distserve.core.role import Role
+from distserve.entrypoints.client import CallError, Client
+from distserve.entrypoints.server import BackgroundServer
+from distserve.entrypoints.server_config import ServerConfig
+
+P, D, C = Role.PREFILL, Role.DECODE, Role.COLOCATED
+# From 1 prefill + 1 decode through every direction a role can change in: P->C and D->C, C->P and
+# C->D, P->D and D->P (a swap), D->C with P->D, then C->P.
+LAYOUTS = [(C, C), (P, D), (D, P), (C, D), (P, D)]
+
+
+@pytest.fixture(scope="module")
+def llama(reference_model):
+    return reference_model("tiny-llama")
+
+
+async def _final(cluster: AsyncCluster, prompt: list[int], max_tokens: int) -> list[int]:
+    async for output in cluster.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0)):
+        last = output
+    assert last.finished and last.finish_reason == "length"
+    return last.output_token_ids
+
+
+async def _until(cluster: AsyncCluster, condition, timeout: float = 20.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition(await cluster.info()):
+        assert asyncio.get_running_loop().time() < deadline, "the condition never held"
+        await asyncio.sleep(0.005)
+
+
+def test_roles_change_under_load_in_every_direction(ray_cluster, llama):
+    waves = [random_prompts([40, 9, 120, 64, 17, 88], llama.config.vocab_size, seed=s) for s in range(len(LAYOUTS))]
+    max_tokens = [30, 48, 24, 40, 36, 28]
+
+    async def main() -> tuple[list[list[list[int]]], list]:
+        # Decode admits 2 requests at a time, so hand-overs wait there and prefill holds their KV.
+        options = dict(model="tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=48)
+        async with AsyncCluster(prefill={}, decode={"max_num_seqs": 2}, **options) as cluster:
+            names = [i.name for i in await cluster.info()]
+            tasks, busy = [], []
+            for wave, layout in zip(waves, LAYOUTS):
+                tasks += [asyncio.create_task(_final(cluster, p, n)) for p, n in zip(wave, max_tokens)]
+                # Change while requests are queued, held or arriving at decode, and decoding.
+                await _until(cluster, lambda infos: sum(i.num_running for i in infos) >= 1)
+                busy.append(sum(i.num_held + i.num_pending for i in await cluster.info()))
+                records = await cluster.set_roles(dict(zip(names, layout)))
+                assert all(r.error is None for r in records)
+                assert [i.role for i in await cluster.info()] == list(layout)
+            outputs = await asyncio.gather(*tasks)
+            await wait_nothing_in_use_async(cluster)
+            assert any(busy), "no change found a request held for decode or arriving there"
+            return outputs, cluster.role_changes
+
+    outputs, history = asyncio.run(main())
+    prompts = [p for wave in waves for p in wave]
+    for prompt, n, tokens in zip(prompts, max_tokens * len(LAYOUTS), outputs):
+        assert tokens == reference_greedy(llama, prompt, n), f"prompt of {len(prompt)} tokens"
+    directions = {(r.old_role, r.new_role) for r in history}
+    assert directions == {(P, C), (D, C), (C, P), (C, D), (P, D), (D, P)}
+    assert all(r.seconds < 10 and r.reason == "operator" for r in history)
+
+
+def test_role_changes_that_could_not_serve_are_refused_and_change_nothing(ray_cluster):
+    async def main() -> None:
+        async with AsyncCluster(model="tiny-llama", prefill={}, decode={}) as cluster:
+            names = [i.name for i in await cluster.info()]
+            refusals = [
+                ({names[0]: "decode"}, "no instance would take new prompts"),
+                ({names[1]: "colocated"}, "prefill instances need a decode instance"),
+                ({"nope": "decode"}, "no instance is named 'nope'"),
+                ({names[0]: "encoder"}, "role must be one of prefill, decode, colocated"),
+            ]
+            for roles, message in refusals:
+                with pytest.raises(RequestError, match=message):
+                    await cluster.set_roles(roles)
+            assert [i.role for i in await cluster.info()] == [P, D] and cluster.role_changes == []
+            assert await cluster.set_roles({names[0]: "prefill"}) == []  # already its role
+            (output,) = [o async for o in cluster.generate([5, 6, 7], SamplingParams(max_tokens=4))][-1:]
+            assert output.finished
+
+    asyncio.run(main())
+
+
+def test_set_roles_over_grpc_and_the_cli(ray_cluster, llama):
+    config = make_cluster_config(model="tiny-llama", prefill={}, decode={})
+    with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0)) as server:
+        with Client(server.grpc_address) as client:
+            names = [i.name for i in client.cluster_info().instances]
+            with pytest.raises(CallError) as refusal:
+                client.set_roles({names[1]: "prefill"})
+            assert refusal.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "prefill instances need a decode instance" in refusal.value.details()
+            cli = [sys.executable, "-m", "distserve.cli", "roles", "--server", server.grpc_address]
+            done = subprocess.run([*cli, f"{names[0]}=colocated", f"{names[1]}=colocated"],
+                                  capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            assert f"{names[0]}: prefill -> colocated" in done.stdout
+            assert f"{names[1]}: decode -> colocated" in done.stdout
+            bad = subprocess.run([*cli, f"{names[0]}=encoder"], capture_output=True, text=True, timeout=60)
+            assert bad.returncode == 2 and "is not INSTANCE=ROLE" in bad.stderr
+            info = client.cluster_info()
+            assert [i.role for i in info.instances] == [3, 3] and info.role_control == "fixed"
+            assert [c.reason for c in info.role_changes] == ["operator", "operator"]
+            prompt = random_prompts([30], llama.config.vocab_size, seed=3)[0]
+            completion = client.complete(prompt, max_tokens=12, temperature=0)
+            assert completion.token_ids == reference_greedy(llama, prompt, 12)
+            listing = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+            assert listing.returncode == 0 and "role control: fixed" in listing.stdout
+            assert f"{names[0]}: colocated" in listing.stdout
+            metrics = urllib.request.urlopen(f"{server.http_url}/metrics", timeout=10).read().decode()
+            series = f'distserve_role_changes_total{{instance="{names[0]}",new_role="colocated",old_role="prefill"}}'
+            assert f"{series} 1.0" in metrics
+            wait_nothing_in_use(lambda: client.cluster_info().instances)
+            assert not in_use(client.cluster_info().instances)
+
+
+# The controller's decisions -----------------------------------------------------------------------
+
+
+def _seen(ttft: float, tpot: float) -> Attainment:
+    return Attainment(ttft, tpot, 50)
+
+
+def test_the_controller_moves_capacity_to_the_phase_that_misses_its_slo():
+    pd = {"a": P, "b": D}
+    cc = {"a": C, "b": C}
+    assert propose(pd, _seen(0.5, 1.0), 0.9)[0] == cc  # TTFT missed, TPOT held: colocate
+    assert propose(cc, _seen(1.0, 0.4), 0.9)[0] == {"a": D, "b": P}  # the busier instance keeps decoding
+    assert propose(pd, _seen(1.0, 0.4), 0.9) is None  # no prefill to spare
+    assert propose(cc, _seen(0.5, 1.0), 0.9) is None  # colocated is all prefill already
+    for layout in (pd, cc):  # both met, or both missed: moving capacity cannot help both
+        assert propose(layout, _seen(0.95, 0.95), 0.9) is None
+        assert propose(layout, _seen(0.5, 0.5), 0.9) is None
+    four = {"a": P, "b": P, "c": D, "d": D}
+    assert propose(four, _seen(0.5, 1.0), 0.9)[0] == {"a": P, "b": P, "c": D, "d": P}
+    assert propose(four, _seen(1.0, 0.5), 0.9)[0] == {"a": P, "b": D, "c": D, "d": D}
+    roles, why = propose(pd, _seen(0.5, 1.0), 0.9)
+    assert why == "TTFT attainment 50%, TPOT 100% over 50 requests: too little prefill, colocating"
+
+
+def test_role_control_is_checked():
+    assert ClusterConfig.from_pools(
+        ClusterConfig().engine, {"role_control": {"mode": "adaptive", "slo_ttft": 1, "slo_tpot": 0.1}}
+    ).role_control == RoleControlConfig("adaptive", 1, 0.1)
+    for options, message in [
+        ({"mode": "adaptive"}, "adaptive role control needs both SLOs"),
+        ({"mode": "auto"}, "role_control.mode must be one of fixed, adaptive"),
+        ({"window": 0}, "role_control.window must be > 0"),
+        ({"interval_s": 1}, "unknown role_control option"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            ClusterConfig.from_pools(ClusterConfig().engine, {"role_control": options})
