@@ -19,15 +19,26 @@ from typing import Any
 import numpy as np
 
 from placement.cli_hints import parse_args
+from placement.colocation import (
+    DEFAULT_CHUNK_TOKENS,
+    ColocatedDeployment,
+    ColocatedGoodput,
+    colocated_attainment,
+    colocated_for_rate,
+    colocated_goodput,
+    fill_colocated,
+    search_colocated,
+)
 from placement.deployment import Deployment
 from placement.fitted import FittedLatency
 from placement.hardware import GPUS, ClusterSpec, cluster_from_dict, gpu_preset_name, load_hardware
 from placement.latency import InstanceModels, Parallelism
 from placement.model_presets import MODEL_PRESETS, TINY_MODEL_PRESETS, ModelShape, find_model_preset, model_shape
-from placement.plan_file import plan_document, read_plan, write_plan
+from placement.plan_file import colocated_plan_document, plan_document, read_plan, write_plan
 from placement.planner import (
     Prediction,
     attainment_curve,
+    deployment_attainment,
     deployment_capacity,
     deployment_for_rate,
     deployment_goodput,
@@ -272,8 +283,8 @@ def rate_too_high(
 
 
 def plot_curve(
-    path: str, model: str, deployment: Deployment, points: list[tuple[float, float]], objective: Objective,
-    rate: float | None,
+    path: str, model: str, deployment: Deployment | ColocatedDeployment, points: list[tuple[float, float]],
+    objective: Objective, rate: float | None,
 ) -> None:  # fmt: skip
     from placement.plots import plot_attainment_vs_rate
 
@@ -321,6 +332,14 @@ def cmd_search(args: argparse.Namespace) -> int:
                            result.low, args.top))
         ranked += result.low[: args.top]
     ranked.sort(key=lambda c: -c.per_gpu)
+    colocated = [] if args.no_colocated else search_colocated(problem, args.chunk_tokens, args.processes or 1)
+    if not args.no_colocated:
+        print(format_colocated(colocated, args.chunk_tokens, args.top))
+        verdict = compare_deployments(ranked, colocated)
+        print(verdict["sentence"])
+        notes["comparison"] = {k: v for k, v in verdict.items() if k != "sentence"}
+    if colocated and (not ranked or colocated[0].per_gpu > ranked[0].per_gpu):
+        return plan_colocated(args, problem, notes, colocated[0])
     if not ranked:
         print(f"no configuration meets the SLOs on this cluster: {why_no_pair(problem, result)}", file=sys.stderr)
         return 1
@@ -355,7 +374,76 @@ def cmd_search(args: argparse.Namespace) -> int:
         write_plan(args.out, document)
         print(f"wrote {args.out}: serve it with `distserve launch --plan {args.out}`")
     if args.plot:
-        points = attainment_curve(problem, deployment, goodput or capacity, [args.rate] if args.rate else [])
+        measure = deployment_attainment(problem, deployment)
+        points = attainment_curve(measure, args.target, goodput or capacity, [args.rate] if args.rate else [])
+        plot_curve(args.plot, notes["model"], deployment, points, problem.objective, args.rate)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def format_colocated(found: list[ColocatedGoodput], chunk_tokens: int, top: int) -> str:
+    lines = [f"colocated (both phases per instance, chunked prefill of {chunk_tokens} tokens a step):",
+             f"  {'TP,PP':>13} {'req/s':>8} {'req/s/GPU':>10}"]  # fmt: skip
+    lines += [f"  {str(g.parallelism):>13} {g.goodput:>8.4g} {g.per_gpu:>10.4g}" for g in found[:top]]
+    if not found:
+        lines.append("  (none meets the SLOs at any rate)")
+    return "\n".join(lines)
+
+
+def compare_deployments(ranked: list[Candidate], colocated: list[ColocatedGoodput]) -> dict[str, Any]:
+    """Which of the best disaggregated pair and the best colocated instance serves more per GPU."""
+    disaggregated = ranked[0].per_gpu if ranked else 0.0
+    coloc = colocated[0].per_gpu if colocated else 0.0
+    if not disaggregated and not coloc:
+        sentence = "neither disaggregated nor colocated instances meet the SLOs"
+        winner = None
+    else:
+        winner = "colocated" if coloc > disaggregated else "disaggregated"
+        best, other = max(coloc, disaggregated), min(coloc, disaggregated)
+        by = f"{best / other:.2f}x" if other else "the other meets the SLOs at no rate"
+        sentence = (f"{winner} wins: {best:.3g} against {other:.3g} req/s per GPU ({by}); "
+                    f"disaggregated {disaggregated:.3g}, colocated {coloc:.3g}")  # fmt: skip
+    return {"sentence": sentence, "winner": winner, "disaggregated_per_gpu": round(disaggregated, 4),
+            "colocated_per_gpu": round(coloc, 4)}  # fmt: skip
+
+
+def plan_colocated(args: argparse.Namespace, problem: PhaseProblem, notes: dict[str, Any],
+                   best: ColocatedGoodput) -> int:  # fmt: skip
+    """The colocated plan: for ``args.rate``, or filling the cluster; written with ``--out``."""
+    cluster = problem.models.cluster
+    if args.rate is None:
+        deployment, attained = fill_colocated(best, cluster, args.chunk_tokens), None
+        if deployment is None:
+            print("no colocated instance fits the cluster's nodes", file=sys.stderr)
+            return 1
+    else:
+        deployment, attained = colocated_for_rate(problem, best, args.chunk_tokens, args.rate)
+        if attained < args.target:
+            most = fill_colocated(best, cluster, args.chunk_tokens)
+            print(f"no deployment on this cluster meets the SLOs at {args.rate:g} req/s: the most it serves within "
+                  f"them is about {most.instances * best.goodput:.3g} req/s, with {most.describe()}; plan for "
+                  "that rate or less, or add GPUs", file=sys.stderr)  # fmt: skip
+            return 1
+    goodput = deployment.instances * best.goodput
+    print(f"plan: {deployment.describe()}")
+    if attained is not None:
+        print(f"  predicted SLO attainment {attained:.1%} at {args.rate:g} req/s")
+    print(f"  goodput about {goodput:.3g} req/s ({best.per_gpu:.3g} per GPU), {best.goodput:.3g} per instance")
+    notes.update(
+        rate=args.rate,
+        deployment="colocated",
+        instance_goodput={"colocated": round(best.goodput, 4)},
+        predicted={"attainment_at_rate": None if attained is None else round(attained, 4),
+                   "goodput": round(goodput, 4), "goodput_per_gpu": round(best.per_gpu, 4), "gpus": deployment.gpus},
+    )  # fmt: skip
+    if args.out:
+        document = colocated_plan_document(deployment, args.model, cluster.gpus_per_node, args.max_num_seqs, notes)
+        write_plan(args.out, document)
+        print(f"wrote {args.out}: serve it with `distserve launch --plan {args.out}`")
+    if args.plot:
+        par, chunk, count = deployment.parallelism, deployment.chunk_tokens, deployment.instances
+        measure = lambda rate: colocated_attainment(problem, par, chunk, rate, count)  # noqa: E731
+        points = attainment_curve(measure, args.target, goodput, [args.rate] if args.rate else [])
         plot_curve(args.plot, notes["model"], deployment, points, problem.objective, args.rate)
         print(f"wrote {args.plot}")
     return 0
@@ -373,19 +461,29 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             notes["slo"][key.removeprefix("slo_")] = getattr(args, key)
     warn_profiles(notes, args.prog)
     problem = build_problem(notes)
-    capacity = deployment_capacity(problem, deployment)
-    rates = args.rates or [args.rate or notes.get("rate") or capacity]
     print(f"{deployment.describe()}")
-    points = []
-    for rate in rates:
-        prediction = simulate_deployment(problem, deployment, rate)
-        points.append((rate, prediction.attainment))
-        print(f"  {format_prediction(prediction)}")
+    if isinstance(deployment, ColocatedDeployment):
+        par, chunk, count = deployment.parallelism, deployment.chunk_tokens, deployment.instances
+        measure = lambda rate: colocated_attainment(problem, par, chunk, rate, count)  # noqa: E731
+        knee = count * colocated_goodput((problem, par, chunk)).goodput
+        rates = args.rates or [args.rate or notes.get("rate") or knee]
+        points = [(rate, measure(rate)) for rate in rates]
+        for rate, attained in points:
+            print(f"  at {rate:.3g} req/s: SLO attainment {attained:.1%}")
+    else:
+        measure = deployment_attainment(problem, deployment)
+        capacity = deployment_capacity(problem, deployment)
+        rates = args.rates or [args.rate or notes.get("rate") or capacity]
+        points = []
+        for rate in rates:
+            prediction = simulate_deployment(problem, deployment, rate)
+            points.append((rate, prediction.attainment))
+            print(f"  {format_prediction(prediction)}")
+        knee = deployment_goodput(problem, deployment, capacity) or capacity
     if args.json:
         print(json.dumps([{"rate": r, "attainment": a} for r, a in points]))
     if args.plot:
-        knee = deployment_goodput(problem, deployment, capacity) or capacity
-        curve = attainment_curve(problem, deployment, knee, rates)
+        curve = attainment_curve(measure, problem.objective.target, knee or max(rates), rates)
         plot_curve(args.plot, notes["model"], deployment, curve, problem.objective, notes.get("rate"))
         print(f"wrote {args.plot}")
     return 0
@@ -514,6 +612,11 @@ def search_parser(prog: str = "distserve place") -> argparse.ArgumentParser:
     srch.add_argument("--seed", type=int, default=0, help="seed of the workload and arrival draws (default: 0)")
     srch.add_argument("--processes", type=_positive(int), help="worker processes (default: CPU count)")
     srch.add_argument("--top", type=_positive(int), default=5, help="rows per table (default: 5)")
+    srch.add_argument("--chunk-tokens", type=_positive(int), default=DEFAULT_CHUNK_TOKENS,
+                      help="colocated instances: tokens per chunked-prefill step, as the engine's "
+                      f"max_num_batched_tokens with --enable-chunked-prefill (default: {DEFAULT_CHUNK_TOKENS})")
+    srch.add_argument("--no-colocated", action="store_true",
+                      help="plan disaggregated deployments only, without simulating colocated ones to compare")
     out = p.add_argument_group("output")
     out.add_argument("--out", help="plan file to write (YAML for distserve launch --plan)")
     out.add_argument("--plot", help="PNG of predicted attainment against rate for the plan")

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from placement.colocation import ColocatedDeployment
 from placement.deployment import Deployment
 from placement.latency import Parallelism
 from placement.model_presets import find_model_preset
@@ -22,6 +23,13 @@ def _pool(par: Parallelism, count: int, per_node: int, options: dict[str, Any]) 
     return pool
 
 
+def _model_section(model: str) -> dict[str, Any]:
+    section: dict[str, Any] = {"model": model}
+    if find_model_preset(model) is not None and not Path(model).is_dir():
+        section["load_format"] = "dummy"
+    return section
+
+
 def plan_document(
     deployment: Deployment,
     model: str,
@@ -31,11 +39,8 @@ def plan_document(
     notes: dict[str, Any],
 ) -> dict[str, Any]:
     """The plan as a mapping: ``model:`` and ``cluster:`` sections for the engine, ``plan:`` notes."""
-    model_section: dict[str, Any] = {"model": model}
-    if find_model_preset(model) is not None and not Path(model).is_dir():
-        model_section["load_format"] = "dummy"
     return {
-        "model": model_section,
+        "model": _model_section(model),
         "cluster": {
             "prefill": _pool(deployment.prefill, deployment.prefill_instances, gpus_per_node,
                              {"max_num_batched_tokens": max_batch_tokens}),
@@ -43,6 +48,22 @@ def plan_document(
                             {"max_num_seqs": max_batch_size}),
         },
         "plan": {"affinity": deployment.affinity, **notes},
+    }
+
+
+def colocated_plan_document(
+    deployment: ColocatedDeployment, model: str, gpus_per_node: int, max_batch_size: int, notes: dict[str, Any]
+) -> dict[str, Any]:
+    """A colocated plan: one pool of instances running both phases with chunked prefill."""
+    options = {
+        "enable_chunked_prefill": True,
+        "max_num_batched_tokens": deployment.chunk_tokens,
+        "max_num_seqs": max_batch_size,
+    }
+    return {
+        "model": _model_section(model),
+        "cluster": {"colocated": _pool(deployment.parallelism, deployment.instances, gpus_per_node, options)},
+        "plan": notes,
     }
 
 
@@ -60,13 +81,17 @@ def write_plan(path: str | Path, document: dict[str, Any]) -> None:
     Path(path).write_text(header + yaml.safe_dump(document, sort_keys=False, default_flow_style=False))
 
 
-def read_plan(path: str | Path) -> tuple[Deployment, dict[str, Any], dict[str, Any]]:
+def read_plan(path: str | Path) -> tuple[Deployment | ColocatedDeployment, dict[str, Any], dict[str, Any]]:
     """(deployment, plan notes, the whole document) of a plan file."""
     data = yaml.safe_load(Path(path).read_text())
     if not isinstance(data, dict) or not isinstance(data.get("plan"), dict) or "cluster" not in data:
         raise ValueError(f"{path}: not a plan file (needs 'cluster:' and 'plan:' sections)")
     notes, pools = data["plan"], data["cluster"]
     try:
+        if "colocated" in pools:
+            pool = pools["colocated"]
+            par = Parallelism(pool.get("tensor_parallel_size", 1), pool.get("pipeline_parallel_size", 1))
+            return ColocatedDeployment(par, pool.get("instances", 1), pool["max_num_batched_tokens"]), notes, data
         prefill, decode = pools["prefill"], pools["decode"]
         deployment = Deployment(
             notes.get("affinity", "high"),
@@ -76,5 +101,5 @@ def read_plan(path: str | Path) -> tuple[Deployment, dict[str, Any], dict[str, A
             decode.get("instances", 1),
         )
     except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{path}: 'cluster:' needs prefill and decode pools ({e})") from None
+        raise ValueError(f"{path}: 'cluster:' needs prefill and decode pools, or a colocated one ({e})") from None
     return deployment, notes, data

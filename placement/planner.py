@@ -113,22 +113,28 @@ def fit_to_rate(
 
 
 def attainment_curve(
-    problem: PhaseProblem, deployment: Deployment, knee: float, marked: Iterable[float] = (), max_steps: int = 6
+    attainment: Callable[[float], float], target: float, knee: float, marked: Iterable[float] = (), max_steps: int = 6
 ) -> list[tuple[float, float]]:
-    """(rate, predicted attainment) at rates that span the knee: fractions of ``knee`` (the deployment's
-    goodput, where attainment crosses the target) from a quarter up, then 1.5 times higher at each of
-    at most ``max_steps`` steps until attainment is under half the target; ``marked`` rates besides."""
+    """(rate, predicted ``attainment(rate)``) at rates that span the knee: fractions of ``knee`` (the
+    deployment's goodput, where attainment crosses ``target``) from a quarter up, then 1.5 times
+    higher at each of at most ``max_steps`` steps until attainment is under half the target;
+    ``marked`` rates besides."""
     if not knee > 0:
         raise ValueError(f"knee must be > 0, got {knee}")
     rates = {knee * f for f in (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5)} | set(marked)
-    points = {rate: simulate_deployment(problem, deployment, rate).attainment for rate in rates}
+    points = {rate: attainment(rate) for rate in rates}
     rate = max(points)
     for _ in range(max_steps):
-        if points[rate] < problem.objective.target / 2:
+        if points[rate] < target / 2:
             break
         rate *= 1.5
-        points[rate] = simulate_deployment(problem, deployment, rate).attainment
+        points[rate] = attainment(rate)
     return sorted(points.items())
+
+
+def deployment_attainment(problem: PhaseProblem, deployment: Deployment) -> Callable[[float], float]:
+    """The deployment's predicted attainment as a function of the rate."""
+    return lambda rate: simulate_deployment(problem, deployment, rate).attainment
 
 
 def unloaded_latency(problem: PhaseProblem, phase: str, par: Parallelism) -> float:

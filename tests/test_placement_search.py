@@ -16,7 +16,13 @@ from placement.hardware import cluster_from_dict
 from placement.latency import InstanceModels, Parallelism
 from placement.model_presets import MODEL_PRESETS, model_shape
 from placement.plan_file import read_plan
-from placement.planner import attainment_curve, deployment_for_rate, fit_to_rate, simulate_deployment
+from placement.planner import (
+    attainment_curve,
+    deployment_attainment,
+    deployment_for_rate,
+    fit_to_rate,
+    simulate_deployment,
+)
 from placement.search import (
     Objective,
     PhaseGoodput,
@@ -203,8 +209,9 @@ def run_cli(args, capsys):
     return code, out.out, out.err
 
 
-SEARCH = ["--model", "opt-13b", "--nodes", "1", "--gpus-per-node", "4", "--slo-ttft", "0.25", "--slo-tpot", "0.1",
-          "--num-requests", "200", "--processes", "1"]  # fmt: skip
+# Disaggregated planning alone: the comparison with colocation has tests of its own.
+SEARCH = ["--no-colocated", "--model", "opt-13b", "--nodes", "1", "--gpus-per-node", "4", "--slo-ttft", "0.25",
+          "--slo-tpot", "0.1", "--num-requests", "200", "--processes", "1"]  # fmt: skip
 
 
 def test_cli_writes_a_plan_that_launch_reads(tmp_path, capsys, monkeypatch):
@@ -247,7 +254,8 @@ def test_cli_writes_a_plan_that_launch_reads(tmp_path, capsys, monkeypatch):
     assert build_problem(notes).objective == Objective(0.25, 0.1, 0.9)
 
     # The plotted curve spans the knee: from meeting the target down to under half of it.
-    curve = attainment_curve(build_problem(notes), deployment, notes["predicted"]["goodput"], [5])
+    problem = build_problem(notes)
+    curve = attainment_curve(deployment_attainment(problem, deployment), 0.9, notes["predicted"]["goodput"], [5])
     assert curve[0][1] >= 0.9 > 0.45 > curve[-1][1] and 5 in [rate for rate, _ in curve]
 
 
@@ -263,7 +271,7 @@ def test_cli_without_rate_fills_the_cluster(tmp_path, capsys):
 
 def test_cli_takes_gpu_and_model_names_in_any_case(tmp_path, capsys):
     plan = tmp_path / "plan.yaml"
-    args = ["--model", "OPT-13B", "--gpu", "a100-80gb", *SEARCH[2:], "--affinity", "high", "--out", str(plan)]
+    args = ["--model", "OPT-13B", "--gpu", "a100-80gb", *SEARCH[3:], "--affinity", "high", "--out", str(plan)]
     code, out, err = run_cli(args, capsys)
     assert code == 0, err
     assert "A100-80GB" in out and "a100-80gb" not in out

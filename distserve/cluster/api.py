@@ -20,6 +20,7 @@ from distserve.cluster.config import CLUSTER_KEYS, ROLES, ClusterConfig
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.orchestrator import Orchestrator
 from distserve.cluster.role_changes import RoleChangeRecord
+from distserve.cluster.role_controller import RequestSLO
 from distserve.core.config import EngineConfig
 from distserve.core.outputs import RequestOutput
 from distserve.core.role import Role
@@ -93,10 +94,12 @@ class AsyncCluster:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        slo: RequestSLO | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as they come; leaving the iteration early cancels it."""
+        """The request's outputs as they come; leaving the iteration early cancels it. ``slo``: its
+        own latency objectives, which adaptive role control judges it by."""
         self._check_running()
-        return self.orchestrator.generate(prompt, params or SamplingParams(), request_id, priority)
+        return self.orchestrator.generate(prompt, params or SamplingParams(), request_id, priority, slo)
 
     async def info(self) -> list[InstanceInfo]:
         self._check_running()

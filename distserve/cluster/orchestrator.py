@@ -32,7 +32,7 @@ from distserve.cluster.config import ClusterConfig
 from distserve.cluster.failover import Failover
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.role_changes import RoleChanger
-from distserve.cluster.role_controller import FinishedRequest, RoleController
+from distserve.cluster.role_controller import FinishedRequest, RequestSLO, RoleController
 from distserve.cluster.routing import InstanceState, Router
 from distserve.core.errors import InstanceFailure, RequestError
 from distserve.core.handover import Handover
@@ -56,6 +56,7 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    slo: RequestSLO = RequestSLO()
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     prefill: InstanceState | None = None  # the instance that prefills it (or does both, colocated)
@@ -182,8 +183,10 @@ class Orchestrator:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        slo: RequestSLO | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they come; closing the iterator early cancels the request."""
+        """Outputs of one request as they come; closing the iterator early cancels the request.
+        ``slo``: its own latency objectives, for the role controller."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise RequestError(f"request id '{request_id}' is already in use")
@@ -193,7 +196,7 @@ class Orchestrator:
             params = dataclasses.replace(params, seed=random.getrandbits(63))
         if role := self.failover.unavailable_role():
             raise InstanceFailure(f"no {role} instance is available to serve the request")
-        state = RequestState(request_id, seq.prompt, seq.prompt_token_ids, params, priority)
+        state = RequestState(request_id, seq.prompt, seq.prompt_token_ids, params, priority, slo or RequestSLO())
         state.metrics.arrival_time = time.time()
         self.requests[request_id] = state
         try:
@@ -319,7 +322,7 @@ class Orchestrator:
         if times:
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
             arrival = state.metrics.arrival_time
-            self.controller.observe(FinishedRequest(arrival, times[-1], times[0] - arrival, tpot))
+            self.controller.observe(FinishedRequest(arrival, times[-1], times[0] - arrival, tpot, state.slo))
 
     async def _hand_over(self, state: RequestState, handover: Handover, sender: InstanceState) -> None:
         """Give a prefilled request to the decode instance with the most room; or a request that

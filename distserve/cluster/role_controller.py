@@ -2,7 +2,8 @@
 colocated and disaggregated (prefill + decode) layouts from the latency SLOs' live attainment.
 
 Every ``interval`` seconds it looks at the requests that finished in the last ``window`` seconds
-and arrived after the last role change had taken effect. TTFT missed while TPOT holds means too
+and arrived after the last role change had taken effect, each judged by its own SLOs (a request
+may carry them) or the cluster's. TTFT missed while TPOT holds means too
 little prefill: one decode instance fewer, or all colocated when one is left. TPOT missed while
 TTFT holds means prefill interferes with decoding, or too little decode: from colocated to half
 prefill, half decode, else one decode instance more. Both met or both missed: no change, since
@@ -59,12 +60,27 @@ class RoleControlConfig:
             raise ValueError("role_control.min_requests and patience must be >= 1 and min_dwell >= 0")
 
 
+@dataclass(frozen=True)
+class RequestSLO:
+    """A request's own latency objectives, in seconds; None: the cluster's."""
+
+    ttft: float | None = None
+    tpot: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("ttft", "tpot"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"slo_{name} must be > 0 seconds, got {value}")
+
+
 @dataclass
 class FinishedRequest:
     arrival: float  # wall-clock times
     finished: float
     ttft: float
     tpot: float | None  # None: a single token
+    slo: RequestSLO = RequestSLO()
 
 
 @dataclass
@@ -75,9 +91,10 @@ class Attainment:
 
 
 def attainment(requests: list[FinishedRequest], slo_ttft: float, slo_tpot: float) -> Attainment:
-    ttft = sum(r.ttft <= slo_ttft for r in requests) / len(requests)
-    decoded = [r.tpot for r in requests if r.tpot is not None]
-    tpot = sum(t <= slo_tpot for t in decoded) / len(decoded) if decoded else 1.0
+    """Each request judged by its own SLOs, else by ``slo_ttft`` and ``slo_tpot``."""
+    ttft = sum(r.ttft <= (r.slo.ttft or slo_ttft) for r in requests) / len(requests)
+    decoded = [r for r in requests if r.tpot is not None]
+    tpot = sum(r.tpot <= (r.slo.tpot or slo_tpot) for r in decoded) / len(decoded) if decoded else 1.0
     return Attainment(ttft, tpot, len(requests))
 
 

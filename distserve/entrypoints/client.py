@@ -79,12 +79,24 @@ def grpc_target(address: str) -> str:
 
 
 def make_request(
-    prompt: str | list[int], request_id: str = "", priority: int = 0, timeline: bool = False, **sampling: Any
+    prompt: str | list[int],
+    request_id: str = "",
+    priority: int = 0,
+    timeline: bool = False,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
+    **sampling: Any,
 ):
     """A GenerateRequest; ``sampling`` takes the SamplingParams fields (max_tokens, temperature, ...);
-    ``timeline`` asks for the request's stage-by-stage Timeline on its last message."""
+    ``timeline`` asks for the request's stage-by-stage Timeline on its last message; ``slo_ttft``
+    and ``slo_tpot`` are the request's own latency objectives (seconds) for adaptive role control."""
     request = pb.GenerateRequest(
-        request_id=request_id, priority=priority, timeline=timeline, sampling_params=pb.SamplingParams(**sampling)
+        request_id=request_id,
+        priority=priority,
+        timeline=timeline,
+        sampling_params=pb.SamplingParams(**sampling),
+        slo_ttft=slo_ttft,
+        slo_tpot=slo_tpot,
     )
     if isinstance(prompt, str):
         request.text = prompt

@@ -13,6 +13,7 @@ from contextlib import contextmanager, nullcontext
 from distserve.cluster.api import AsyncCluster
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.role_changes import RoleChangeRecord
+from distserve.cluster.role_controller import RequestSLO
 from distserve.core.outputs import RequestOutput
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
@@ -103,12 +104,13 @@ class Frontend:
         request_id: str | None = None,
         priority: int = 0,
         admitted: bool = False,
+        slo: RequestSLO | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs; every failure is raised as a ``ServingError``. ``admitted``: the
         caller holds an ``admission`` for it already."""
         with nullcontext() if admitted else self.admission():
             try:
-                async for output in self.cluster.generate(prompt, params, request_id, priority):
+                async for output in self.cluster.generate(prompt, params, request_id, priority, slo):
                     if output.finished:
                         self.metrics.observe_finished(output)
                     yield output

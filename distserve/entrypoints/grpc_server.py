@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.role_changes import RoleChangeRecord
+from distserve.cluster.role_controller import RequestSLO
 from distserve.core.outputs import RequestMetrics, RequestOutput
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
@@ -154,10 +155,11 @@ class DistServeServicer(pb_grpc.DistServeServicer):
         try:
             prompt = _prompt_from_proto(request)
             params = sampling_params_from_proto(request.sampling_params)
+            slo = RequestSLO(*(getattr(request, f) if request.HasField(f) else None for f in ("slo_ttft", "slo_tpot")))
         except Exception as e:
             error = to_serving_error(e)
             await context.abort(error.grpc_code, str(error))
-        outputs = self.frontend.generate(prompt, params, request.request_id or None, request.priority)
+        outputs = self.frontend.generate(prompt, params, request.request_id or None, request.priority, slo=slo)
         # aclosing: a cancelled call closes the stream at once, which cancels the request.
         async with contextlib.aclosing(outputs):
             try:

@@ -1,0 +1,137 @@
+"""Colocation as the planner's alternative to disaggregation: instances that run both phases with
+chunked prefill (the deployment vLLM and Sarathi-Serve would serve), simulated on the same latency
+models, workload and SLOs as the prefill and decode instances.
+
+An instance of each candidate TP,PP is simulated alone (``ColocatedInstanceSpec`` with the
+engine's ``ChunkedPrefillScheduler``); its goodput is the highest rate at which the target share
+of requests meets both SLOs, and the best goodput per GPU is what the planner holds against the
+best disaggregated pair. Pipeline stages are not overlapped: a PP>1 colocated instance is timed
+as its whole model, which can only understate it.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from placement.engine_sim import simulate_colocated
+from placement.goodput import search_goodput
+from placement.hardware import ClusterSpec
+from placement.latency import Parallelism
+from placement.search import GOODPUT_TOLERANCE, MAX_HALVINGS, PhaseProblem
+from placement.sim_specs import ColocatedInstanceSpec, SimRequest
+
+BLOCK_SIZE = 16  # the engine's default KV block
+DEFAULT_CHUNK_TOKENS = 512  # tokens per step with chunked prefill: decode tokens first, then prompt chunks
+
+
+@dataclass(frozen=True)
+class ColocatedGoodput:
+    parallelism: Parallelism
+    goodput: float  # of one instance
+
+    @property
+    def per_gpu(self) -> float:
+        return self.goodput / self.parallelism.gpus
+
+
+@dataclass(frozen=True)
+class ColocatedDeployment:
+    parallelism: Parallelism
+    instances: int
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    @property
+    def gpus(self) -> int:
+        return self.instances * self.parallelism.gpus
+
+    def describe(self) -> str:
+        return (f"{self.instances} colocated x TP,PP={self.parallelism} with chunked prefill of {self.chunk_tokens} "
+                f"tokens ({self.gpus} GPUs)")  # fmt: skip
+
+    def fits(self, cluster: ClusterSpec) -> bool:
+        """Every stage's TP ranks on one node (tensor parallelism needs NVLink)."""
+        tp, pp = self.parallelism.tp, self.parallelism.pp
+        return tp <= cluster.gpus_per_node and self.instances * pp <= cluster.num_nodes * (cluster.gpus_per_node // tp)
+
+
+def colocated_spec(problem: PhaseProblem, par: Parallelism, chunk_tokens: int, count: int = 1) -> ColocatedInstanceSpec:
+    models = problem.models
+    prefill, decode = models.prefill_spec(par), models.decode_spec(par)
+    num_blocks = models.kv_capacity_tokens(par) // BLOCK_SIZE
+    return ColocatedInstanceSpec(count, prefill.batch_time, decode.step_time, chunk_tokens, models.max_batch_size,
+                                 BLOCK_SIZE, num_blocks, chunked_prefill=True)  # fmt: skip
+
+
+def colocated_attainment(problem: PhaseProblem, par: Parallelism, chunk_tokens: int, rate: float,
+                         count: int = 1) -> float:  # fmt: skip
+    """Share of requests meeting both SLOs with ``count`` instances of ``par`` at ``rate``."""
+    n = problem.probe_size(rate)
+    arrivals = problem.unit_arrivals[:n]
+    reqs = [SimRequest(t / rate, r.prompt_len, r.output_len) for t, r in zip(arrivals, problem.requests)]
+    results = simulate_colocated(reqs, colocated_spec(problem, par, chunk_tokens, count))
+    objective = problem.objective
+    return sum(r.ttft <= objective.ttft and r.tpot <= objective.tpot for r in results) / len(results)
+
+
+def colocated_capacity(problem: PhaseProblem, par: Parallelism, chunk_tokens: int) -> float:
+    """Requests/s one instance sustains when never idle (as ``search.capacity``)."""
+    reqs = [SimRequest(0.0, r.prompt_len, r.output_len) for r in problem.requests[: problem.min_requests]]
+    finishes = sorted(r.finish for r in simulate_colocated(reqs, colocated_spec(problem, par, chunk_tokens)))
+    first, last = len(finishes) // 10, len(finishes) * 9 // 10
+    span = finishes[last] - finishes[first]
+    return (last - first) / span if span > 0 else math.inf
+
+
+def colocated_goodput(task: tuple[PhaseProblem, Parallelism, int]) -> ColocatedGoodput:
+    problem, par, chunk_tokens = task
+    cap = colocated_capacity(problem, par, chunk_tokens)
+    if not math.isfinite(cap):
+        raise ValueError(f"a colocated TP,PP={par} instance takes no time: the latency model is degenerate")
+    goodput, _ = search_goodput(
+        lambda rate: colocated_attainment(problem, par, chunk_tokens, rate),
+        problem.objective.target,
+        estimate=cap,
+        tolerance=GOODPUT_TOLERANCE,
+        max_doublings=0,
+        max_halvings=MAX_HALVINGS,
+    )
+    return ColocatedGoodput(par, goodput)
+
+
+def search_colocated(problem: PhaseProblem, chunk_tokens: int, processes: int = 1) -> list[ColocatedGoodput]:
+    """Every candidate TP,PP as a colocated instance that meets the SLOs at some rate, best goodput
+    per GPU first."""
+    longest = max(r.prompt_len + r.output_len for r in problem.requests)
+    tasks = [(problem, par, chunk_tokens) for par in problem.models.candidates(min_kv_tokens=longest)]
+    if processes > 1 and len(tasks) > 1:
+        with ProcessPoolExecutor(min(processes, len(tasks))) as pool:
+            found = list(pool.map(colocated_goodput, tasks))
+    else:
+        found = [colocated_goodput(task) for task in tasks]
+    return sorted((g for g in found if g.goodput > 0), key=lambda g: (-g.per_gpu, g.parallelism.gpus))
+
+
+def fill_colocated(best: ColocatedGoodput, cluster: ClusterSpec, chunk_tokens: int) -> ColocatedDeployment | None:
+    """As many instances of ``best`` as the cluster holds."""
+    count = 0
+    while ColocatedDeployment(best.parallelism, count + 1).fits(cluster):
+        count += 1
+    return ColocatedDeployment(best.parallelism, count, chunk_tokens) if count else None
+
+
+def colocated_for_rate(
+    problem: PhaseProblem, best: ColocatedGoodput, chunk_tokens: int, rate: float
+) -> tuple[ColocatedDeployment, float]:
+    """The fewest instances of ``best`` predicted to meet the target at ``rate`` (from rate / goodput
+    up), or the most the cluster holds; with the predicted attainment."""
+    cluster = problem.models.cluster
+    count = max(1, math.ceil(rate / best.goodput))
+    while True:
+        deployment = ColocatedDeployment(best.parallelism, count, chunk_tokens)
+        attained = colocated_attainment(problem, best.parallelism, chunk_tokens, rate, count)
+        grown = ColocatedDeployment(best.parallelism, count + 1)
+        if attained >= problem.objective.target or not grown.fits(cluster):
+            return deployment, attained
+        count += 1

@@ -1,0 +1,236 @@
+"""Goodput of adaptive roles against static deployments of the same 2 instances, on long prompts,
+short prompts, and a workload that alternates between the two.
+
+    python scripts/exp_adaptive_roles.py [--phase-seconds 10] [--out results/adaptive-roles]
+
+Deployments (one torch thread per instance): **colocated** (2 instances, prefill-first),
+**chunked** (2 colocated instances with chunked prefill), **disaggregated** (1 prefill + 1
+decode) and **adaptive** (starts as 1 prefill + 1 decode, chunked prefill whenever colocated,
+``--role-control adaptive``). Each request class has its SLOs, set as for the static comparison
+(``exp_disagg_vs_colocated.py``): from the prefill-first colocated deployment's single-request
+latencies, ``--ttft-scale`` x the median TTFT and ``--tpot-scale`` x the median TPOT. Requests
+carry their class's SLOs, by which the controller and the attainment judge them. Goodput is the
+highest Poisson rate at which ``--target`` of the requests meet both of their SLOs (bisection).
+The alternating workload switches class every ``--phase-seconds``; its probes last two cycles.
+
+The load runs in a process of its own (``drive``), so that the client does not share the
+server's interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CLASSES = {
+    # Long prompts, moderate outputs: every prefill stalls a colocated instance's decoding.
+    "long": {"prompt": (512, 768), "output": 64},
+    # Short prompts, long outputs: prefill is cheap, decode capacity and smooth steps count.
+    "short": {"prompt": (16, 64), "output": 128},
+}
+CHUNK_TOKENS = 256
+DEPLOYMENTS = {
+    "colocated": {"colocated": {"instances": 2}},
+    "chunked": {"colocated": {"instances": 2}, "enable_chunked_prefill": True, "max_num_batched_tokens": CHUNK_TOKENS},
+    "disaggregated": {"prefill": {"instances": 1}, "decode": {"instances": 1}},
+    "adaptive": {
+        "prefill": {"instances": 1},
+        "decode": {"instances": 1},
+        "enable_chunked_prefill": True,
+        "max_num_batched_tokens": CHUNK_TOKENS,
+    },
+}
+WORKLOADS = ("long", "short", "alternating")
+
+
+# The load: one process per probe -----------------------------------------------------------------
+
+
+async def _one(client, cls: str, prompt: list[int], slo: tuple[float, float]) -> dict:
+    start = time.perf_counter()
+    times = []
+    error = None
+    try:
+        async for chunk in client.generate(
+            prompt, max_tokens=CLASSES[cls]["output"], ignore_eos=True, temperature=0.0,
+            slo_ttft=slo[0], slo_tpot=slo[1],
+        ):  # fmt: skip
+            times += [time.perf_counter()] * len(chunk.token_ids)
+    except Exception as e:
+        error = str(e)
+    if error or not times:
+        return {"class": cls, "ok": False, "error": error}
+    ttft = times[0] - start
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+    return {"class": cls, "ttft": ttft, "tpot": tpot, "ok": ttft <= slo[0] and tpot <= slo[1]}
+
+
+async def _drive(args: argparse.Namespace) -> None:
+    from distserve.entrypoints.client import AsyncClient
+
+    slos = json.loads(args.slos)
+    rng = random.Random(args.seed)
+    async with AsyncClient(args.server) as client:
+        arrivals, t = [], rng.expovariate(args.rate)
+        while t < args.seconds:
+            arrivals.append(t)
+            t += rng.expovariate(args.rate)
+        if args.sequential:  # one at a time, after one to warm the connection up
+            records = []
+            for _ in range(args.sequential + 1):
+                low, high = CLASSES[args.workload]["prompt"]
+                prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(low, high))]
+                records.append(await _one(client, args.workload, prompt, tuple(slos[args.workload])))
+            Path(args.out).write_text(json.dumps(records[1:]))
+            return
+        tasks, t0 = [], time.perf_counter()
+        for t in arrivals:
+            cls = args.workload if args.workload != "alternating" else ("long", "short")[int(t // args.phase) % 2]
+            low, high = CLASSES[cls]["prompt"]
+            prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(low, high))]
+            await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
+            tasks.append(asyncio.create_task(_one(client, cls, prompt, tuple(slos[cls]))))
+        records = await asyncio.gather(*tasks)
+    Path(args.out).write_text(json.dumps(records))
+
+
+def probe(address: str, workload: str, rate: float, seconds: float, phase: float, slos: dict, out: Path) -> dict:
+    """One run of the load at ``rate``: its attainment, per class too."""
+    command = [
+        sys.executable, __file__, "drive", "--server", address, "--workload", workload, "--rate", str(rate),
+        "--seconds", str(seconds), "--phase", str(phase), "--slos", json.dumps(slos), "--out", str(out),
+    ]  # fmt: skip
+    subprocess.run(command, check=True)
+    records = json.loads(out.read_text())
+    result = {"rate": rate, "requests": len(records), "attainment": _share(records)}
+    for cls in CLASSES:
+        mine = [r for r in records if r["class"] == cls]
+        if mine:
+            result[cls] = {"attainment": _share(mine), "ttft_p50": _p50(mine, "ttft"), "tpot_p50": _p50(mine, "tpot")}
+    return result
+
+
+def _share(records: list[dict]) -> float:
+    return sum(r["ok"] for r in records) / len(records) if records else 0.0
+
+
+def _p50(records: list[dict], key: str) -> float | None:
+    values = [r[key] for r in records if key in r]
+    return statistics.median(values) if values else None
+
+
+def goodput(run_probe, low: float, high: float, steps: int, target: float) -> tuple[float, list[dict]]:
+    """Bisection on the rate: the highest probed rate meeting ``target``, and every probe."""
+    probes, best = [], 0.0
+    for _ in range(steps):
+        rate = (low + high) / 2
+        result = run_probe(rate)
+        probes.append(result)
+        if result["attainment"] >= target:
+            best, low = max(best, rate), rate
+        else:
+            high = rate
+    return best, probes
+
+
+# The experiment ----------------------------------------------------------------------------------
+
+
+def calibrate(address: str, out: Path, ttft_scale: float, tpot_scale: float) -> dict:
+    """Each class's SLOs from its single-request latencies (10 requests, one at a time)."""
+    loose = {cls: (1e9, 1e9) for cls in CLASSES}
+    slos = {}
+    for cls in CLASSES:
+        command = [sys.executable, __file__, "drive", "--server", address, "--workload", cls,
+                   "--sequential", "10", "--slos", json.dumps(loose), "--out", str(out)]  # fmt: skip
+        subprocess.run(command, check=True)
+        records = json.loads(out.read_text())
+        slos[cls] = (ttft_scale * _p50(records, "ttft"), tpot_scale * _p50(records, "tpot"))
+    return slos
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per instance")
+    parser.add_argument("--ttft-scale", type=float, default=4.0)
+    parser.add_argument("--tpot-scale", type=float, default=3.0)
+    parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--phase-seconds", type=float, default=10.0, help="the alternating workload's phase")
+    parser.add_argument("--probe-seconds", type=float, default=8.0, help="a single-class probe's length")
+    parser.add_argument("--rate-high", type=float, default=48.0)
+    parser.add_argument("--steps", type=int, default=5, help="bisection steps per goodput")
+    parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--out", type=Path, default=Path("results/adaptive-roles"))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    import ray
+
+    from distserve.cluster.api import make_cluster_config
+    from distserve.entrypoints.server import BackgroundServer
+    from distserve.entrypoints.server_config import ServerConfig
+
+    def server(pools: dict, **control) -> BackgroundServer:
+        config = make_cluster_config(model=args.model, num_kv_blocks=1024, cpu_threads=args.cpu_threads,
+                                     **pools, **control)  # fmt: skip
+        return BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0))
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    scratch = args.out / "probe.json"
+    results: dict = {}
+    try:
+        with server(DEPLOYMENTS["colocated"]) as calibration:
+            slos = calibrate(calibration.grpc_address, scratch, args.ttft_scale, args.tpot_scale)
+        print("SLOs (TTFT, TPOT) ms: " + ", ".join(f"{c} {t * 1e3:.1f}/{p * 1e3:.2f}" for c, (t, p) in slos.items()))
+        for name in args.deployments.split(","):
+            pools = dict(DEPLOYMENTS[name])
+            control = {}
+            if name == "adaptive":
+                control["role_control"] = {"mode": "adaptive", "slo_ttft": slos["long"][0], "slo_tpot": slos["long"][1],
+                                           "interval": 0.5, "window": 3.0, "min_requests": 8, "patience": 2,
+                                           "min_dwell": 3.0}  # fmt: skip
+            with server(pools, **control) as running:
+                for workload in args.workloads.split(","):
+                    seconds = 4 * args.phase_seconds if workload == "alternating" else args.probe_seconds
+
+                    def run_probe(rate: float, workload: str = workload, seconds: float = seconds) -> dict:
+                        return probe(running.grpc_address, workload, rate, seconds, args.phase_seconds, slos, scratch)
+
+                    best, probes = goodput(run_probe, 0.0, args.rate_high, args.steps, args.target)
+                    changes = running.cluster.role_changes if name == "adaptive" else []
+                    results.setdefault(workload, {})[name] = {
+                        "goodput": best, "probes": probes,
+                        "role_changes": [(c.instance, c.old_role, c.new_role, c.seconds, c.reason) for c in changes],
+                    }  # fmt: skip
+                    print(f"{workload:<12} {name:<14} goodput {best:.3g} req/s", flush=True)
+    finally:
+        ray.shutdown()
+    print(f"\n{'workload':<12}" + "".join(f" {d:>13}" for d in results[next(iter(results))]))
+    for workload, by_deployment in results.items():
+        print(f"{workload:<12}" + "".join(f" {r['goodput']:>13.3g}" for r in by_deployment.values()))
+    (args.out / "summary.json").write_text(json.dumps({"slos": slos, "results": results}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "drive":
+        drive = argparse.ArgumentParser()
+        drive.add_argument("drive")
+        for flag in ("--server", "--workload", "--slos", "--out"):
+            drive.add_argument(flag, required=True)
+        for flag, default in (("--rate", 1.0), ("--seconds", 10.0), ("--phase", 10.0)):
+            drive.add_argument(flag, type=float, default=default)
+        drive.add_argument("--seed", type=int, default=0)
+        drive.add_argument("--sequential", type=int, default=0, help="send this many requests one at a time")
+        options = drive.parse_args()
+        asyncio.run(_drive(options))
+    else:
+        main()
