@@ -291,3 +291,48 @@ def test_an_engine_changes_role_without_reloading(llama):
     with pytest.raises(RuntimeError, match="only decode instances"):
         decode.add_handover(_handover("x", 4))
     assert_engine_idle(prefill)
+
+
+def test_a_role_change_adopts_hands_on_and_gives_back_what_it_must(llama):
+    """Colocated -> prefill hands decoding requests on with their whole KV and keeps the prompts
+    not begun; colocated -> decode keeps decoding and gives back the prompts. Outputs stay greedy."""
+    engine, decode, puller = make_engines(max_num_batched_tokens=64)
+    engine.change_role(Role.COLOCATED)
+    prompts = random_prompts([20, 30, 50, 90], llama.config.vocab_size, seed=11)
+    builders = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(max_tokens=16, temperature=0.0), f"r{i}")
+        builders[f"r{i}"] = OutputBuilder(f"r{i}", None, prompt)
+        if i == 1:  # r0 and r1 prefilled together, then two decode steps; r2 and r3 wait
+            for _ in range(3):
+                for delta in engine.step():
+                    builders[delta.request_id].add(delta)
+    finals = {}
+    assert engine.scheduler.num_running == 2 and engine.scheduler.num_waiting == 2
+    moved = engine.change_role(Role.PREFILL)
+    assert sorted(d.request_id for d in moved) == ["r0", "r1"] and not any(d.finished for d in moved)
+    for delta in moved:
+        handover = delta.handover
+        assert handover.num_kv_tokens == len(handover.prompt_token_ids) + len(handover.output_token_ids) - 1
+        assert len(handover.output_token_ids) > 1 and handover.prefill_instance == engine.name
+        decode.add_handover(handover)
+    assert len(engine.kv_hold) == 2 and engine.scheduler.num_waiting == 2  # held for decode; prompts kept
+    finals.update(serve(engine, decode, puller, builders))
+    for i, prompt in enumerate(prompts):
+        assert finals[f"r{i}"].output_token_ids == reference_greedy(llama, prompt, 16), f"r{i}"
+    for e in (engine, decode):
+        assert_engine_idle(e)
+
+    other = LLMEngine(EngineConfig.from_flat(model="tiny-llama", block_size=8, num_kv_blocks=64))
+    other.add_request(prompts[0], SamplingParams(max_tokens=16, temperature=0.0), "kept")
+    kept = OutputBuilder("kept", None, prompts[0])
+    (first,) = other.step()
+    kept.add(first)
+    other.add_request(prompts[1], SamplingParams(max_tokens=16, temperature=0.0), "back")
+    (back,) = other.change_role(Role.DECODE)
+    assert (back.request_id, back.finished, back.finish_reason) == ("back", True, "requeue")
+    while "kept" in other.requests:
+        for delta in other.step():
+            output = kept.add(delta)
+    assert output.output_token_ids == reference_greedy(llama, prompts[0], 16)
+    assert_engine_idle(other)

@@ -1,0 +1,78 @@
+"""How long a role change takes under load: 2 instances flip between 1 prefill + 1 decode and 2
+colocated (chunked prefill) while requests stream, and every change is timed.
+
+    python scripts/bench_role_change.py [--changes 20] [--rate 10]
+
+Per change it prints the operator's wait (``set_roles`` asked to returned: every phase, each
+instance's swap, the orchestrator's bookkeeping) and each instance's own time (the call reaching
+its step loop to the new role serving: the rest of a step at most, then the swap), and at the end
+the medians and maxima. Requests are greedy and checked to finish; none may be lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import time
+
+from distserve import AsyncCluster, SamplingParams
+from distserve.core.role import Role
+
+
+async def main(args: argparse.Namespace) -> None:
+    rng = random.Random(0)
+    options = dict(model=args.model, cpu_threads=1, num_kv_blocks=1024, enable_chunked_prefill=True,
+                   max_num_batched_tokens=256)  # fmt: skip
+    async with AsyncCluster(prefill={}, decode={}, **options) as cluster:
+        names = [i.name for i in await cluster.info()]
+        layouts = [(Role.COLOCATED, Role.COLOCATED), (Role.PREFILL, Role.DECODE)]
+        stop = asyncio.Event()
+        finished, lost = [], []
+
+        async def request(prompt: list[int], n: int) -> None:
+            try:
+                async for output in cluster.generate(prompt, SamplingParams(max_tokens=n, temperature=0.0,
+                                                                            ignore_eos=True)):  # fmt: skip
+                    last = output
+                finished.append(len(last.output_token_ids) == n)
+            except Exception as e:
+                lost.append(e)
+
+        async def load() -> None:
+            tasks = []
+            while not stop.is_set():
+                await asyncio.sleep(rng.expovariate(args.rate))
+                long = rng.random() < 0.5
+                prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(512, 768) if long else rng.randint(16, 64))]
+                tasks.append(asyncio.create_task(request(prompt, 64 if long else 128)))
+            await asyncio.gather(*tasks)
+
+        loader = asyncio.create_task(load())
+        waits, swaps = [], []
+        for i in range(args.changes):
+            await asyncio.sleep(args.every)
+            held = sum(x.num_running + x.num_held + x.num_pending for x in await cluster.info())
+            started = time.perf_counter()
+            records = await cluster.set_roles(dict(zip(names, layouts[i % 2])))
+            waits.append(time.perf_counter() - started)
+            swaps += [r.seconds for r in records]
+            print(f"change {i + 1:>2}: -> {'+'.join(map(str, layouts[i % 2]))} with {held} requests in instances: "
+                  f"{waits[-1] * 1e3:.1f} ms asked to done; instances "
+                  + ", ".join(f"{r.old_role}->{r.new_role} {r.seconds * 1e3:.2f} ms" for r in records), flush=True)
+        stop.set()
+        await loader
+    print(f"\n{args.changes} changes at {args.rate:g} req/s: asked to done median {statistics.median(waits) * 1e3:.1f} "
+          f"ms, max {max(waits) * 1e3:.1f} ms; an instance's swap median {statistics.median(swaps) * 1e3:.2f} ms, "
+          f"max {max(swaps) * 1e3:.2f} ms")
+    print(f"requests: {len(finished)} finished, {sum(finished)} with all their tokens, {len(lost)} failed")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument("--changes", type=int, default=20)
+    parser.add_argument("--rate", type=float, default=10.0, help="req/s, half long prompts, half short")
+    parser.add_argument("--every", type=float, default=1.0, help="seconds between changes")
+    asyncio.run(main(parser.parse_args()))
