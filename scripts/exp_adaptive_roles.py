@@ -8,7 +8,8 @@ Deployments (one torch thread per instance): **colocated** (2 instances, prefill
 decode) and **adaptive** (starts as 1 prefill + 1 decode, chunked prefill whenever colocated,
 ``--role-control adaptive``). Each request class has its SLOs, set as for the static comparison
 (``exp_disagg_vs_colocated.py``): from the prefill-first colocated deployment's single-request
-latencies, ``--ttft-scale`` x the median TTFT and ``--tpot-scale`` x the median TPOT. Requests
+latencies, ``--ttft-scale`` x the median TTFT and ``--tpot-scale`` x the median TPOT (or per class,
+``--class-scales``). Requests
 carry their class's SLOs, by which the controller and the attainment judge them. Goodput is the
 highest Poisson rate at which ``--target`` of the requests meet both of their SLOs (bisection).
 The alternating workload switches class every ``--phase-seconds``; its probes last two cycles.
@@ -143,8 +144,9 @@ def goodput(run_probe, low: float, high: float, steps: int, target: float) -> tu
 # The experiment ----------------------------------------------------------------------------------
 
 
-def calibrate(address: str, out: Path, ttft_scale: float, tpot_scale: float) -> dict:
-    """Each class's SLOs from its single-request latencies (10 requests, one at a time)."""
+def calibrate(address: str, out: Path, scales: dict[str, tuple[float, float]]) -> dict:
+    """Each class's SLOs from its single-request latencies (10 requests, one at a time), times its
+    (TTFT, TPOT) scales."""
     loose = {cls: (1e9, 1e9) for cls in CLASSES}
     slos = {}
     for cls in CLASSES:
@@ -152,6 +154,7 @@ def calibrate(address: str, out: Path, ttft_scale: float, tpot_scale: float) -> 
                    "--sequential", "10", "--slos", json.dumps(loose), "--out", str(out)]  # fmt: skip
         subprocess.run(command, check=True)
         records = json.loads(out.read_text())
+        ttft_scale, tpot_scale = scales[cls]
         slos[cls] = (ttft_scale * _p50(records, "ttft"), tpot_scale * _p50(records, "tpot"))
     return slos
 
@@ -162,11 +165,14 @@ def main() -> None:
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per instance")
     parser.add_argument("--ttft-scale", type=float, default=4.0)
     parser.add_argument("--tpot-scale", type=float, default=3.0)
+    parser.add_argument("--class-scales", default="",
+                        help="per-class SLO scales instead, e.g. long:2:10,short:4:3 (class:TTFT:TPOT)")
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--phase-seconds", type=float, default=10.0, help="the alternating workload's phase")
     parser.add_argument("--probe-seconds", type=float, default=8.0, help="a single-class probe's length")
     parser.add_argument("--rate-high", type=float, default=48.0)
     parser.add_argument("--steps", type=int, default=5, help="bisection steps per goodput")
+    parser.add_argument("--slos-from", type=Path, help="take the SLOs from an earlier run's summary.json")
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--out", type=Path, default=Path("results/adaptive-roles"))
@@ -188,8 +194,15 @@ def main() -> None:
     scratch = args.out / "probe.json"
     results: dict = {}
     try:
-        with server(DEPLOYMENTS["colocated"]) as calibration:
-            slos = calibrate(calibration.grpc_address, scratch, args.ttft_scale, args.tpot_scale)
+        if args.slos_from:
+            slos = {cls: tuple(v) for cls, v in json.loads(args.slos_from.read_text())["slos"].items()}
+        else:
+            with server(DEPLOYMENTS["colocated"]) as calibration:
+                scales = {cls: (args.ttft_scale, args.tpot_scale) for cls in CLASSES}
+                for item in filter(None, args.class_scales.split(",")):
+                    cls, ttft, tpot = item.split(":")
+                    scales[cls] = (float(ttft), float(tpot))
+                slos = calibrate(calibration.grpc_address, scratch, scales)
         print("SLOs (TTFT, TPOT) ms: " + ", ".join(f"{c} {t * 1e3:.1f}/{p * 1e3:.2f}" for c, (t, p) in slos.items()))
         for name in args.deployments.split(","):
             pools = dict(DEPLOYMENTS[name])

@@ -322,7 +322,8 @@ class Orchestrator:
         if times:
             tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
             arrival = state.metrics.arrival_time
-            self.controller.observe(FinishedRequest(arrival, times[-1], times[0] - arrival, tpot, state.slo))
+            self.controller.observe(FinishedRequest(arrival, times[-1], times[0] - arrival, tpot,
+                                                    len(state.prompt_token_ids), len(times), state.slo))  # fmt: skip
 
     async def _hand_over(self, state: RequestState, handover: Handover, sender: InstanceState) -> None:
         """Give a prefilled request to the decode instance with the most room; or a request that
