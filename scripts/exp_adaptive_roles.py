@@ -176,8 +176,13 @@ def main() -> None:
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--out", type=Path, default=Path("results/adaptive-roles"))
+    parser.add_argument("--report", action="store_true", help="only print and plot the summary.json in --out")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        summary = json.loads((args.out / "summary.json").read_text())
+        report({"model": args.model, "target": args.target, **summary}, args.out)
+        return
 
     import ray
 
@@ -227,10 +232,23 @@ def main() -> None:
                     print(f"{workload:<12} {name:<14} goodput {best:.3g} req/s", flush=True)
     finally:
         ray.shutdown()
+    summary = {"model": args.model, "target": args.target, "slos": slos, "results": results}
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    report(summary, args.out)
+
+
+def report(summary: dict, out: Path) -> None:
+    """The goodput table, and per workload a plot of each deployment's probes (attainment against rate)."""
+    from placement.plots import plot_attainment_vs_rate
+
+    results = summary["results"]
     print(f"\n{'workload':<12}" + "".join(f" {d:>13}" for d in results[next(iter(results))]))
     for workload, by_deployment in results.items():
         print(f"{workload:<12}" + "".join(f" {r['goodput']:>13.3g}" for r in by_deployment.values()))
-    (args.out / "summary.json").write_text(json.dumps({"slos": slos, "results": results}, indent=2, default=str))
+        series = {name: sorted((p["rate"], p["attainment"]) for p in r["probes"]) for name, r in by_deployment.items()}
+        slos = ", ".join(f"{c} {t * 1e3:.0f}/{p * 1e3:.1f} ms" for c, (t, p) in summary["slos"].items())
+        title = f"{summary['model']}, {workload} prompts, 2 instances\nSLOs (TTFT/TPOT): {slos}"
+        print(f"  {plot_attainment_vs_rate(series, summary['target'], out / f'{workload}-rate.png', title)}")
 
 
 if __name__ == "__main__":

@@ -336,3 +336,22 @@ def test_a_role_change_adopts_hands_on_and_gives_back_what_it_must(llama):
             output = kept.add(delta)
     assert output.output_token_ids == reference_greedy(llama, prompts[0], 16)
     assert_engine_idle(other)
+
+
+def test_kv_held_for_decode_is_decoded_in_place_once_its_holder_is_colocated(llama):
+    """A hand-over that comes back to the instance holding its KV (it left prefill for colocated
+    while the hand-over was on its way, and no decode instance is left) decodes there, no pull."""
+    prefill, _, _ = make_engines()
+    prompt = random_prompts([40], llama.config.vocab_size, seed=13)[0]
+    prefill.add_request(prompt, SamplingParams(max_tokens=10, temperature=0.0), "held")
+    builder = OutputBuilder("held", None, prompt)
+    (first,) = prefill.step()
+    builder.add(first)
+    assert prefill.change_role(Role.COLOCATED) == [] and len(prefill.kv_hold) == 1
+    prefill.add_handover(first.handover)
+    assert len(prefill.kv_hold) == 0 and prefill.scheduler.num_running == 1
+    while "held" in prefill.requests:
+        for delta in prefill.step():
+            output = builder.add(delta)
+    assert output.output_token_ids == reference_greedy(llama, prompt, 10)
+    assert_engine_idle(prefill)

@@ -268,12 +268,12 @@ class Instance:
                 deltas.append(RequestDelta(payload.request_id, payload.attempt, [], "", True, "requeue", 0))
             elif kind == "add":
                 self.engine.add_sequence(payload)
-            elif kind == "handover" and self.engine.role.role is not Role.DECODE:  # sent before a change
+            elif kind == "handover" and self._takes_over(payload):
+                self.engine.add_handover(payload)
+            elif kind == "handover":  # sent before a role change: back to the orchestrator
                 if payload.prefill_instance != self.name:
                     self._forget(payload.request_id, payload.attempt)
                 deltas.append(RequestDelta(payload.request_id, payload.attempt, [], "", False, None, 0, payload))
-            elif kind == "handover":
-                self.engine.add_handover(payload)
             elif kind == "role":
                 self._role_change = payload
             elif kind == "abort":
@@ -282,6 +282,11 @@ class Instance:
             elif kind == "pulled":
                 deltas += self.engine.pull_done(*payload)
         self._publish(deltas)
+
+    def _takes_over(self, handover: Handover) -> bool:
+        """A decode role takes hand-overs; a colocated one only of the KV it holds itself."""
+        role = self.engine.role
+        return role.role is Role.DECODE or (role.decodes and handover.prefill_instance == self.name)
 
     def _change_role(self) -> None:
         change, self._role_change = self._role_change, None

@@ -333,7 +333,7 @@ class Orchestrator:
             state.decode = None
         state.source = self._named(handover.prefill_instance) or sender
         try:
-            entry = self.router.pick_decode(await self.failover.healthy(lambda: self.pool(Role.DECODE)))
+            entry = self.router.pick_decode(await self.failover.healthy(lambda: self._decoders(state.source)))
             self._assign(state, entry, "decode")
             state.metrics.handover_time = time.time()
             await entry.handle.add_handover.remote(handover)
@@ -345,6 +345,14 @@ class Orchestrator:
         except Exception as e:  # refused (RequestError) or a bug: the request cannot go on
             await self._cancel(state)
             state.queue.put_nowait(e)
+
+    def _decoders(self, source: InstanceState) -> list[InstanceState]:
+        """Where a hand-over may go: the decode instances; with none, the instance holding the KV
+        when it decodes now itself (it left prefill for colocated while the hand-over was on its way)."""
+        pool = self.pool(Role.DECODE)
+        if pool or source.failure is not None or source.changing_to is not None:
+            return pool
+        return [source] if source.role is Role.COLOCATED else []
 
     def _named(self, name: str) -> InstanceState | None:
         return next((s for s in self.instances if s.name == name), None)

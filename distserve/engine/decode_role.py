@@ -122,9 +122,6 @@ class DecodeRole(InstanceRole):
         self.engine.register(seq)
         self.admission.add(seq, handover)
 
-    def adopt(self, seq: Sequence) -> None:
-        self.scheduler.running.add(seq)
-
     def tick(self, now: float) -> list[RequestDelta]:
         admitted = self.admission.admit(self.scheduler.num_running)
         if admitted and self.engine.kv_puller is None:

@@ -178,8 +178,8 @@ class LLMEngine:
 
     def add_handover(self, handover: Handover) -> None:
         """Decode: take a prefilled request over; it decodes once its KV has been pulled. A request
-        this engine holds itself (it changed role since) decodes from its blocks here at once, unless
-        its end came already (its hold expired, or it was aborted)."""
+        this engine holds itself (it changed role since, to decode or colocated) decodes from its
+        blocks here at once, unless its end came already (its hold expired, or it was aborted)."""
         if handover.prefill_instance != self.name:
             self.role.add_handover(handover)
         elif seq := self.kv_hold.take(handover.request_id, handover.attempt):

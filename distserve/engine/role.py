@@ -94,7 +94,9 @@ class InstanceRole:
 
     def adopt(self, seq: Sequence) -> None:
         """Decode a request whose KV is in this engine's blocks already (it held it for decode)."""
-        raise self._not_this_role("only decode instances take requests over from prefill")
+        if not self.decodes:
+            raise self._not_this_role("a prefill role decodes nothing")
+        self.scheduler.running.add(seq)
 
     def pull_done(
         self, request_id: str, attempt: int, start: float | None, end: float | None, error: str | None
