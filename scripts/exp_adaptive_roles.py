@@ -12,7 +12,10 @@ latencies, ``--ttft-scale`` x the median TTFT and ``--tpot-scale`` x the median 
 ``--class-scales``). Requests
 carry their class's SLOs, by which the controller and the attainment judge them. Goodput is the
 highest Poisson rate at which ``--target`` of the requests meet both of their SLOs (bisection).
-The alternating workload switches class every ``--phase-seconds``; its probes last two cycles.
+The alternating workload switches class every ``--phase-seconds``; its probes last ``--cycles``
+cycles (long, then short).
+Before a single-class workload is measured, every deployment serves it for ``--warmup-seconds``
+(adaptive roles settle into the layout for it; static ones are unchanged by it).
 
 The load runs in a process of its own (``drive``), so that the client does not share the
 server's interpreter.
@@ -169,8 +172,11 @@ def main() -> None:
                         help="per-class SLO scales instead, e.g. long:2:10,short:4:3 (class:TTFT:TPOT)")
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--phase-seconds", type=float, default=10.0, help="the alternating workload's phase")
+    parser.add_argument("--cycles", type=int, default=2, help="cycles (long, then short) per alternating probe")
     parser.add_argument("--probe-seconds", type=float, default=8.0, help="a single-class probe's length")
     parser.add_argument("--rate-high", type=float, default=48.0)
+    parser.add_argument("--warmup-seconds", type=float, default=10.0,
+                        help="load at a quarter of --rate-high before a single-class workload is measured")
     parser.add_argument("--steps", type=int, default=5, help="bisection steps per goodput")
     parser.add_argument("--slos-from", type=Path, help="take the SLOs from an earlier run's summary.json")
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
@@ -218,10 +224,13 @@ def main() -> None:
                                            "min_dwell": 3.0}  # fmt: skip
             with server(pools, **control) as running:
                 for workload in args.workloads.split(","):
-                    seconds = 4 * args.phase_seconds if workload == "alternating" else args.probe_seconds
+                    seconds = 2 * args.cycles * args.phase_seconds if workload == "alternating" else args.probe_seconds
 
                     def run_probe(rate: float, workload: str = workload, seconds: float = seconds) -> dict:
                         return probe(running.grpc_address, workload, rate, seconds, args.phase_seconds, slos, scratch)
+
+                    if workload != "alternating":  # a steady workload: roles settle before it is measured
+                        run_probe(args.rate_high / 4, seconds=args.warmup_seconds)
 
                     best, probes = goodput(run_probe, 0.0, args.rate_high, args.steps, args.target)
                     changes = running.cluster.role_changes if name == "adaptive" else []
