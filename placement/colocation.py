@@ -16,10 +16,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from placement.engine_sim import simulate_colocated
-from placement.goodput import search_goodput
 from placement.hardware import ClusterSpec
 from placement.latency import Parallelism
-from placement.search import GOODPUT_TOLERANCE, MAX_HALVINGS, PhaseProblem
+from placement.search import PhaseProblem, capped_goodput, sustained_rate
 from placement.sim_specs import ColocatedInstanceSpec, SimRequest
 
 BLOCK_SIZE = 16  # the engine's default KV block
@@ -78,25 +77,14 @@ def colocated_attainment(problem: PhaseProblem, par: Parallelism, chunk_tokens: 
 def colocated_capacity(problem: PhaseProblem, par: Parallelism, chunk_tokens: int) -> float:
     """Requests/s one instance sustains when never idle (as ``search.capacity``)."""
     reqs = [SimRequest(0.0, r.prompt_len, r.output_len) for r in problem.requests[: problem.min_requests]]
-    finishes = sorted(r.finish for r in simulate_colocated(reqs, colocated_spec(problem, par, chunk_tokens)))
-    first, last = len(finishes) // 10, len(finishes) * 9 // 10
-    span = finishes[last] - finishes[first]
-    return (last - first) / span if span > 0 else math.inf
+    return sustained_rate([r.finish for r in simulate_colocated(reqs, colocated_spec(problem, par, chunk_tokens))])
 
 
 def colocated_goodput(task: tuple[PhaseProblem, Parallelism, int]) -> ColocatedGoodput:
     problem, par, chunk_tokens = task
-    cap = colocated_capacity(problem, par, chunk_tokens)
-    if not math.isfinite(cap):
-        raise ValueError(f"a colocated TP,PP={par} instance takes no time: the latency model is degenerate")
-    goodput, _ = search_goodput(
-        lambda rate: colocated_attainment(problem, par, chunk_tokens, rate),
-        problem.objective.target,
-        estimate=cap,
-        tolerance=GOODPUT_TOLERANCE,
-        max_doublings=0,
-        max_halvings=MAX_HALVINGS,
-    )
+    goodput = capped_goodput(lambda rate: colocated_attainment(problem, par, chunk_tokens, rate),
+                             problem.objective.target, colocated_capacity(problem, par, chunk_tokens),
+                             f"a colocated TP,PP={par} instance")  # fmt: skip
     return ColocatedGoodput(par, goodput)
 
 

@@ -170,25 +170,33 @@ def capacity(problem: PhaseProblem, phase: str, par: Parallelism) -> float:
     else:
         sims = [SimRequest(0.0, r.prompt_len, r.output_len) for r in reqs]
         results = simulate(sims, _instant_prefill(), problem.models.decode_spec(par), _no_transfer)
-    finishes = sorted(r.finish for r in results)
+    return sustained_rate([r.finish for r in results])
+
+
+def sustained_rate(finishes: list[float]) -> float:
+    """Completions per second of a burst, between its 10th and 90th percentile completions."""
+    finishes = sorted(finishes)
     first, last = len(finishes) // 10, len(finishes) * 9 // 10
     span = finishes[last] - finishes[first]
     return (last - first) / span if span > 0 else math.inf
 
 
+def capped_goodput(attainment: Callable[[float], float], target: float, cap: float, what: str) -> float:
+    """The highest rate up to ``cap`` (a capacity) whose ``attainment`` meets ``target``; ``what``
+    names the instance in the error for a capacity without bound."""
+    if not math.isfinite(cap):
+        raise ValueError(f"{what} takes no time: the latency model is degenerate")
+    goodput, _ = search_goodput(
+        attainment, target, estimate=cap, tolerance=GOODPUT_TOLERANCE, max_doublings=0, max_halvings=MAX_HALVINGS
+    )
+    return goodput
+
+
 def phase_goodput(problem: PhaseProblem, phase: str, par: Parallelism, cap: float | None = None) -> PhaseGoodput:
     """One instance's goodput, at most ``cap`` (its ``capacity``, computed when not given)."""
     cap = capacity(problem, phase, par) if cap is None else cap
-    if not math.isfinite(cap):
-        raise ValueError(f"{phase} at TP,PP={par} takes no time: the latency model is degenerate")
-    goodput, _ = search_goodput(
-        lambda rate: phase_attainment(problem, phase, par, rate),
-        problem.objective.target,
-        estimate=cap,
-        tolerance=GOODPUT_TOLERANCE,
-        max_doublings=0,
-        max_halvings=MAX_HALVINGS,
-    )
+    goodput = capped_goodput(lambda rate: phase_attainment(problem, phase, par, rate), problem.objective.target,
+                             cap, f"{phase} at TP,PP={par}")  # fmt: skip
     return PhaseGoodput(phase, par, goodput)
 
 

@@ -318,12 +318,11 @@ class Orchestrator:
 
     def _observe(self, state: RequestState) -> None:
         """A request's latencies, for the role controller."""
-        times = state.metrics.token_times
-        if times:
-            tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
-            arrival = state.metrics.arrival_time
-            self.controller.observe(FinishedRequest(arrival, times[-1], times[0] - arrival, tpot,
-                                                    len(state.prompt_token_ids), len(times), state.slo))  # fmt: skip
+        m = state.metrics
+        if m.token_times:
+            lengths = len(state.prompt_token_ids), len(m.token_times)
+            finished = FinishedRequest(m.arrival_time, m.token_times[-1], m.ttft, m.tpot, *lengths, state.slo)
+            self.controller.observe(finished)
 
     async def _hand_over(self, state: RequestState, handover: Handover, sender: InstanceState) -> None:
         """Give a prefilled request to the decode instance with the most room; or a request that
