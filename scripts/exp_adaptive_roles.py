@@ -14,8 +14,9 @@ carry their class's SLOs, by which the controller and the attainment judge them.
 highest Poisson rate at which ``--target`` of the requests meet both of their SLOs (bisection).
 The alternating workload switches class every ``--phase-seconds``; its probes last ``--cycles``
 cycles (long, then short).
-Before a single-class workload is measured, every deployment serves it for ``--warmup-seconds``
-(adaptive roles settle into the layout for it; static ones are unchanged by it).
+Before a workload is measured, every deployment serves it at a quarter of ``--rate-high``: a
+single-class one for ``--warmup-seconds``, an alternating one for a cycle (adaptive roles settle
+into a layout for it, or see each class once; static ones are unchanged by it).
 
 The load runs in a process of its own (``drive``), so that the client does not share the
 server's interpreter.
@@ -51,6 +52,9 @@ DEPLOYMENTS = {
         "max_num_batched_tokens": CHUNK_TOKENS,
     },
 }
+DEPLOYMENTS["oracle"] = DEPLOYMENTS["adaptive"]  # roles set by the load at each phase change, not by the controller
+# The oracle's layout of the 2 instances for each class: the better static one for it.
+ORACLE_LAYOUTS = {"long": ("colocated", "colocated"), "short": ("prefill", "decode")}
 WORKLOADS = ("long", "short", "alternating")
 
 
@@ -94,22 +98,32 @@ async def _drive(args: argparse.Namespace) -> None:
                 records.append(await _one(client, args.workload, prompt, tuple(slos[args.workload])))
             Path(args.out).write_text(json.dumps(records[1:]))
             return
-        tasks, t0 = [], time.perf_counter()
+        layouts, names = {}, []
+        if args.oracle:  # the roles for each class, set the moment its phase begins
+            names = [i.name for i in (await client.cluster_info()).instances]
+            layouts = {cls: dict(zip(names, roles)) for cls, roles in ORACLE_LAYOUTS.items()}
+        tasks, t0, current = [], time.perf_counter(), None
         for t in arrivals:
             cls = args.workload if args.workload != "alternating" else ("long", "short")[int(t // args.phase) % 2]
+            if layouts and cls != current:
+                current = cls
+                tasks.append(asyncio.create_task(client.set_roles(layouts[cls])))
             low, high = CLASSES[cls]["prompt"]
             prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(low, high))]
             await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
             tasks.append(asyncio.create_task(_one(client, cls, prompt, tuple(slos[cls]))))
-        records = await asyncio.gather(*tasks)
+        records = [r for r in await asyncio.gather(*tasks) if isinstance(r, dict)]
     Path(args.out).write_text(json.dumps(records))
 
 
-def probe(address: str, workload: str, rate: float, seconds: float, phase: float, slos: dict, out: Path) -> dict:
+def probe(
+    address: str, workload: str, rate: float, seconds: float, phase: float, slos: dict, out: Path, oracle: bool
+) -> dict:
     """One run of the load at ``rate``: its attainment, per class too."""
     command = [
         sys.executable, __file__, "drive", "--server", address, "--workload", workload, "--rate", str(rate),
         "--seconds", str(seconds), "--phase", str(phase), "--slos", json.dumps(slos), "--out", str(out),
+        *(["--oracle"] if oracle else []),
     ]  # fmt: skip
     subprocess.run(command, check=True)
     records = json.loads(out.read_text())
@@ -176,7 +190,8 @@ def main() -> None:
     parser.add_argument("--probe-seconds", type=float, default=8.0, help="a single-class probe's length")
     parser.add_argument("--rate-high", type=float, default=48.0)
     parser.add_argument("--warmup-seconds", type=float, default=10.0,
-                        help="load at a quarter of --rate-high before a single-class workload is measured")
+                        help="load at a quarter of --rate-high before a single-class workload is measured "
+                             "(an alternating one: a cycle)")
     parser.add_argument("--steps", type=int, default=5, help="bisection steps per goodput")
     parser.add_argument("--slos-from", type=Path, help="take the SLOs from an earlier run's summary.json")
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
@@ -221,19 +236,24 @@ def main() -> None:
             if name == "adaptive":
                 control["role_control"] = {"mode": "adaptive", "slo_ttft": slos["long"][0], "slo_tpot": slos["long"][1],
                                            "interval": 0.5, "window": 3.0, "min_requests": 8, "patience": 2,
-                                           "min_dwell": 3.0}  # fmt: skip
+                                           "min_dwell": 3.0, "arrival_window": 1.0, "memory": 300.0}  # fmt: skip
             with server(pools, **control) as running:
                 for workload in args.workloads.split(","):
                     seconds = 2 * args.cycles * args.phase_seconds if workload == "alternating" else args.probe_seconds
 
-                    def run_probe(rate: float, workload: str = workload, seconds: float = seconds) -> dict:
-                        return probe(running.grpc_address, workload, rate, seconds, args.phase_seconds, slos, scratch)
+                    def run_probe(
+                        rate: float, workload: str = workload, seconds: float = seconds, oracle: bool = name == "oracle"
+                    ) -> dict:
+                        return probe(running.grpc_address, workload, rate, seconds, args.phase_seconds, slos,
+                                     scratch, oracle)  # fmt: skip
 
-                    if workload != "alternating":  # a steady workload: roles settle before it is measured
-                        run_probe(args.rate_high / 4, seconds=args.warmup_seconds)
+                    # Adaptive roles settle into a steady workload's layout, and see each class of an
+                    # alternating one (a cycle), before it is measured.
+                    warmup = 2 * args.phase_seconds if workload == "alternating" else args.warmup_seconds
+                    run_probe(args.rate_high / 4, seconds=warmup)
 
                     best, probes = goodput(run_probe, 0.0, args.rate_high, args.steps, args.target)
-                    changes = running.cluster.role_changes if name == "adaptive" else []
+                    changes = running.cluster.role_changes if name in ("adaptive", "oracle") else []
                     results.setdefault(workload, {})[name] = {
                         "goodput": best, "probes": probes,
                         "role_changes": [(c.instance, c.old_role, c.new_role, c.seconds, c.reason) for c in changes],
@@ -270,6 +290,7 @@ if __name__ == "__main__":
             drive.add_argument(flag, type=float, default=default)
         drive.add_argument("--seed", type=int, default=0)
         drive.add_argument("--sequential", type=int, default=0, help="send this many requests one at a time")
+        drive.add_argument("--oracle", action="store_true", help="set ORACLE_LAYOUTS as each phase begins")
         options = drive.parse_args()
         asyncio.run(_drive(options))
     else:

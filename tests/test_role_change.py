@@ -16,11 +16,13 @@ from distserve import AsyncCluster, SamplingParams
 from distserve.cluster.api import make_cluster_config
 from distserve.cluster.config import ClusterConfig
 from distserve.cluster.role_controller import (
+    Arrival,
     Attainment,
     FinishedRequest,
     Load,
     RoleControlConfig,
     RoleController,
+    Share,
     attainment,
     propose,
 )
@@ -85,6 +87,34 @@ def test_roles_change_under_load_in_every_direction(ray_cluster, llama):
     directions = {(r.old_role, r.new_role) for r in history}
     assert directions == {(P, C), (D, C), (C, P), (C, D), (P, D), (D, P)}
     assert all(r.seconds < 10 and r.reason == "operator" for r in history)
+
+
+def test_the_adaptive_controller_colocates_a_cluster_whose_prefill_misses_ttft(ray_cluster, llama):
+    # No TTFT can be met and every TPOT is: too little prefill, so the controller colocates the
+    # 1 prefill + 1 decode instances, while requests keep coming and come out greedy-equal.
+    control = {"mode": "adaptive", "slo_ttft": 1e-6, "slo_tpot": 10.0, "interval": 0.1, "window": 5.0,
+               "min_requests": 4, "patience": 2, "min_dwell": 0.0}  # fmt: skip
+    prompts = random_prompts([30, 12, 50, 21] * 6, llama.config.vocab_size, seed=7)
+
+    async def main() -> tuple[list[list[int]], list]:
+        async with AsyncCluster(model="tiny-llama", prefill={}, decode={}, role_control=control) as cluster:
+            outputs = []
+            for wave in range(0, len(prompts), 4):
+                outputs += await asyncio.gather(*(_final(cluster, p, 6) for p in prompts[wave : wave + 4]))
+                if cluster.role_changes:
+                    break
+                await asyncio.sleep(0.3)  # decisions come every 0.1 s
+            assert [i.role for i in await cluster.info()] == [C, C]
+            outputs += await asyncio.gather(*(_final(cluster, p, 6) for p in prompts[:4]))  # served colocated
+            await wait_nothing_in_use_async(cluster)
+            return outputs, cluster.role_changes
+
+    outputs, history = asyncio.run(main())
+    assert {(r.old_role, r.new_role) for r in history} == {(P, C), (D, C)}
+    assert all(r.reason.startswith("TTFT attainment 0%, TPOT 100%") for r in history)
+    assert all(r.reason.endswith("too little prefill, colocating") for r in history)
+    for prompt, tokens in zip(prompts[: len(outputs) - 4] + prompts[:4], outputs):
+        assert tokens == reference_greedy(llama, prompt, 6)
 
 
 def test_role_changes_that_could_not_serve_are_refused_and_change_nothing(ray_cluster):
@@ -172,8 +202,10 @@ def test_the_controller_does_not_go_back_to_a_layout_that_did_worse_under_this_l
     pd, cc = {"a": P, "b": D}, {"a": C, "b": C}
     busy, other = Load(tokens_ratio=5.0, rate=20.0), Load(tokens_ratio=0.2, rate=20.0)
     # Overloaded as prefill + decode: both missed, colocated is tried...
+    controller.remember(pd, busy, met=25, num_requests=50, now=0.0)
     assert controller.consider(pd, _seen(0.6, 0.7, 0.5), busy, now=0.0)[0] == cc
     # ...and does worse under the same load: back to prefill + decode...
+    controller.remember(cc, busy, met=10, num_requests=50, now=5.0)
     assert controller.consider(cc, _seen(0.4, 0.3, 0.2), busy, now=5.0)[0] == {"a": D, "b": P}
     # ...where both still miss, but colocated is not tried again while the load stays alike.
     assert controller.consider(pd, _seen(0.6, 0.7, 0.5), Load(6.0, 24.0), now=10.0) is None
@@ -181,14 +213,60 @@ def test_the_controller_does_not_go_back_to_a_layout_that_did_worse_under_this_l
     assert controller.consider(pd, _seen(0.6, 0.7, 0.5), other, now=15.0)[0] == cc
     assert controller.consider(pd, _seen(0.6, 0.7, 0.5), busy, now=100.0)[0] == cc
     # A layout that did better under this load is moved to.
-    controller.consider(cc, _seen(1.0, 0.95, 0.95), busy, now=101.0)
+    controller.remember(cc, busy, met=48, num_requests=50, now=101.0)
     assert controller.consider(pd, _seen(0.5, 1.0, 0.5), busy, now=102.0)[0] == cc
 
 
+def test_the_controller_follows_the_arriving_load_to_the_layout_that_did_best_under_it():
+    controller = RoleController(None, RoleControlConfig("adaptive", 0.1, 0.01, memory=60))
+    pd, cc = {"a": P, "b": D}, {"a": C, "b": C}
+    long, short = Load(tokens_ratio=10.0, rate=20.0), Load(tokens_ratio=0.3, rate=20.0)
+    assert controller.recall(pd, long, now=0.0) is None  # nothing known
+    controller.remember(pd, long, met=12, num_requests=20, now=0.0)
+    assert controller.recall(pd, long, now=1.0) is None  # no other layout known under it
+    controller.remember(cc, long, met=20, num_requests=24, now=5.0)
+    controller.remember(cc, long, met=23, num_requests=24, now=6.0)  # the requests of each record add up
+    controller.remember(cc, short, met=10, num_requests=20, now=15.0)
+    controller.remember(pd, short, met=37, num_requests=40, now=25.0)
+    # Long prompts arrive again: back to colocated at once, before any of them has finished...
+    roles, why = controller.recall(pd, Load(12.0, 24.0), now=30.0)
+    assert roles == cc
+    assert why == (
+        "arriving load like one under which 60% of 20 requests met both SLOs in this layout"
+        " and 90% of 48 in colocated+colocated"
+    )
+    # ...and short ones: the busier instance ("b", listed first) decodes.
+    assert controller.recall({"b": C, "a": C}, short, now=31.0)[0] == {"b": D, "a": P}
+    assert controller.recall(cc, long, now=31.0) is None  # the current layout met it
+    assert controller.recall(pd, Load(2.0, 20.0), now=31.0) is None  # a load not seen before
+    assert controller.recall(pd, long, now=61.0) is None  # forgotten
+    controller.remember(pd, long, met=44, num_requests=60, now=70.0)
+    controller.remember(cc, long, met=23, num_requests=30, now=75.0)
+    assert controller.recall(pd, long, now=80.0) is None  # 73% against 77%: within the noise
+
+
+def test_each_finished_request_is_remembered_once_under_the_layout_that_served_it():
+    config = RoleControlConfig("adaptive", slo_ttft=0.1, slo_tpot=0.01, window=10.0, min_requests=4)
+    controller = RoleController(None, config)
+    start = controller.last_change
+    pd = {"a": P, "b": D}
+    for i in range(6):  # 2 of 6 miss their TTFT
+        ttft = 0.5 if i < 2 else 0.05
+        controller.observe(FinishedRequest(start + i, 600, 60, finished=start + i + 1, ttft=ttft, tpot=0.005))
+    for now in (start + 7, start + 7.5):  # the second record finds nothing new
+        controller.record(pd, controller.window(now), now)
+    assert [(o.met, o.num_requests) for o in controller.outcomes] == [(4, 6)]
+    assert controller.remembered(tuple(sorted((P, D))), Load(10.0, 1.0), start + 8) == Share(4, 6)
+
+
 def test_load_is_the_token_ratio_and_rate_of_a_window():
-    requests = [FinishedRequest(t, t + 1, 0.1, 0.01, prompt_len=600, output_len=60) for t in (0.0, 0.5, 1.0)]
-    assert Load.of(requests) == Load(10.0, 2.0)
+    load = Load.of([Arrival(t, prompt_len=600, max_tokens=60) for t in (0.0, 0.5, 1.0)])
+    assert (load.tokens_ratio, load.rate) == (pytest.approx(10.0), 2.0)
+    # A typical request's ratio (the geometric mean): one long prompt among short ones moves it little.
+    mixed = Load.of([Arrival(0.0, 640, 64)] + [Arrival(0.1 * t, 40, 128) for t in range(1, 16)])
+    assert Load(0.3125, 10.0).similar(mixed)
     assert Load(10.0, 2.0).similar(Load(14.0, 2.9)) and not Load(10.0, 2.0).similar(Load(16.0, 2.0))
+    requests = [FinishedRequest(t, 600, 60, finished=t + 1, ttft=0.1, tpot=0.01) for t in (0.0, 0.5, 1.0)]
     slow = attainment(requests, slo_ttft=0.05, slo_tpot=0.02)
     assert (slow.ttft, slow.tpot, slow.both) == (0.0, 1.0, 0.0)
 

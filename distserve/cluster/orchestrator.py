@@ -32,7 +32,7 @@ from distserve.cluster.config import ClusterConfig
 from distserve.cluster.failover import Failover
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.role_changes import RoleChanger
-from distserve.cluster.role_controller import FinishedRequest, RequestSLO, RoleController
+from distserve.cluster.role_controller import Arrival, FinishedRequest, RequestSLO, RoleController
 from distserve.cluster.routing import InstanceState, Router
 from distserve.core.errors import InstanceFailure, RequestError
 from distserve.core.handover import Handover
@@ -197,8 +197,10 @@ class Orchestrator:
         if role := self.failover.unavailable_role():
             raise InstanceFailure(f"no {role} instance is available to serve the request")
         state = RequestState(request_id, seq.prompt, seq.prompt_token_ids, params, priority, slo or RequestSLO())
-        state.metrics.arrival_time = time.time()
+        arrival = Arrival(time.time(), len(seq.prompt_token_ids), params.max_tokens)
+        state.metrics.arrival_time = arrival.arrival
         self.requests[request_id] = state
+        self.controller.observe_arrival(arrival)
         try:
             await self.submit(state)
             while True:
@@ -320,9 +322,9 @@ class Orchestrator:
         """A request's latencies, for the role controller."""
         m = state.metrics
         if m.token_times:
-            lengths = len(state.prompt_token_ids), len(m.token_times)
-            finished = FinishedRequest(m.arrival_time, m.token_times[-1], m.ttft, m.tpot, *lengths, state.slo)
-            self.controller.observe(finished)
+            request = Arrival(m.arrival_time, len(state.prompt_token_ids), state.params.max_tokens)
+            self.controller.observe(FinishedRequest(**vars(request), finished=m.token_times[-1], ttft=m.ttft,
+                                                    tpot=m.tpot, slo=state.slo))  # fmt: skip
 
     async def _hand_over(self, state: RequestState, handover: Handover, sender: InstanceState) -> None:
         """Give a prefilled request to the decode instance with the most room; or a request that

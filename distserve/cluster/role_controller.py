@@ -10,11 +10,21 @@ TTFT holds means prefill interferes with decoding, or too little decode: from co
 prefill, half decode, else one decode instance more. Both met: no change. Both missed (an
 overload, or the wrong layout for the load): the other of colocated and disaggregated is tried.
 
-The controller remembers how each layout did (the share of requests meeting both SLOs) under the
-load it saw: the ratio of prompt to output tokens and the request rate. A change to a layout that
-did no better under a similar load within ``memory`` seconds is not made, so a layout that is
-worse for this load is left after one try, and an overload in which both miss does not flap.
-Against flapping besides: a proposal must come ``patience`` times in a row, and a change waits
+The controller remembers how the requests each layout served did (how many met both SLOs) under
+the load they came in: the typical ratio of prompt to requested output tokens and the request
+rate, both known when a request arrives. A change to a layout whose requests did no better under
+a similar load within ``memory`` seconds is not made, so a layout that is worse for this load is
+left after one try, and an overload in which both miss does not flap.
+
+Finished requests tell late: a request is judged only once it has all its tokens, and a window of
+them must fill after a change. So the controller also looks at the load arriving now (the mix of
+the last ``arrival_window`` seconds of arrivals): when the current layout's requests fell short
+of the target under a load like it and another layout's did clearly better, it moves there at
+once. A workload that switches between kinds of requests is then followed within about
+``arrival_window`` once each kind has been seen.
+
+Against flapping besides: a proposal from a window's attainment must come ``patience`` times in a
+row (one from memory rests on every request remembered, and needs none), and a change waits
 ``min_dwell`` seconds after the previous one.
 """
 
@@ -51,6 +61,7 @@ class RoleControlConfig:
     patience: int = 2  # decisions in a row that must propose the same layout
     min_dwell: float = 10.0  # seconds after a change before the next
     memory: float = 120.0  # seconds a layout's measured attainment is trusted for a similar load
+    arrival_window: float = 2.0  # seconds of arrivals that say what load is coming
 
     def __post_init__(self) -> None:
         if self.mode not in ROLE_CONTROL_MODES:
@@ -63,7 +74,7 @@ class RoleControlConfig:
                 raise ValueError(f"role_control.{name} must be > 0 seconds, got {value}")
         if not 0.0 < self.target <= 1.0:
             raise ValueError(f"role_control.target must be in (0, 1], got {self.target}")
-        for name in ("interval", "window"):
+        for name in ("interval", "window", "arrival_window"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"role_control.{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.min_requests < 1 or self.patience < 1 or self.min_dwell < 0:
@@ -85,13 +96,17 @@ class RequestSLO:
 
 
 @dataclass
-class FinishedRequest:
-    arrival: float  # wall-clock times
-    finished: float
-    ttft: float
-    tpot: float | None  # None: a single token
+class Arrival:
+    arrival: float  # wall-clock time
     prompt_len: int
-    output_len: int
+    max_tokens: int  # the output it asks for: known on arrival, unlike the output's length
+
+
+@dataclass
+class FinishedRequest(Arrival):
+    finished: float = 0.0  # wall-clock time of its last token
+    ttft: float = 0.0
+    tpot: float | None = None  # None: a single token
     slo: RequestSLO = RequestSLO()
 
 
@@ -117,14 +132,15 @@ def attainment(requests: list[FinishedRequest], slo_ttft: float, slo_tpot: float
 class Load:
     """What a window of requests asked of the cluster."""
 
-    tokens_ratio: float  # prompt tokens per output token: how prefill-heavy
+    tokens_ratio: float  # prompt tokens per requested output token, the geometric mean: how prefill-heavy
     rate: float  # requests per second
 
     @classmethod
-    def of(cls, requests: list[FinishedRequest]) -> Load:
+    def of(cls, requests: list[Arrival]) -> Load:
+        """A typical request's ratio (a few of another kind in the window move it little) and the rate."""
         span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
-        ratio = sum(r.prompt_len for r in requests) / max(1, sum(r.output_len for r in requests))
-        return cls(ratio, (len(requests) - 1) / span if span > 0 else math.inf)
+        log_ratio = sum(math.log(r.prompt_len / max(1, r.max_tokens)) for r in requests) / len(requests)
+        return cls(math.exp(log_ratio), (len(requests) - 1) / span if span > 0 else math.inf)
 
     def similar(self, other: Load, factor: float = LOAD_SIMILARITY) -> bool:
         return all(
@@ -134,10 +150,31 @@ class Load:
 
 
 @dataclass(frozen=True)
-class Measurement:
-    both: float  # share of requests meeting both SLOs
+class Outcome:
+    """Requests that finished under one layout and load: how many met both of their SLOs."""
+
+    layout: tuple[Role, ...]
     load: Load
+    met: int
+    num_requests: int
     when: float
+
+
+@dataclass(frozen=True)
+class Share:
+    """Of ``num_requests`` requests, ``met`` met both SLOs."""
+
+    met: int
+    num_requests: int
+
+    @property
+    def value(self) -> float:
+        return self.met / self.num_requests
+
+    def clearly_above(self, other: Share) -> bool:
+        """Higher than ``other`` by more than both samples' noise (one-sided 95%)."""
+        variance = sum(s.value * (1 - s.value) / s.num_requests for s in (self, other))
+        return self.value - other.value > 1.645 * math.sqrt(variance)
 
 
 def miss_margin(target: float, num_requests: int) -> float:
@@ -182,29 +219,73 @@ def _layout_key(roles: dict[str, Role]) -> tuple[Role, ...]:
     return tuple(sorted(roles.values()))
 
 
+def _roles_for(key: tuple[Role, ...], names: list[str]) -> dict[str, Role]:
+    """A layout's roles given to ``names`` (most loaded first): decode roles first, so that the
+    instances that decode most keep what they decode, then colocated, then prefill."""
+    order = {Role.DECODE: 0, Role.COLOCATED: 1, Role.PREFILL: 2}
+    return dict(zip(names, sorted(key, key=order.__getitem__)))
+
+
 class RoleController:
     def __init__(self, orchestrator: Orchestrator, config: RoleControlConfig) -> None:
         self.orchestrator = orchestrator
         self.config = config
-        self.finished: deque[FinishedRequest] = deque(maxlen=100_000)
+        self.arrivals: deque[Arrival] = deque()
+        self.finished: deque[FinishedRequest] = deque()
+        self.outcomes: deque[Outcome] = deque()
         self.last_change = time.time()  # counts from start-up: the first window fills first
+        self._recorded_until = self.last_change
         self._proposal: dict[str, Role] | None = None
         self._repeats = 0
-        self.measured: dict[tuple[Role, ...], Measurement] = {}  # the latest of each layout
+
+    def remember(self, layout: dict[str, Role], load: Load, met: int, num_requests: int, now: float) -> None:
+        self.outcomes.append(Outcome(_layout_key(layout), load, met, num_requests, now))
+
+    def remembered(self, layout: tuple[Role, ...], load: Load, now: float) -> Share | None:
+        """How the requests that ``layout`` served under loads similar to ``load`` did, within memory."""
+        while self.outcomes and now - self.outcomes[0].when >= self.config.memory:
+            self.outcomes.popleft()
+        alike = [o for o in self.outcomes if o.layout == layout and o.load.similar(load)]
+        if sum(o.num_requests for o in alike) < self.config.min_requests:
+            return None
+        return Share(sum(o.met for o in alike), sum(o.num_requests for o in alike))
 
     def consider(
         self, layout: dict[str, Role], seen: Attainment, load: Load, now: float
     ) -> tuple[dict[str, Role], str] | None:
-        """Record how ``layout`` did under ``load``; the roles to move to (with why), or None: none
+        """The roles to move to (with why) after ``layout`` did ``seen`` under ``load``, or None: none
         is proposed, or the proposed layout did no better under a similar load lately."""
-        self.measured[_layout_key(layout)] = Measurement(seen.both, load, now)
         proposal = propose(layout, seen, self.config.target)
         if proposal is None:
             return None
-        known = self.measured.get(_layout_key(proposal[0]))
-        if known and now - known.when < self.config.memory and known.load.similar(load) and known.both <= seen.both:
+        known = self.remembered(_layout_key(proposal[0]), load, now)
+        if known and known.value <= seen.both:
             return None
         return proposal
+
+    def recall(self, layout: dict[str, Role], arriving: Load, now: float) -> tuple[dict[str, Role], str] | None:
+        """The layout whose requests did best under loads like ``arriving`` (with why), when the
+        current layout's fell short of the target under them and the other's did clearly better;
+        else None."""
+        current = self.remembered(_layout_key(layout), arriving, now)
+        if current is None or current.value >= self.config.target:
+            return None
+        others = {o.layout for o in self.outcomes if o.layout != _layout_key(layout) and len(o.layout) == len(layout)}
+        known = [(key, share) for key in others if (share := self.remembered(key, arriving, now))]
+        if not known:
+            return None
+        key, best = max(known, key=lambda ks: ks[1].value)
+        if not best.clearly_above(current):
+            return None
+        other = "+".join(r.name.lower() for r in key)
+        why = (
+            f"arriving load like one under which {current.value:.0%} of {current.num_requests} requests met both "
+            f"SLOs in this layout and {best.value:.0%} of {best.num_requests} in {other}"
+        )
+        return _roles_for(key, list(layout)), why
+
+    def observe_arrival(self, request: Arrival) -> None:
+        self.arrivals.append(request)
 
     def observe(self, request: FinishedRequest) -> None:
         self.finished.append(request)
@@ -217,26 +298,65 @@ class RoleController:
             except Exception:  # a bug here must not stop serving
                 logger.exception("role controller")
 
+    def arriving(self, now: float) -> Load | None:
+        """The load coming in: the token ratio of the last ``arrival_window`` seconds of arrivals (a
+        change of the mix shows at once) at the rate of the last ``window`` seconds (a short window's
+        rate is too noisy to compare); None when too few came."""
+        while self.arrivals and self.arrivals[0].arrival < now - max(self.config.window, self.config.arrival_window):
+            self.arrivals.popleft()
+        recent = [a for a in self.arrivals if a.arrival >= now - self.config.arrival_window]
+        if len(recent) < self.config.min_requests:
+            return None
+        return Load(Load.of(recent).tokens_ratio, Load.of(list(self.arrivals)).rate)
+
+    def window(self, now: float) -> list[FinishedRequest]:
+        """The requests that finished in the last ``window`` seconds and arrived after the last change."""
+        while self.finished and self.finished[0].finished < now - self.config.window:
+            self.finished.popleft()
+        return [r for r in self.finished if r.arrival >= self.last_change]
+
+    def record(self, layout: dict[str, Role], window: list[FinishedRequest], now: float) -> None:
+        """Remember how the requests that finished since the last record did in ``layout``, under
+        the load of ``window``."""
+        new = [r for r in window if r.finished > self._recorded_until]
+        self._recorded_until = now
+        if new and len(window) >= self.config.min_requests:
+            met = round(attainment(new, self.config.slo_ttft, self.config.slo_tpot).both * len(new))
+            self.remember(layout, Load.of(window), met, len(new), now)
+
+    def propose_now(
+        self, layout: dict[str, Role], window: list[FinishedRequest], now: float
+    ) -> tuple[dict[str, Role], str, bool] | None:
+        """A change for the load arriving now, from memory; else one from the attainment of the
+        requests in ``window``. The flag: whether it is from memory, which needs no patience (it
+        rests on every request remembered, not on one window)."""
+        arriving = self.arriving(now)
+        if arriving and (recalled := self.recall(layout, arriving, now)):
+            return *recalled, True
+        if len(window) < self.config.min_requests:
+            return None
+        seen = attainment(window, self.config.slo_ttft, self.config.slo_tpot)
+        proposal = self.consider(layout, seen, Load.of(window), now)
+        return (*proposal, False) if proposal else None
+
     async def decide(self) -> None:
         config, now = self.config, time.time()
-        if now - self.last_change < config.min_dwell:
-            return
-        since = max(now - config.window, self.last_change)
-        window = [r for r in self.finished if r.finished >= since and r.arrival >= self.last_change]
-        if len(window) < config.min_requests:
-            return
-        seen, load = attainment(window, config.slo_ttft, config.slo_tpot), Load.of(window)
         orchestrator = self.orchestrator
         live = sorted((s for s in orchestrator.instances if s.failure is None), key=lambda s: -s.load_tokens)
-        proposal = self.consider({s.name: s.role for s in live}, seen, load, now)
+        layout = {s.name: s.role for s in live}
+        window = self.window(now)
+        self.record(layout, window, now)
+        if now - self.last_change < config.min_dwell:
+            return
+        proposal = self.propose_now(layout, window, now)
         if proposal is None or proposal[0] != self._proposal:
             self._proposal, self._repeats = (proposal[0] if proposal else None), 1
         else:
             self._repeats += 1
-        if proposal is None or self._repeats < config.patience:
+        if proposal is None or (self._repeats < config.patience and not proposal[2]):
             return
-        roles, reason = proposal
+        roles, reason, _ = proposal
         self._proposal, self._repeats = None, 0
         records = await orchestrator.roles.set_roles(roles, reason)
         if records:
-            self.last_change = time.time()
+            self.last_change = self._recorded_until = time.time()
