@@ -259,6 +259,19 @@ def test_each_finished_request_is_remembered_once_under_the_layout_that_served_i
     assert controller.remembered(tuple(sorted((P, D))), Load(10.0, 1.0), start + 8) == Share(4, 6)
 
 
+def test_requests_count_for_a_layout_once_the_work_from_before_its_change_is_done():
+    controller = RoleController(None, RoleControlConfig("adaptive", slo_ttft=0.1, slo_tpot=0.01, min_requests=1))
+    controller.last_change, controller.settled_at = 100.0, None  # a change at t=100
+    for arrival in (99.0, 101.0, 103.0):
+        controller.observe(FinishedRequest(arrival, 600, 60, finished=104.0, ttft=0.05, tpot=0.005))
+    controller.settle([99.5, 102.0], now=104.0)  # a request from before the change is in flight
+    assert controller.window(104.5) == []
+    controller.settle([102.0], now=105.0)
+    assert [r.arrival for r in controller.window(105.5)] == []  # what arrived before t=105 waited behind it
+    controller.observe(FinishedRequest(105.5, 600, 60, finished=106.0, ttft=0.05, tpot=0.005))
+    assert [r.arrival for r in controller.window(106.5)] == [105.5]
+
+
 def test_load_is_the_token_ratio_and_rate_of_a_window():
     load = Load.of([Arrival(t, prompt_len=600, max_tokens=60) for t in (0.0, 0.5, 1.0)])
     assert (load.tokens_ratio, load.rate) == (pytest.approx(10.0), 2.0)

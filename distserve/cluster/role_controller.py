@@ -2,13 +2,14 @@
 colocated and disaggregated (prefill + decode) layouts from the latency SLOs' live attainment.
 
 Every ``interval`` seconds it looks at the requests that finished in the last ``window`` seconds
-and arrived after the last role change had taken effect, each judged by its own SLOs (a request
-may carry them) or the cluster's. An SLO counts as missed when its attainment is under the target
-by more than the window's sampling noise. TTFT missed while TPOT holds means too little prefill:
-one decode instance fewer, or all colocated when one is left. TPOT missed while
-TTFT holds means prefill interferes with decoding, or too little decode: from colocated to half
-prefill, half decode, else one decode instance more. Both met: no change. Both missed (an
-overload, or the wrong layout for the load): the other of colocated and disaggregated is tried.
+and arrived once the layout had settled (no request from before the last change in flight), each
+judged by its own SLOs (a request may carry them) or the cluster's. An SLO counts as missed when
+its attainment is under the target by more than the window's sampling noise. TTFT missed while
+TPOT holds means too little prefill: one decode instance fewer, or all colocated when one is
+left. TPOT missed while TTFT holds means prefill interferes with decoding, or too little decode:
+from colocated to half prefill, half decode, else one decode instance more. Both met: no change.
+Both missed (an overload, or the wrong layout for the load): the other of colocated and
+disaggregated is tried.
 
 The controller remembers how the requests each layout served did (how many met both SLOs) under
 the load they came in: the typical ratio of prompt to requested output tokens and the request
@@ -234,6 +235,9 @@ class RoleController:
         self.finished: deque[FinishedRequest] = deque()
         self.outcomes: deque[Outcome] = deque()
         self.last_change = time.time()  # counts from start-up: the first window fills first
+        # Requests that arrived before the layout's work of the previous one was done waited behind
+        # it: only those after count for the layout.
+        self.settled_at: float | None = self.last_change
         self._recorded_until = self.last_change
         self._proposal: dict[str, Role] | None = None
         self._repeats = 0
@@ -310,10 +314,18 @@ class RoleController:
         return Load(Load.of(recent).tokens_ratio, Load.of(list(self.arrivals)).rate)
 
     def window(self, now: float) -> list[FinishedRequest]:
-        """The requests that finished in the last ``window`` seconds and arrived after the last change."""
+        """The requests that finished in the last ``window`` seconds and arrived once the current
+        layout had settled (none before)."""
         while self.finished and self.finished[0].finished < now - self.config.window:
             self.finished.popleft()
-        return [r for r in self.finished if r.arrival >= self.last_change]
+        if self.settled_at is None:
+            return []
+        return [r for r in self.finished if r.arrival >= self.settled_at]
+
+    def settle(self, arrivals_in_flight: list[float], now: float) -> None:
+        """The layout has settled once no request that arrived before the last change is in flight."""
+        if self.settled_at is None and all(t >= self.last_change for t in arrivals_in_flight):
+            self.settled_at = self._recorded_until = now
 
     def record(self, layout: dict[str, Role], window: list[FinishedRequest], now: float) -> None:
         """Remember how the requests that finished since the last record did in ``layout``, under
@@ -344,6 +356,7 @@ class RoleController:
         orchestrator = self.orchestrator
         live = sorted((s for s in orchestrator.instances if s.failure is None), key=lambda s: -s.load_tokens)
         layout = {s.name: s.role for s in live}
+        self.settle([state.metrics.arrival_time for state in orchestrator.requests.values()], now)
         window = self.window(now)
         self.record(layout, window, now)
         if now - self.last_change < config.min_dwell:
@@ -359,4 +372,4 @@ class RoleController:
         self._proposal, self._repeats = None, 0
         records = await orchestrator.roles.set_roles(roles, reason)
         if records:
-            self.last_change = self._recorded_until = time.time()
+            self.last_change, self.settled_at = time.time(), None
