@@ -233,9 +233,12 @@ def test_async_cluster_made_directly_serves_inside_async_with(ray_cluster):
     out, handles = asyncio.run(main())
     assert out.finished and len(out.output_token_ids) == 3
     assert handles
-    for handle in handles:  # every instance's actor is gone
+    for handle in handles:  # every instance's actor is gone (ray.kill takes effect asynchronously)
+        deadline = time.monotonic() + 30
         with pytest.raises(ray_cluster.exceptions.RayActorError):
-            ray_cluster.get(handle.info.remote(), timeout=30)
+            while time.monotonic() < deadline:
+                ray_cluster.get(handle.info.remote(), timeout=30)
+                time.sleep(0.1)
 
 
 def test_a_pull_that_fails_ends_the_request_with_an_error(ray_cluster):
