@@ -46,7 +46,9 @@ from distserve.core.step_metrics import PHASES, StepRecord
 from distserve.engine.llm_engine import LLMEngine
 from distserve.model_executor.tiny_models import train_tokenizer
 
-SYSTEMS = ("distserve", "hf-cb", "hf-static")
+# distserve: the engine as configured by default (decode attention over K/V copied out of the
+# blocks, then SDPA); distserve-compiled: with the compiled paged decode kernel.
+SYSTEMS = ("distserve", "distserve-compiled", "hf-cb", "hf-static")
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
 NO_EOS = -1  # an id no model produces: transformers CB then never stops a request early
@@ -215,7 +217,9 @@ def save_model_dir(model: PreTrainedModel, root: Path) -> Path:
 # System 1: distserve -------------------------------------------------------------------------------
 
 
-def build_engine(model_dir: Path, requests: list[Request], args: argparse.Namespace) -> LLMEngine:
+def build_engine(
+    model_dir: Path, requests: list[Request], args: argparse.Namespace, attention_backend: str = "sdpa"
+) -> LLMEngine:
     blocks = sum(-(-(len(r.prompt) + r.max_tokens) // BLOCK_SIZE) for r in requests) + 64
     config = EngineConfig.from_flat(
         model=str(model_dir),
@@ -226,6 +230,7 @@ def build_engine(model_dir: Path, requests: list[Request], args: argparse.Namesp
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        attention_backend=attention_backend,
     )
     return LLMEngine(config, max_step_records=100_000)
 
@@ -241,16 +246,16 @@ def run_engine(engine: LLMEngine, requests: list[Request]) -> list[list[int]]:
 
 
 def bench_distserve(
-    model_dir: Path, requests: list[Request], warmup: list[Request], args: argparse.Namespace
+    model_dir: Path, requests: list[Request], warmup: list[Request], args: argparse.Namespace, system: str
 ) -> Result:
-    engine = build_engine(model_dir, requests + warmup, args)
+    engine = build_engine(model_dir, requests + warmup, args, "compiled" if system == "distserve-compiled" else "sdpa")
     run_engine(engine, warmup)
     skip = len(engine.stats.records)
     start = time.perf_counter()
     outputs = run_engine(engine, requests)
     wall = time.perf_counter() - start
     records = list(engine.stats.records)[skip:]
-    return Result("distserve", wall, sum(len(o) for o in outputs), outputs, records)
+    return Result(system, wall, sum(len(o) for o in outputs), outputs, records)
 
 
 # System 2: transformers continuous batching ------------------------------------------------------
@@ -405,7 +410,7 @@ def print_step_report(result: Result) -> None:
     records = result.records
     decode = [r for r in records if not r.is_prefill]
     prefill = [r for r in records if r.is_prefill]
-    print("\ndistserve step-time breakdown (timed run only)")
+    print(f"\n{result.system} step-time breakdown (timed run only)")
     print_breakdown("prefill steps", prefill)
     print_breakdown("decode steps, all", decode)
     if decode:
@@ -433,10 +438,10 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[int, 
 
 def print_summary(results: list[Result]) -> None:
     base = next((r for r in results if r.system == "distserve"), None)
-    print(f"\n{'system':<11} {'wall s':>8} {'out tokens':>11} {'tokens/s':>9} {'distserve speedup':>18}")
+    print(f"\n{'system':<14} {'wall s':>8} {'out tokens':>11} {'tokens/s':>9} {'distserve speedup':>18}")
     for r in results:
         ratio = f"{base.tokens_per_s / r.tokens_per_s:.2f}x" if base else "-"
-        print(f"{r.system:<11} {r.wall_s:8.2f} {r.output_tokens:>11} {r.tokens_per_s:9.1f} {ratio:>18}  {r.note}")
+        print(f"{r.system:<14} {r.wall_s:8.2f} {r.output_tokens:>11} {r.tokens_per_s:9.1f} {ratio:>18}  {r.note}")
     if base is None:
         return
     print("(distserve speedup = distserve tokens/s / system tokens/s)")
@@ -489,7 +494,12 @@ def run_systems(
 ) -> list[Result]:
     with tempfile.TemporaryDirectory(prefix="bench-offline-") as tmp:
         benches: dict[str, Callable[[], Result]] = {
-            "distserve": lambda: bench_distserve(save_model_dir(model, Path(tmp)), requests, warmup, args),
+            **{
+                system: lambda system=system: bench_distserve(
+                    save_model_dir(model, Path(tmp)), requests, warmup, args, system
+                )
+                for system in ("distserve", "distserve-compiled")
+            },
             "hf-cb": lambda: bench_hf_cb(model, requests, warmup, args),
             "hf-static": lambda: bench_hf_static(model, requests, warmup, args),
         }
@@ -512,7 +522,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, float32, CPU")
     results = run_systems(args, model, requests, warmup)
     for result in results:
-        if result.system == "distserve":
+        if result.system.startswith("distserve"):
             print_step_report(result)
     print_summary(results)
     print_cpu_usage(results)

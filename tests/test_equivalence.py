@@ -20,10 +20,11 @@ def _check(llm, model, prompts, max_tokens):
     return outputs
 
 
+@pytest.mark.parametrize("attention_backend", ["compiled", "sdpa"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_plain_batch(family, reference_model):
+def test_plain_batch(family, attention_backend, reference_model):
     model = reference_model(family)
-    llm = LLM(family, enable_prefix_caching=False)
+    llm = LLM(family, enable_prefix_caching=False, attention_backend=attention_backend)
     _check(llm, model, random_prompts(LENGTHS, model.config.vocab_size), MAX_TOKENS)
     assert llm.engine.scheduler.num_preemptions == 0
 

@@ -18,6 +18,7 @@ from distserve.core.role import ROLES, Role
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("sdpa", "compiled")
 POLICIES = ("fcfs", "sjf", "priority")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -37,9 +38,16 @@ class ModelConfig:
     device: str = option("auto", "'auto' picks cuda when available", DEVICES)
     seed: int = option(0, "seed for dummy weights and unseeded sampling")
     max_model_len: int | None = option(None, "context length limit (default: the model's)")
+    attention_backend: str = option(
+        "sdpa",
+        "decode attention: 'sdpa' over K/V copied out of the blocks, 'compiled' reading the blocks in place "
+        "(torch.compile; faster on CPU, compiles for a few seconds at an instance's first decode step)",
+        ATTENTION_BACKENDS,
+    )
 
     def __post_init__(self) -> None:
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -73,9 +81,7 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    role: Role = option(
-        Role.COLOCATED, "which phases this instance runs (in a cluster, its pool sets it)", ROLES
-    )
+    role: Role = option(Role.COLOCATED, "which phases this instance runs (in a cluster, its pool sets it)", ROLES)
     policy: str = option("fcfs", "prefill queue order", POLICIES)
     max_num_batched_tokens: int = option(
         4096, "prefill token budget per batch (DistServe's L_m); with chunked prefill, every step's tokens"

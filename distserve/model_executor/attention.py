@@ -5,6 +5,12 @@ batch's new K/V into its cache slots, then attends: prefill per sequence (causal
 prefix + new tokens), decode as one batched call over K/V gathered through the block tables.
 The batch's metadata reaches the layers through a per-forward context, because transformers
 calls the attention function with the model's own arguments only.
+
+Decode attention has two implementations, chosen by ``attention_backend``: ``sdpa`` copies each
+sequence's blocks into a padded buffer and runs SDPA over it (the reference, and the default),
+``compiled`` reads K/V through the block tables inside one compiled kernel (``torch.compile``),
+so the context is read once and never copied: about twice as fast on CPU at 32-64 sequences,
+after a compile of a few seconds at the first decode step of each process.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 ATTN_IMPLEMENTATION = "distserve_paged"
+NO_WINDOW = 1 << 30  # a sliding window wider than any context: one compiled graph serves both kinds
 
 
 @dataclass
@@ -77,6 +84,7 @@ class ForwardContext:
     metadata: AttentionMetadata
     kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer index -> (k, v) of [slots, kv_heads, head_dim]
     buffers: GatherBuffers
+    compiled_decode: bool = False  # decode attention through the compiled paged kernel
 
 
 _context: ForwardContext | None = None
@@ -152,6 +160,13 @@ def _prefill_attention(q, k, v, k_cache, v_cache, scaling, sliding_window, gqa) 
 def _decode_attention(q, k_cache, v_cache, scaling, sliding_window, gqa) -> torch.Tensor:
     """One query token per sequence over its cached context. Returns ``[batch, heads, dim]``."""
     meta = _context.metadata
+    if _context.compiled_decode:
+        scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+        window = NO_WINDOW if sliding_window is None else sliding_window
+        tables, positions = meta.decode_block_tables, meta.decode_positions
+        return _compiled_paged_decode(
+            q.transpose(0, 1), k_cache, v_cache, tables, positions, meta.block_size, scale, window
+        )
     qs = q.transpose(0, 1).unsqueeze(2)  # [batch, heads, 1, dim]
     ks, vs = _context.buffers.gather(k_cache, v_cache, meta.decode_block_tables, meta.block_size)
     ks = ks.flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, ctx, dim]
@@ -162,6 +177,39 @@ def _decode_attention(q, k_cache, v_cache, scaling, sliding_window, gqa) -> torc
         mask = mask & (ctx > meta.decode_positions[:, None] - sliding_window)[:, None, None, :]
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return o.squeeze(2)
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """q ``[batch, heads, dim]`` over each sequence's context up to its position (and within
+    ``window``), K/V ``[slots, kv_heads, dim]`` read through ``block_tables`` ``[batch, blocks]``.
+    Plain tensor ops for ``torch.compile``, which fuses the indexing into the products: the
+    context is read where it is, not copied."""
+    batch, width = block_tables.shape
+    kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
+    k = k_cache.view(-1, block_size, kv_heads, dim)[block_tables].view(batch, width * block_size, kv_heads, dim)
+    v = v_cache.view(-1, block_size, kv_heads, dim)[block_tables].view(batch, width * block_size, kv_heads, dim)
+    q = q.reshape(batch, kv_heads, -1, dim)  # query heads grouped by the KV head they share
+    scores = torch.einsum("bkgd,btkd->bkgt", q, k) * scale
+    ctx = torch.arange(width * block_size, device=q.device)[None, :]
+    hidden = (ctx > positions[:, None]) | (ctx <= positions[:, None] - window)
+    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
+    out = torch.einsum("bkgt,btkd->bkgd", scores.softmax(-1), v)
+    return out.reshape(batch, -1, dim)
+
+
+# Automatic dynamic shapes: batch and table width become symbolic after the first change, while
+# the block size, scale and window stay constants; with every size symbolic (dynamic=True) the
+# kernel was 2.7x slower at 64 sequences.
+_compiled_paged_decode = torch.compile(paged_decode)
 
 
 def _causal_mask(query_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor:

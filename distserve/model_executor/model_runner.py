@@ -77,9 +77,15 @@ class BatchInput:
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv_cache: KVCache, block_size: int, stage: PipelineStage | None = None
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        block_size: int,
+        stage: PipelineStage | None = None,
+        compiled_decode: bool = False,
     ) -> None:
         self.model = model
+        self.compiled_decode = compiled_decode
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.stage = stage
@@ -177,7 +183,8 @@ class ModelRunner:
         if self.stage is not None:
             self.stage.received = received
         try:
-            with forward_context(ForwardContext(meta, self.kv_cache.layers, self.buffers)):
+            context = ForwardContext(meta, self.kv_cache.layers, self.buffers, self.compiled_decode)
+            with forward_context(context):
                 out = self.model(
                     input_ids=input_ids[None],
                     position_ids=positions[None],

@@ -87,7 +87,8 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = KVCache(self.kv_shape, num_blocks, self.device, self.layers)
-        self.model_runner = ModelRunner(self.model, self.kv_cache, self.config.cache.block_size, self.stage)
+        compiled = self.config.model.attention_backend == "compiled"
+        self.model_runner = ModelRunner(self.model, self.kv_cache, self.config.cache.block_size, self.stage, compiled)
         self.kv_transfer = KVTransfer(self.kv_cache.tensor, self.kv_layout)
 
     def kv(self, method: str, *args):

@@ -164,9 +164,7 @@ def shard_model(model: nn.Module, shape: ModelShape, tp_size: int, tp_rank: int,
         if style not in LINEAR_STYLES:
             raise ValueError(f"tensor parallel style '{style}' of {name} ({model_type}) is not supported")
         if type(module) is not nn.Linear:
-            raise ValueError(
-                f"{name} of {model_type} is a {type(module).__name__}, not a Linear: it cannot be sharded"
-            )
+            raise ValueError(f"{name} of {model_type} is a {type(module).__name__}, not a Linear: it cannot be sharded")
         head_dim = _head_dim(parent)
         unit = head_dim or 1
         has_bias = module.bias is not None
