@@ -22,6 +22,7 @@ Run (about 5-6 minutes on 2 CPU cores; ``--num-requests 8`` for a quick run):
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import random
@@ -493,11 +494,10 @@ def run_systems(
     args: argparse.Namespace, model: PreTrainedModel, requests: list[Request], warmup: list[Request]
 ) -> list[Result]:
     with tempfile.TemporaryDirectory(prefix="bench-offline-") as tmp:
+        model_dir = functools.cache(lambda: save_model_dir(model, Path(tmp)))  # written once, for either engine
         benches: dict[str, Callable[[], Result]] = {
             **{
-                system: lambda system=system: bench_distserve(
-                    save_model_dir(model, Path(tmp)), requests, warmup, args, system
-                )
+                system: lambda system=system: bench_distserve(model_dir(), requests, warmup, args, system)
                 for system in ("distserve", "distserve-compiled")
             },
             "hf-cb": lambda: bench_hf_cb(model, requests, warmup, args),

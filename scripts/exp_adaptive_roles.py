@@ -98,7 +98,7 @@ async def _drive(args: argparse.Namespace) -> None:
                 records.append(await _one(client, args.workload, prompt, tuple(slos[args.workload])))
             Path(args.out).write_text(json.dumps(records[1:]))
             return
-        layouts, names = {}, []
+        layouts = {}
         if args.oracle:  # the roles for each class, set the moment its phase begins
             names = [i.name for i in (await client.cluster_info()).instances]
             layouts = {cls: dict(zip(names, roles)) for cls, roles in ORACLE_LAYOUTS.items()}

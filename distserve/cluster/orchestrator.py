@@ -103,6 +103,11 @@ class RequestState:
         return output
 
 
+def _arrival(state: RequestState) -> Arrival:
+    """What the role controller knows of a request when it arrives."""
+    return Arrival(state.metrics.arrival_time, len(state.prompt_token_ids), state.params.max_tokens)
+
+
 class Orchestrator:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
@@ -197,10 +202,9 @@ class Orchestrator:
         if role := self.failover.unavailable_role():
             raise InstanceFailure(f"no {role} instance is available to serve the request")
         state = RequestState(request_id, seq.prompt, seq.prompt_token_ids, params, priority, slo or RequestSLO())
-        arrival = Arrival(time.time(), len(seq.prompt_token_ids), params.max_tokens)
-        state.metrics.arrival_time = arrival.arrival
+        state.metrics.arrival_time = time.time()
         self.requests[request_id] = state
-        self.controller.observe_arrival(arrival)
+        self.controller.observe_arrival(_arrival(state))
         try:
             await self.submit(state)
             while True:
@@ -322,8 +326,7 @@ class Orchestrator:
         """A request's latencies, for the role controller."""
         m = state.metrics
         if m.token_times:
-            request = Arrival(m.arrival_time, len(state.prompt_token_ids), state.params.max_tokens)
-            self.controller.observe(FinishedRequest(**vars(request), finished=m.token_times[-1], ttft=m.ttft,
+            self.controller.observe(FinishedRequest(**vars(_arrival(state)), finished=m.token_times[-1], ttft=m.ttft,
                                                     tpot=m.tpot, slo=state.slo))  # fmt: skip
 
     async def _hand_over(self, state: RequestState, handover: Handover, sender: InstanceState) -> None:

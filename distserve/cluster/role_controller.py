@@ -36,6 +36,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -322,9 +323,9 @@ class RoleController:
             return []
         return [r for r in self.finished if r.arrival >= self.settled_at]
 
-    def settle(self, arrivals_in_flight: list[float], now: float) -> None:
+    def settle(self, arrivals_in_flight: Iterable[float], now: float) -> None:
         """The layout has settled once no request that arrived before the last change is in flight."""
-        if self.settled_at is None and all(t >= self.last_change for t in arrivals_in_flight):
+        if all(t >= self.last_change for t in arrivals_in_flight):
             self.settled_at = self._recorded_until = now
 
     def record(self, layout: dict[str, Role], window: list[FinishedRequest], now: float) -> None:
@@ -356,7 +357,8 @@ class RoleController:
         orchestrator = self.orchestrator
         live = sorted((s for s in orchestrator.instances if s.failure is None), key=lambda s: -s.load_tokens)
         layout = {s.name: s.role for s in live}
-        self.settle([state.metrics.arrival_time for state in orchestrator.requests.values()], now)
+        if self.settled_at is None:
+            self.settle((state.metrics.arrival_time for state in orchestrator.requests.values()), now)
         window = self.window(now)
         self.record(layout, window, now)
         if now - self.last_change < config.min_dwell:
