@@ -1,11 +1,11 @@
 """The compiled paged decode kernel against SDPA over each sequence's K/V copied out of its blocks:
-grouped query heads, sliding windows, contexts from one token to many blocks, blocks anywhere."""
+grouped query heads, sliding windows, contexts from one token to many blocks (a window leaving whole blocks out), blocks anywhere."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from distserve.model_executor.attention import NO_WINDOW, _compiled_paged_decode
+from distserve.model_executor.attention import NO_WINDOW, DecodePlan, _compiled_paged_decode
 
 BLOCK_SIZE, NUM_BLOCKS, DIM = 16, 64, 32
 LENGTHS = [1, 16, 17, 100, 250]
@@ -19,14 +19,12 @@ def test_compiled_paged_decode_equals_sdpa_over_gathered_blocks(heads, kv_heads,
     v_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, DIM, generator=gen)
     free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in LENGTHS]
-    width = max(map(len, tables))
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])  # block 0 pads: masked out
+    plan = DecodePlan.build(tables, [n - 1 for n in LENGTHS], BLOCK_SIZE, "cpu")
     positions = torch.tensor(LENGTHS) - 1
+    oldest = positions - (NO_WINDOW if window is None else window - 1)
     q = torch.randn(len(LENGTHS), heads, DIM, generator=gen)
     scale = DIM**-0.5
-    out = _compiled_paged_decode(
-        q, k_cache, v_cache, padded, positions, BLOCK_SIZE, scale, NO_WINDOW if window is None else window
-    )
+    out = _compiled_paged_decode(q, k_cache, v_cache, plan, positions, oldest, BLOCK_SIZE, scale)
     for i, (n, table) in enumerate(zip(LENGTHS, tables)):
         k = k_cache.view(-1, BLOCK_SIZE, kv_heads, DIM)[table].flatten(0, 1)[:n]
         v = v_cache.view(-1, BLOCK_SIZE, kv_heads, DIM)[table].flatten(0, 1)[:n]

@@ -26,7 +26,7 @@ from distserve.engine.kv_hold import KVHold
 from distserve.engine.prefill_role import PrefillRole
 from distserve.engine.role import ColocatedRole, InstanceRole
 from distserve.model_executor.model_loader import ResolvedModel, load_tokenizer, resolve_model
-from distserve.model_executor.model_runner import BatchInput
+from distserve.model_executor.model_runner import BatchInput, SeqInput
 from distserve.parallel.ranks import check_parallel_config
 from distserve.scheduling.block_manager import BlockManager
 from distserve.scheduling.scheduler import Scheduler
@@ -67,6 +67,16 @@ class LLMEngine:
         scheduler = config.scheduler
         self.kv_hold = KVHold(scheduler.kv_hold_timeout, max(1, int(scheduler.kv_hold_fraction * num_blocks)))
         self.role = self._make_role(scheduler.role)
+        if config.model.attention_backend == "compiled":
+            self._compile_decode_kernel()
+
+    def _compile_decode_kernel(self) -> None:
+        """Run one decode step of two throw-away sequences, so that the compiled attention kernel
+        is built now (one to five seconds) and not inside the first request's latency. They write
+        the first slot of block 0, which holds nothing until the first request."""
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        seqs = [SeqInput([0], 0, [0], params, output_index=0) for _ in range(2)]
+        self.executor.execute_model(BatchInput(is_prefill=False, seqs=seqs, num_decode=len(seqs)))
 
     @property
     def scheduler(self) -> Scheduler:

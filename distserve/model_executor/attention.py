@@ -25,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 ATTN_IMPLEMENTATION = "distserve_paged"
-NO_WINDOW = 1 << 30  # a sliding window wider than any context: one compiled graph serves both kinds
+NO_WINDOW = 1 << 30  # a sliding window wider than any context
 
 
 @dataclass
@@ -39,6 +39,43 @@ class PrefillSeqMeta:
 
 
 @dataclass
+class DecodePlan:
+    """A decode batch's context as (sequence, block) pairs: the compiled kernel works over the
+    blocks that hold context only, not over every sequence padded to the longest one's blocks."""
+
+    pair_seq: torch.Tensor  # [pairs] the sequence each pair belongs to
+    pair_block: torch.Tensor  # [pairs] its cache block
+    pair_first: torch.Tensor  # [pairs] position of the block's first token
+    pair_index: torch.Tensor  # [batch, max_blocks] pair of each sequence's j-th block; past its end, ``pairs``
+
+    @classmethod
+    def build(cls, block_tables: list[list[int]], positions: list[int], block_size: int, device) -> DecodePlan:
+        counts = [p // block_size + 1 for p in positions]
+        width = max(counts)
+        pair_seq = [i for i, n in enumerate(counts) for _ in range(n)]
+        pair_block = [b for table, n in zip(block_tables, counts) for b in table[:n]]
+        pair_first = [j * block_size for n in counts for j in range(n)]
+        pairs, index, offset = len(pair_seq), [], 0
+        for n in counts:
+            index.append([*range(offset, offset + n), *[pairs] * (width - n)])
+            offset += n
+        plan = cls(
+            *(torch.tensor(x, dtype=torch.long, device=device) for x in (pair_seq, pair_block, pair_first, index))
+        )
+        mark_sizes_dynamic(plan.pair_seq, plan.pair_block, plan.pair_first, plan.pair_index)
+        torch._dynamo.decorators.mark_unbacked(plan.pair_index, 1)
+        return plan
+
+
+def mark_sizes_dynamic(*tensors: torch.Tensor) -> None:
+    """Let the first dimension of each take any size in the compiled kernel. Unbacked, not
+    merely dynamic: a dynamic size is still specialised when it is 1, and a process would compile
+    up to four kernels (one sequence or many, one block or many) instead of one."""
+    for t in tensors:
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+
+
+@dataclass
 class AttentionMetadata:
     is_prefill: bool  # whether prompt tokens run; with chunked prefill the first num_decode_tokens decode
     block_size: int
@@ -48,6 +85,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [batch, max_blocks], padded with block 0
     decode_mask: torch.Tensor | None = None  # [batch, 1, 1, max_blocks * block_size] valid context positions
     decode_positions: torch.Tensor | None = None  # [batch] position of each query token
+    decode_plan: DecodePlan | None = None  # the compiled kernel's view of the decode context
 
 
 class GatherBuffers:
@@ -162,11 +200,13 @@ def _decode_attention(q, k_cache, v_cache, scaling, sliding_window, gqa) -> torc
     meta = _context.metadata
     if _context.compiled_decode:
         scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-        window = NO_WINDOW if sliding_window is None else sliding_window
-        tables, positions = meta.decode_block_tables, meta.decode_positions
-        return _compiled_paged_decode(
-            q.transpose(0, 1), k_cache, v_cache, tables, positions, meta.block_size, scale, window
-        )
+        positions = meta.decode_positions
+        oldest = positions - (NO_WINDOW if sliding_window is None else sliding_window - 1)
+        # A fresh contiguous copy (small): with one sequence, the transposed view's strides differ
+        # from those of a larger batch, and the kernel would be compiled again for them.
+        q = q.transpose(0, 1).clone(memory_format=torch.contiguous_format)
+        mark_sizes_dynamic(q, positions, oldest)
+        return _compiled_paged_decode(q, k_cache, v_cache, meta.decode_plan, positions, oldest, meta.block_size, scale)
     qs = q.transpose(0, 1).unsqueeze(2)  # [batch, heads, 1, dim]
     ks, vs = _context.buffers.gather(k_cache, v_cache, meta.decode_block_tables, meta.block_size)
     ks = ks.flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, ctx, dim]
@@ -183,32 +223,45 @@ def paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
+    plan: DecodePlan,
     positions: torch.Tensor,
+    oldest: torch.Tensor,
     block_size: int,
     scale: float,
-    window: int,
 ) -> torch.Tensor:
-    """q ``[batch, heads, dim]`` over each sequence's context up to its position (and within
-    ``window``), K/V ``[slots, kv_heads, dim]`` read through ``block_tables`` ``[batch, blocks]``.
-    Plain tensor ops for ``torch.compile``, which fuses the indexing into the products: the
-    context is read where it is, not copied."""
-    batch, width = block_tables.shape
+    """q ``[batch, heads, dim]`` over each sequence's context from ``oldest`` to ``positions``
+    ``[batch]``, K/V ``[slots, kv_heads, dim]`` read in place block by block (``plan``).
+
+    Split by block, as flash-decoding splits the context: each block's scores give a partial
+    softmax (its maximum, sum and weighted values), and the partials of a sequence are combined
+    rescaled to their common maximum. Plain tensor ops for ``torch.compile``, which fuses the
+    block indexing into the products, so the context is read where it is and never copied."""
+    batch, heads = q.shape[0], q.shape[1]
     kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
-    k = k_cache.view(-1, block_size, kv_heads, dim)[block_tables].view(batch, width * block_size, kv_heads, dim)
-    v = v_cache.view(-1, block_size, kv_heads, dim)[block_tables].view(batch, width * block_size, kv_heads, dim)
-    q = q.reshape(batch, kv_heads, -1, dim)  # query heads grouped by the KV head they share
-    scores = torch.einsum("bkgd,btkd->bkgt", q, k) * scale
-    ctx = torch.arange(width * block_size, device=q.device)[None, :]
-    hidden = (ctx > positions[:, None]) | (ctx <= positions[:, None] - window)
+    k = k_cache.view(-1, block_size, kv_heads, dim)[plan.pair_block]  # [pairs, block, kv_heads, dim]
+    v = v_cache.view(-1, block_size, kv_heads, dim)[plan.pair_block]
+    q = q.view(batch, kv_heads, heads // kv_heads, dim)[plan.pair_seq]  # query heads grouped by their KV head
+    scores = torch.einsum("pkgd,ptkd->pkgt", q, k) * scale
+    token = plan.pair_first[:, None] + torch.arange(block_size, device=q.device)[None, :]
+    hidden = (token > positions[plan.pair_seq, None]) | (token < oldest[plan.pair_seq, None])
     scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
-    out = torch.einsum("bkgt,btkd->bkgd", scores.softmax(-1), v)
-    return out.reshape(batch, -1, dim)
+    block_max = scores.amax(-1)  # -inf for a block wholly outside the window
+    weights = torch.exp(scores - torch.where(block_max == float("-inf"), 0.0, block_max)[..., None])
+    block_sum = weights.sum(-1)
+    block_out = torch.einsum("pkgt,ptkd->pkgd", weights, v)
+    # Combine each sequence's blocks: [batch, max_blocks, kv_heads, group], padding masked out.
+    present = plan.pair_index < plan.pair_seq.shape[0]
+    index = torch.where(present, plan.pair_index, 0)
+    maxes = torch.where(present[:, :, None, None], block_max[index], float("-inf"))
+    rescale = torch.exp(maxes - maxes.amax(1, keepdim=True))
+    total = (rescale * block_sum[index]).sum(1)
+    out = (rescale[..., None] * block_out[index]).sum(1) / total[..., None]
+    return out.view(batch, heads, dim)
 
 
-# Automatic dynamic shapes: batch and table width become symbolic after the first change, while
-# the block size, scale and window stay constants; with every size symbolic (dynamic=True) the
-# kernel was 2.7x slower at 64 sequences.
+# The batch, pair and block counts are symbolic (``mark_sizes_dynamic``) while the model's
+# shapes, block size and scale stay constants: one kernel per model. With every size symbolic
+# (dynamic=True) the kernel was 2.7x slower.
 _compiled_paged_decode = torch.compile(paged_decode)
 
 

@@ -13,6 +13,7 @@ from distserve.core.sampling_params import SamplingParams
 from distserve.core.sequence import Sequence
 from distserve.model_executor.attention import (
     AttentionMetadata,
+    DecodePlan,
     ForwardContext,
     GatherBuffers,
     PrefillSeqMeta,
@@ -149,23 +150,24 @@ class ModelRunner:
         return self._tensor(input_ids), torch.cat(position_chunks), meta, self._tensor(last_rows)
 
     def prepare_decode(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
-        """One new token per sequence; context K/V are gathered through padded block tables."""
+        """One new token per sequence, attending over its context through its block table: as
+        (sequence, block) pairs for the compiled kernel, as padded tables and a mask for SDPA."""
         bs = self.block_size
         positions = [seq.start for seq in seqs]
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
-        width = max(len(seq.block_table) for seq in seqs)
-        tables = self._tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs])
         positions_t = self._tensor(positions)
-        grid = torch.arange(width * bs, device=self.device)
-        mask = (grid[None, :] <= positions_t[:, None])[:, None, None, :]
         meta = AttentionMetadata(
-            is_prefill=False,
-            block_size=bs,
-            slot_mapping=self._tensor(slots),
-            decode_block_tables=tables,
-            decode_mask=mask,
-            decode_positions=positions_t,
+            is_prefill=False, block_size=bs, slot_mapping=self._tensor(slots), decode_positions=positions_t
         )
+        if self.compiled_decode:
+            meta.decode_plan = DecodePlan.build([seq.block_table for seq in seqs], positions, bs, self.device)
+        else:
+            width = max(len(seq.block_table) for seq in seqs)
+            meta.decode_block_tables = self._tensor(
+                [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
+            )
+            grid = torch.arange(width * bs, device=self.device)
+            meta.decode_mask = (grid[None, :] <= positions_t[:, None])[:, None, None, :]
         return self._tensor([seq.input_token_ids[-1] for seq in seqs]), positions_t, meta, None
 
     @torch.inference_mode()
