@@ -18,7 +18,7 @@ from distserve.core.role import ROLES, Role
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("sdpa", "compiled")
+ATTENTION_BACKENDS = ("auto", "compiled", "sdpa")
 POLICIES = ("fcfs", "sjf", "priority")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -39,9 +39,10 @@ class ModelConfig:
     seed: int = option(0, "seed for dummy weights and unseeded sampling")
     max_model_len: int | None = option(None, "context length limit (default: the model's)")
     attention_backend: str = option(
-        "sdpa",
-        "decode attention: 'sdpa' over K/V copied out of the blocks, 'compiled' reading the blocks in place "
-        "(torch.compile; faster on CPU, compiles for a few seconds at an instance's first decode step)",
+        "auto",
+        "decode attention: 'compiled' reads K/V in place in the blocks (torch.compile, built in 1-5 s at "
+        "start-up), 'sdpa' runs SDPA over K/V copied out of them; 'auto' is compiled on CPU when a C++ "
+        "compiler is found, else sdpa",
         ATTENTION_BACKENDS,
     )
 

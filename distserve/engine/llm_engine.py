@@ -67,13 +67,12 @@ class LLMEngine:
         scheduler = config.scheduler
         self.kv_hold = KVHold(scheduler.kv_hold_timeout, max(1, int(scheduler.kv_hold_fraction * num_blocks)))
         self.role = self._make_role(scheduler.role)
-        if config.model.attention_backend == "compiled":
-            self._compile_decode_kernel()
+        self._warm_up()
 
-    def _compile_decode_kernel(self) -> None:
-        """Run one decode step of two throw-away sequences, so that the compiled attention kernel
-        is built now (one to five seconds) and not inside the first request's latency. They write
-        the first slot of block 0, which holds nothing until the first request."""
+    def _warm_up(self) -> None:
+        """Run one decode step of two throw-away sequences, so that its one-time costs (building
+        the compiled attention kernel: one to five seconds on CPU) are paid now and not inside the
+        first request's latency. They write the first slot of block 0, which holds nothing yet."""
         params = SamplingParams(max_tokens=1, temperature=0.0)
         seqs = [SeqInput([0], 0, [0], params, output_index=0) for _ in range(2)]
         self.executor.execute_model(BatchInput(is_prefill=False, seqs=seqs, num_decode=len(seqs)))

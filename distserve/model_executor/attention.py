@@ -265,6 +265,22 @@ def paged_decode(
 _compiled_paged_decode = torch.compile(paged_decode)
 
 
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """``auto``: the compiled kernel on CPU, where it was measured faster (1.4-1.5x offline
+    throughput), if inductor finds the C++ compiler it needs; SDPA elsewhere."""
+    if backend != "auto":
+        return backend
+    if device.type != "cpu":
+        return "sdpa"
+    from torch._inductor import cpp_builder, exc  # imported here: 0.7 s that SDPA users need not pay
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        return "sdpa"
+    return "compiled"
+
+
 def _causal_mask(query_len: int, context_len: int, sliding_window: int | None, device) -> torch.Tensor:
     """``[query_len, context_len]``: query i sits at position ``context_len - query_len + i``."""
     q_pos = torch.arange(context_len - query_len, context_len, device=device)[:, None]
