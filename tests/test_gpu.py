@@ -14,10 +14,13 @@ pytestmark = [
 LENGTHS = [1, 9, 33, 64, 120, 200, 17, 80]
 
 
+@pytest.mark.parametrize("attention_backend", ["sdpa", "compiled"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_float32_greedy_equals_transformers_on_cuda(family, reference_model):
+def test_float32_greedy_equals_transformers_on_cuda(family, attention_backend, reference_model):
     model = reference_model(family).to("cuda")
-    llm = LLM(family, device="cuda", dtype="float32", block_size=8, num_kv_blocks=40)
+    llm = LLM(
+        family, device="cuda", dtype="float32", block_size=8, num_kv_blocks=40, attention_backend=attention_backend
+    )
     prompts = random_prompts(LENGTHS, model.config.vocab_size)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     for prompt, out in zip(prompts, outputs):
