@@ -182,8 +182,11 @@ def make_engines(**options) -> tuple[LLMEngine, LLMEngine, InProcessPuller]:
     return prefill, decode, puller
 
 
-def serve(prefill, decode, puller, builders: dict[str, OutputBuilder], pull: bool = True) -> dict[str, RequestOutput]:
-    """Step both engines until every request has finished; the final outputs."""
+def serve(
+    prefill, decode, puller, builders: dict[str, OutputBuilder], pull: bool = True, handed_on: set[str] | None = None
+) -> dict[str, RequestOutput]:
+    """Step both engines until every request has finished; the final outputs. ``handed_on``
+    collects the ids of the requests handed from one to the other."""
     finals: dict[str, RequestOutput] = {}
     while len(finals) < len(builders):
         deltas = prefill.tick() + prefill.step() + decode.tick() + (puller.complete() if pull else []) + decode.step()
@@ -191,6 +194,8 @@ def serve(prefill, decode, puller, builders: dict[str, OutputBuilder], pull: boo
             output = builders[delta.request_id].add(delta)
             if delta.handover is not None:
                 decode.add_handover(delta.handover)
+                if handed_on is not None:
+                    handed_on.add(delta.request_id)
             if output.finished:
                 finals[delta.request_id] = output
     return finals
@@ -336,6 +341,36 @@ def test_a_role_change_adopts_hands_on_and_gives_back_what_it_must(llama):
             output = kept.add(delta)
     assert output.output_token_ids == reference_greedy(llama, prompts[0], 16)
     assert_engine_idle(other)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_prefill_role_can_finish_the_decoding_it_held_as_colocated(llama, chunked):
+    """With ``finish_decoding_as_prefill``, colocated -> prefill hands nothing on at the change:
+    the requests decoding go on here to their end, beside the new prompts, each of which is handed
+    on after its first token. Outputs stay greedy, and nothing is left in use."""
+    options = {"finish_decoding_as_prefill": True, "max_num_batched_tokens": 64, "enable_chunked_prefill": chunked}
+    engine, decode, puller = make_engines(**options)
+    engine.change_role(Role.COLOCATED)
+    prompts = random_prompts([20, 30, 50, 90], llama.config.vocab_size, seed=12)
+    builders = {}
+    for i, prompt in enumerate(prompts[:2]):
+        engine.add_request(prompt, SamplingParams(max_tokens=16, temperature=0.0), f"r{i}")
+        builders[f"r{i}"] = OutputBuilder(f"r{i}", None, prompt)
+    for _ in range(3):
+        for delta in engine.step():
+            builders[delta.request_id].add(delta)
+    assert engine.scheduler.num_running == 2
+    assert engine.change_role(Role.PREFILL) == [] and not len(engine.kv_hold)
+    for i, prompt in enumerate(prompts[2:], start=2):
+        engine.add_request(prompt, SamplingParams(max_tokens=16, temperature=0.0), f"r{i}")
+        builders[f"r{i}"] = OutputBuilder(f"r{i}", None, prompt)
+    handed_on = set()
+    finals = serve(engine, decode, puller, builders, handed_on=handed_on)
+    assert handed_on == {"r2", "r3"}  # r0 and r1 were decoded to their end where they were
+    for i, prompt in enumerate(prompts):
+        assert finals[f"r{i}"].output_token_ids == reference_greedy(llama, prompt, 16), f"r{i}"
+    for e in (engine, decode):
+        assert_engine_idle(e)
 
 
 def test_kv_held_for_decode_is_decoded_in_place_once_its_holder_is_colocated(llama):

@@ -107,6 +107,11 @@ class SchedulerConfig:
         "prefill instances: seconds a prefilled request's KV waits for a decode instance to pull it; "
         "then its blocks are freed and the request is reported failed (the orchestrator re-runs it)",
     )
+    finish_decoding_as_prefill: bool = option(
+        False,
+        "an instance that becomes a prefill instance decodes the requests it was decoding to their end, "
+        "beside the new prompts it hands on (off: it hands them on to decode instances at once)",
+    )
 
     def __post_init__(self) -> None:
         self.role = Role.parse(self.role)

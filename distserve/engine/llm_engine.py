@@ -94,21 +94,23 @@ class LLMEngine:
                 ids.update(value)
         return frozenset(ids)
 
-    def _make_role(self, role: Role) -> InstanceRole:
+    def _make_role(self, role: Role, finishing: bool = False) -> InstanceRole:
         role_class = ROLE_CLASSES[role]
         # Prefix caching follows the role: a decode role must not share blocks whose KV is still arriving.
         self.block_manager.set_prefix_caching(self.config.cache.enable_prefix_caching and role_class.prefix_caching)
-        return role_class(self)
+        return role_class(self, finishing=True) if finishing else role_class(self)
 
     def change_role(self, role: Role | str) -> list[RequestDelta]:
         """Play ``role`` from now on, keeping the weights, the KV cache and the executor; call between
         steps, once ``role.ready_to_leave()``. The new role adopts the requests it can serve; the
         others leave with a delta: a decoding request the new role cannot decode is handed on with
-        its KV (the delta carries the hand-over), and one it cannot run here at all (a prompt a
+        its KV (the delta carries the hand-over), unless ``finish_decoding_as_prefill`` has the new
+        prefill role decode it to its end here, and one it cannot run here at all (a prompt a
         decode role will not prefill, a prompt part-way through its chunks, a preempted request a
         prefill role cannot decode) ends with ``finish_reason="requeue"``, to run elsewhere."""
         role = Role.parse(role)
         old, new_class = self.role, ROLE_CLASSES[role]
+        finish_here = new_class.decodes or self.config.scheduler.finish_decoding_as_prefill
         if not old.ready_to_leave():
             raise RuntimeError(f"{self.name} is still taking requests over: it cannot leave {old.role} yet")
         kept_waiting, kept_running, requeued, deltas = [], [], [], []
@@ -118,14 +120,14 @@ class LLMEngine:
         for seq in old.scheduler.running_seqs():
             if not seq.num_output_tokens or seq.num_computed_tokens < seq.num_tokens - 1:
                 requeued.append(seq)  # part-way through its prompt's (or a recompute's) chunks
-            elif new_class.decodes:
+            elif finish_here:
                 kept_running.append(seq)
             else:
                 old.scheduler.finish_running(seq)  # its blocks go to the hold, not back to the pool
                 deltas.append(self._delta(seq, [], "", self.hand_off(seq)))
         deltas += [self.finish(seq, "requeue") for seq in requeued]
         self.config = dataclasses.replace(self.config, scheduler=dataclasses.replace(self.config.scheduler, role=role))
-        self.role = self._make_role(role)
+        self.role = self._make_role(role, finishing=bool(kept_running) and not new_class.decodes)
         for seq in kept_waiting:
             if seq.num_output_tokens:  # preempted while decoding: recomputed before new prompts
                 self.role.scheduler.waiting.resume(seq)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from distserve.core.handover import Handover
 from distserve.core.role import Role
 from distserve.core.sequence import Sequence
-from distserve.engine.role import InstanceRole, RoleStats
+from distserve.engine.role import InstanceRole, RoleStats, colocated_scheduler
 from distserve.scheduling.scheduler import PrefillOnlyScheduler, ScheduledBatch
 
 if TYPE_CHECKING:
@@ -21,8 +21,15 @@ class PrefillRole(InstanceRole):
     role = Role.PREFILL
     decodes = False
 
-    def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine, PrefillOnlyScheduler(engine.config.scheduler, engine.block_manager))
+    def __init__(self, engine: LLMEngine, finishing: bool = False) -> None:
+        """``finishing``: the engine leaves colocated with requests still decoding, which this role
+        decodes to their end (``finish_decoding_as_prefill``). Until its next role change it
+        schedules as a colocated instance, so their tokens run beside the new prompts, and it
+        hands every new prompt on after its first token, so no request joins them."""
+        config = engine.config.scheduler
+        scheduler = colocated_scheduler if finishing else PrefillOnlyScheduler
+        super().__init__(engine, scheduler(config, engine.block_manager))
+        self.finishing = finishing
         self.num_throttled_steps = 0
 
     def schedule(self) -> ScheduledBatch:
@@ -32,6 +39,8 @@ class PrefillRole(InstanceRole):
         return super().schedule()
 
     def after_prefill(self, seq: Sequence) -> Handover:
+        if self.finishing:
+            self.scheduler.finish_running(seq)
         return self.engine.hand_off(seq)
 
     def stats(self) -> RoleStats:

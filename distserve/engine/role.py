@@ -24,7 +24,9 @@ from distserve.scheduling.scheduler import (
 )
 
 if TYPE_CHECKING:
+    from distserve.core.config import SchedulerConfig
     from distserve.engine.llm_engine import LLMEngine
+    from distserve.scheduling.block_manager import BlockManager
 
 
 @dataclass
@@ -104,12 +106,16 @@ class InstanceRole:
         raise self._not_this_role("only decode instances pull KV")
 
 
+def colocated_scheduler(config: SchedulerConfig, block_manager: BlockManager) -> Scheduler:
+    """A scheduler of both phases: chunked prefill or prefill-first, as configured."""
+    scheduler = ChunkedPrefillScheduler if config.enable_chunked_prefill else PrefillFirstScheduler
+    return scheduler(config, block_manager)
+
+
 class ColocatedRole(InstanceRole):
     """Both phases of its own requests in one instance: the vLLM-style baseline."""
 
     role = Role.COLOCATED
 
     def __init__(self, engine: LLMEngine) -> None:
-        config = engine.config.scheduler
-        scheduler = ChunkedPrefillScheduler if config.enable_chunked_prefill else PrefillFirstScheduler
-        super().__init__(engine, scheduler(config, engine.block_manager))
+        super().__init__(engine, colocated_scheduler(engine.config.scheduler, engine.block_manager))
