@@ -195,6 +195,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="bisection steps per goodput")
     parser.add_argument("--slos-from", type=Path, help="take the SLOs from an earlier run's summary.json")
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
+    parser.add_argument("--finish-decoding-as-prefill", action="store_true",
+                        help="adaptive and oracle: an instance becoming prefill decodes what it held to the end")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--out", type=Path, default=Path("results/adaptive-roles"))
     parser.add_argument("--report", action="store_true", help="only print and plot the summary.json in --out")
@@ -232,6 +234,8 @@ def main() -> None:
         print("SLOs (TTFT, TPOT) ms: " + ", ".join(f"{c} {t * 1e3:.1f}/{p * 1e3:.2f}" for c, (t, p) in slos.items()))
         for name in args.deployments.split(","):
             pools = dict(DEPLOYMENTS[name])
+            if args.finish_decoding_as_prefill and name in ("adaptive", "oracle"):
+                pools["finish_decoding_as_prefill"] = True
             control = {}
             if name == "adaptive":
                 control["role_control"] = {"mode": "adaptive", "slo_ttft": slos["long"][0], "slo_tpot": slos["long"][1],
