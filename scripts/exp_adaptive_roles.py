@@ -11,7 +11,10 @@ decode) and **adaptive** (starts as 1 prefill + 1 decode, chunked prefill whenev
 latencies, ``--ttft-scale`` x the median TTFT and ``--tpot-scale`` x the median TPOT (or per class,
 ``--class-scales``). Requests
 carry their class's SLOs, by which the controller and the attainment judge them. Goodput is the
-highest Poisson rate at which ``--target`` of the requests meet both of their SLOs (bisection).
+highest Poisson rate at which ``--target`` of the requests meet both of their SLOs: by bisection,
+or with ``--rates`` over a fixed grid probed ``--repeats`` times (the highest rate at which, and
+below which everywhere, the pooled probes meet the target), which one unlucky probe cannot throw
+into the wrong half of the range.
 The alternating workload switches class every ``--phase-seconds``; its probes last ``--cycles``
 cycles (long, then short).
 Before a workload is measured, every deployment serves it at a quarter of ``--rate-high``: a
@@ -117,13 +120,22 @@ async def _drive(args: argparse.Namespace) -> None:
 
 
 def probe(
-    address: str, workload: str, rate: float, seconds: float, phase: float, slos: dict, out: Path, oracle: bool
+    address: str,
+    workload: str,
+    rate: float,
+    seconds: float,
+    phase: float,
+    slos: dict,
+    out: Path,
+    oracle: bool,
+    seed: int = 0,
 ) -> dict:
-    """One run of the load at ``rate``: its attainment, per class too."""
+    """One run of the load at ``rate`` (arrivals and prompts drawn from ``seed``): its attainment,
+    per class too."""
     command = [
         sys.executable, __file__, "drive", "--server", address, "--workload", workload, "--rate", str(rate),
         "--seconds", str(seconds), "--phase", str(phase), "--slos", json.dumps(slos), "--out", str(out),
-        *(["--oracle"] if oracle else []),
+        "--seed", str(seed), *(["--oracle"] if oracle else []),
     ]  # fmt: skip
     subprocess.run(command, check=True)
     records = json.loads(out.read_text())
@@ -156,6 +168,31 @@ def goodput(run_probe, low: float, high: float, steps: int, target: float) -> tu
         else:
             high = rate
     return best, probes
+
+
+def grid_goodput(run_probe, rates: list[float], repeats: int, target: float) -> tuple[float, list[dict]]:
+    """Every rate of the grid ``repeats`` times (rates in turn, each repeat with other arrivals):
+    the highest rate at which, and below which everywhere, the requests of all its probes together
+    meet ``target``; and every probe. Unlike a bisection, one unlucky probe moves the result by one
+    grid step at most, not into the other half of the range."""
+    probes = [run_probe(rate, seed=repeat) for repeat in range(repeats) for rate in rates]
+    best = 0.0
+    for rate, met in pooled(probes):
+        if met < target:
+            break
+        best = rate
+    return best, probes
+
+
+def pooled(probes: list[dict]) -> list[tuple[float, float]]:
+    """(rate, attainment of the requests of all its probes together), by rate."""
+    by_rate: dict[float, list[dict]] = {}
+    for p in probes:
+        by_rate.setdefault(p["rate"], []).append(p)
+    return [
+        (rate, sum(p["attainment"] * p["requests"] for p in mine) / max(1, sum(p["requests"] for p in mine)))
+        for rate, mine in sorted(by_rate.items())
+    ]
 
 
 # The experiment ----------------------------------------------------------------------------------
@@ -193,6 +230,8 @@ def main() -> None:
                         help="load at a quarter of --rate-high before a single-class workload is measured "
                              "(an alternating one: a cycle)")
     parser.add_argument("--steps", type=int, default=5, help="bisection steps per goodput")
+    parser.add_argument("--rates", default="", help="probe this grid of rates (comma-separated) instead of bisecting")
+    parser.add_argument("--repeats", type=int, default=2, help="with --rates: probes per rate, other arrivals each")
     parser.add_argument("--slos-from", type=Path, help="take the SLOs from an earlier run's summary.json")
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     parser.add_argument("--finish-decoding-as-prefill", action="store_true",
@@ -246,17 +285,25 @@ def main() -> None:
                     seconds = 2 * args.cycles * args.phase_seconds if workload == "alternating" else args.probe_seconds
 
                     def run_probe(
-                        rate: float, workload: str = workload, seconds: float = seconds, oracle: bool = name == "oracle"
+                        rate: float,
+                        workload: str = workload,
+                        seconds: float = seconds,
+                        oracle: bool = name == "oracle",
+                        seed: int = 0,
                     ) -> dict:
                         return probe(running.grpc_address, workload, rate, seconds, args.phase_seconds, slos,
-                                     scratch, oracle)  # fmt: skip
+                                     scratch, oracle, seed)  # fmt: skip
 
                     # Adaptive roles settle into a steady workload's layout, and see each class of an
                     # alternating one (a cycle), before it is measured.
                     warmup = 2 * args.phase_seconds if workload == "alternating" else args.warmup_seconds
                     run_probe(args.rate_high / 4, seconds=warmup)
 
-                    best, probes = goodput(run_probe, 0.0, args.rate_high, args.steps, args.target)
+                    if args.rates:
+                        rates = [float(r) for r in args.rates.split(",")]
+                        best, probes = grid_goodput(run_probe, rates, args.repeats, args.target)
+                    else:
+                        best, probes = goodput(run_probe, 0.0, args.rate_high, args.steps, args.target)
                     changes = running.cluster.role_changes if name in ("adaptive", "oracle") else []
                     results.setdefault(workload, {})[name] = {
                         "goodput": best, "probes": probes,
@@ -278,7 +325,7 @@ def report(summary: dict, out: Path) -> None:
     print(f"\n{'workload':<12}" + "".join(f" {d:>13}" for d in results[next(iter(results))]))
     for workload, by_deployment in results.items():
         print(f"{workload:<12}" + "".join(f" {r['goodput']:>13.3g}" for r in by_deployment.values()))
-        series = {name: sorted((p["rate"], p["attainment"]) for p in r["probes"]) for name, r in by_deployment.items()}
+        series = {name: pooled(r["probes"]) for name, r in by_deployment.items()}
         slos = ", ".join(f"{c} {t * 1e3:.0f}/{p * 1e3:.1f} ms" for c, (t, p) in summary["slos"].items())
         title = f"{summary['model']}, {workload} prompts, 2 instances\nSLOs (TTFT/TPOT): {slos}"
         print(f"  {plot_attainment_vs_rate(series, summary['target'], out / f'{workload}-rate.png', title)}")
