@@ -6,11 +6,11 @@ prefix + new tokens), decode as one batched call over K/V gathered through the b
 The batch's metadata reaches the layers through a per-forward context, because transformers
 calls the attention function with the model's own arguments only.
 
-Decode attention has two implementations, chosen by ``attention_backend``: ``sdpa`` copies each
-sequence's blocks into a padded buffer and runs SDPA over it (the reference, and the default),
-``compiled`` reads K/V through the block tables inside one compiled kernel (``torch.compile``),
-so the context is read once and never copied: about twice as fast on CPU at 32-64 sequences,
-after a compile of a few seconds at the first decode step of each process.
+Decode attention has two implementations, chosen by ``attention_backend``: ``compiled`` (the
+default on CPU) reads K/V block by block where they sit, in one kernel ``torch.compile`` builds
+once per model when the engine starts; ``sdpa`` (the reference, and the choice off CPU) copies
+each sequence's blocks into a padded buffer and runs SDPA over it. On CPU the compiled kernel
+halves decode step time at 57-64 sequences.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def keep_freed_memory() -> None:
 
     A prefill step allocates and frees activations of tens of MiB. By default glibc returns them
     to the OS, and the next step faults every page in again: measured, prefill steps of 4096
-    tokens took 1.15-1.53 s with a million page faults per run, and 1.13 s steadily with this.
+    tokens took 1.15-1.53 s with up to 1.6 million page faults per run, and 1.14-1.22 s with this.
     The process keeps its peak activation memory, which the next step needs anyway.
     """
     try:
