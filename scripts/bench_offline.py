@@ -47,10 +47,12 @@ from distserve.core.step_metrics import PHASES, StepRecord
 from distserve.engine.llm_engine import LLMEngine
 from distserve.model_executor.tiny_models import train_tokenizer
 
-# distserve: the engine as configured by default (on CPU, decode attention by the compiled kernel
-# that reads the blocks in place); distserve-sdpa: decode attention over K/V copied out of the
-# blocks, then SDPA, the engine's reference path.
-SYSTEMS = ("distserve", "distserve-sdpa", "hf-cb", "hf-static")
+# distserve: the engine as configured by default (on CPU in float32, decode attention by the C++
+# kernel that reads the blocks in place); distserve-compiled: by the torch.compile kernel that
+# reads them in place too; distserve-sdpa: over K/V copied out of the blocks, then SDPA, the
+# engine's reference path.
+ENGINE_BACKENDS = {"distserve": "auto", "distserve-compiled": "compiled", "distserve-sdpa": "sdpa"}
+SYSTEMS = (*ENGINE_BACKENDS, "hf-cb", "hf-static")
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
 NO_EOS = -1  # an id no model produces: transformers CB then never stops a request early
@@ -250,7 +252,7 @@ def run_engine(engine: LLMEngine, requests: list[Request]) -> list[list[int]]:
 def bench_distserve(
     model_dir: Path, requests: list[Request], warmup: list[Request], args: argparse.Namespace, system: str
 ) -> Result:
-    engine = build_engine(model_dir, requests + warmup, args, "sdpa" if system == "distserve-sdpa" else "auto")
+    engine = build_engine(model_dir, requests + warmup, args, ENGINE_BACKENDS[system])
     run_engine(engine, warmup)
     skip = len(engine.stats.records)
     start = time.perf_counter()
@@ -499,7 +501,7 @@ def run_systems(
         benches: dict[str, Callable[[], Result]] = {
             **{
                 system: lambda system=system: bench_distserve(model_dir(), requests, warmup, args, system)
-                for system in ("distserve", "distserve-sdpa")
+                for system in ENGINE_BACKENDS
             },
             "hf-cb": lambda: bench_hf_cb(model, requests, warmup, args),
             "hf-static": lambda: bench_hf_static(model, requests, warmup, args),

@@ -20,7 +20,7 @@ def _check(llm, model, prompts, max_tokens):
     return outputs
 
 
-@pytest.mark.parametrize("attention_backend", ["compiled", "sdpa"])
+@pytest.mark.parametrize("attention_backend", ["cpp", "compiled", "sdpa"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plain_batch(family, attention_backend, reference_model):
     model = reference_model(family)

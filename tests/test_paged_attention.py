@@ -1,6 +1,7 @@
-"""The compiled paged decode kernel against SDPA over each sequence's K/V copied out of its blocks:
-grouped query heads, sliding windows (leaving whole blocks out), contexts from one token to many
-blocks, blocks anywhere; and the one kernel an engine builds at start-up."""
+"""The in-place paged decode kernels (C++ and compiled) against SDPA over each sequence's K/V
+copied out of its blocks: grouped query heads, sliding windows (leaving whole blocks out), contexts
+from one token to many blocks, blocks anywhere; how ``auto`` chooses, and what happens without a
+compiler; and the one compiled kernel an engine builds at start-up."""
 
 import pytest
 import torch
@@ -8,34 +9,47 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from distserve import LLM, SamplingParams
+from distserve.model_executor import cpu_kernel
 from distserve.model_executor.attention import (
     NO_WINDOW,
     DecodePlan,
     _compiled_paged_decode,
     resolve_attention_backend,
 )
+from distserve.model_executor.cpu_kernel import KernelUnavailable, paged_decode_cpu
 
 BLOCK_SIZE, NUM_BLOCKS, DIM = 16, 64, 32
 LENGTHS = [1, 16, 17, 100, 250]
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def _compiled(q, k_cache, v_cache, tables, positions, oldest, scale):
+    plan = DecodePlan.build(tables, positions.tolist(), BLOCK_SIZE, "cpu")
+    return _compiled_paged_decode(q, k_cache, v_cache, plan, positions, oldest, BLOCK_SIZE, scale)
+
+
+def _cpp(q, k_cache, v_cache, tables, positions, oldest, scale):
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return paged_decode_cpu(q, k_cache, v_cache, padded, positions, oldest, BLOCK_SIZE, scale)
+
+
+@pytest.mark.parametrize("kernel", [_cpp, _compiled], ids=["cpp", "compiled"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, DIM), (8, 2, DIM), (4, 2, 64), (2, 1, 128)])
 @pytest.mark.parametrize("window", [None, 40])
-def test_compiled_paged_decode_equals_sdpa_over_gathered_blocks(heads, kv_heads, window):
+def test_paged_decode_equals_sdpa_over_gathered_blocks(kernel, heads, kv_heads, dim, window):
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, DIM, generator=gen)
-    v_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, DIM, generator=gen)
+    k_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen)
     free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in LENGTHS]
-    plan = DecodePlan.build(tables, [n - 1 for n in LENGTHS], BLOCK_SIZE, "cpu")
     positions = torch.tensor(LENGTHS) - 1
     oldest = positions - (NO_WINDOW if window is None else window - 1)
-    q = torch.randn(len(LENGTHS), heads, DIM, generator=gen)
-    scale = DIM**-0.5
-    out = _compiled_paged_decode(q, k_cache, v_cache, plan, positions, oldest, BLOCK_SIZE, scale)
+    q = torch.randn(len(LENGTHS), heads, dim, generator=gen)
+    scale = dim**-0.5
+    out = kernel(q, k_cache, v_cache, tables, positions, oldest, scale)
     for i, (n, table) in enumerate(zip(LENGTHS, tables)):
-        k = k_cache.view(-1, BLOCK_SIZE, kv_heads, DIM)[table].flatten(0, 1)[:n]
-        v = v_cache.view(-1, BLOCK_SIZE, kv_heads, DIM)[table].flatten(0, 1)[:n]
+        k = k_cache.view(-1, BLOCK_SIZE, kv_heads, dim)[table].flatten(0, 1)[:n]
+        v = v_cache.view(-1, BLOCK_SIZE, kv_heads, dim)[table].flatten(0, 1)[:n]
         first = 0 if window is None else max(0, n - window)
         expected = F.scaled_dot_product_attention(
             q[i][:, None], k[first:].transpose(0, 1), v[first:].transpose(0, 1), scale=scale, enable_gqa=True
@@ -43,10 +57,53 @@ def test_compiled_paged_decode_equals_sdpa_over_gathered_blocks(heads, kv_heads,
         torch.testing.assert_close(out[i], expected[:, 0], atol=1e-5, rtol=1e-5)
 
 
-def test_auto_backend_is_compiled_on_cpu_and_sdpa_on_cuda():
-    assert resolve_attention_backend("auto", torch.device("cpu")) == "compiled"
-    assert resolve_attention_backend("auto", torch.device("cuda")) == "sdpa"
-    assert resolve_attention_backend("sdpa", torch.device("cpu")) == "sdpa"
+def test_auto_backend_is_cpp_for_float32_on_cpu_compiled_for_other_dtypes_and_sdpa_on_cuda():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_attention_backend("auto", cpu, torch.float32) == "cpp"
+    assert resolve_attention_backend("auto", cpu, torch.bfloat16) == "compiled"
+    assert resolve_attention_backend("auto", cuda, torch.float32) == "sdpa"
+    assert resolve_attention_backend("sdpa", cpu, torch.float32) == "sdpa"
+    with pytest.raises(ValueError, match="'cpp' runs on CPU in float32"):
+        resolve_attention_backend("cpp", cpu, torch.bfloat16)
+
+
+@pytest.fixture
+def fresh_kernel_build(tmp_path, monkeypatch):
+    """The kernel built anew, into an empty cache, by whatever compiler the test leaves."""
+    monkeypatch.setenv("DISTSERVE_CACHE", str(tmp_path))
+    cpu_kernel.load_kernel.cache_clear()
+    yield tmp_path
+    cpu_kernel.load_kernel.cache_clear()
+
+
+def test_the_kernel_is_built_once_into_the_cache(fresh_kernel_build):
+    cpu_kernel.load_kernel()
+    built = list((fresh_kernel_build / "kernels").glob("paged_decode-*.so"))
+    assert len(built) == 1
+    cpu_kernel.load_kernel.cache_clear()
+    cpu_kernel.load_kernel()  # a second process finds it: nothing built
+    assert list((fresh_kernel_build / "kernels").iterdir()) == built
+
+
+def test_without_a_compiler_auto_falls_back_to_sdpa_and_cpp_says_why(fresh_kernel_build, tmp_path, monkeypatch):
+    from torch._inductor import cpp_builder
+
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no compiler anywhere
+    cpp_builder.cpp_compiler_search.cache_clear()  # inductor remembers the compiler it found
+    try:
+        assert resolve_attention_backend("auto", torch.device("cpu"), torch.float32) == "sdpa"
+        with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler found"):
+            resolve_attention_backend("cpp", torch.device("cpu"), torch.float32)
+    finally:
+        cpp_builder.cpp_compiler_search.cache_clear()
+
+
+def test_a_failed_build_says_why(fresh_kernel_build, monkeypatch):
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
+    with pytest.raises(KernelUnavailable, match="building paged_decode.cpp failed"):
+        cpu_kernel.load_kernel()
+    assert not list((fresh_kernel_build / "kernels").glob("*.so"))  # no half-built library left
 
 
 def test_one_kernel_built_at_start_up_serves_every_batch_shape():

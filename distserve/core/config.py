@@ -18,7 +18,7 @@ from distserve.core.role import ROLES, Role
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "compiled", "sdpa")
+ATTENTION_BACKENDS = ("auto", "cpp", "compiled", "sdpa")
 POLICIES = ("fcfs", "sjf", "priority")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -40,9 +40,10 @@ class ModelConfig:
     max_model_len: int | None = option(None, "context length limit (default: the model's)")
     attention_backend: str = option(
         "auto",
-        "decode attention: 'compiled' reads K/V in place in the blocks (torch.compile, built in 1-5 s at "
-        "start-up), 'sdpa' runs SDPA over K/V copied out of them; 'auto' is compiled on CPU when a C++ "
-        "compiler is found, else sdpa",
+        "decode attention: 'cpp' reads K/V in place in the blocks (a C++ kernel for CPU and float32, "
+        "built once per machine in about a second), 'compiled' too (torch.compile, built in 1-5 s at "
+        "start-up), 'sdpa' runs SDPA over K/V copied out of them; 'auto' is cpp on CPU in float32 when "
+        "a C++ compiler is found, compiled on CPU in other dtypes, else sdpa",
         ATTENTION_BACKENDS,
     )
 

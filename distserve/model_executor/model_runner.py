@@ -83,10 +83,10 @@ class ModelRunner:
         kv_cache: KVCache,
         block_size: int,
         stage: PipelineStage | None = None,
-        compiled_decode: bool = False,
+        decode_backend: str = "sdpa",
     ) -> None:
         self.model = model
-        self.compiled_decode = compiled_decode
+        self.decode_backend = decode_backend  # resolved: cpp, compiled or sdpa
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.stage = stage
@@ -151,7 +151,8 @@ class ModelRunner:
 
     def prepare_decode(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
         """One new token per sequence, attending over its context through its block table: as
-        (sequence, block) pairs for the compiled kernel, as padded tables and a mask for SDPA."""
+        (sequence, block) pairs for the compiled kernel, as padded tables for the C++ kernel and
+        SDPA, with a mask for SDPA."""
         bs = self.block_size
         positions = [seq.start for seq in seqs]
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
@@ -159,15 +160,16 @@ class ModelRunner:
         meta = AttentionMetadata(
             is_prefill=False, block_size=bs, slot_mapping=self._tensor(slots), decode_positions=positions_t
         )
-        if self.compiled_decode:
+        if self.decode_backend == "compiled":
             meta.decode_plan = DecodePlan.build([seq.block_table for seq in seqs], positions, bs, self.device)
         else:
             width = max(len(seq.block_table) for seq in seqs)
             meta.decode_block_tables = self._tensor(
                 [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
             )
-            grid = torch.arange(width * bs, device=self.device)
-            meta.decode_mask = (grid[None, :] <= positions_t[:, None])[:, None, None, :]
+            if self.decode_backend == "sdpa":
+                grid = torch.arange(width * bs, device=self.device)
+                meta.decode_mask = (grid[None, :] <= positions_t[:, None])[:, None, None, :]
         return self._tensor([seq.input_token_ids[-1] for seq in seqs]), positions_t, meta, None
 
     @torch.inference_mode()
@@ -185,7 +187,7 @@ class ModelRunner:
         if self.stage is not None:
             self.stage.received = received
         try:
-            context = ForwardContext(meta, self.kv_cache.layers, self.buffers, self.compiled_decode)
+            context = ForwardContext(meta, self.kv_cache.layers, self.buffers, self.decode_backend)
             with forward_context(context):
                 out = self.model(
                     input_ids=input_ids[None],

@@ -107,8 +107,8 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.kv_cache = KVCache(self.kv_shape, num_blocks, self.device, self.layers)
-        compiled = resolve_attention_backend(self.config.model.attention_backend, self.device) == "compiled"
-        self.model_runner = ModelRunner(self.model, self.kv_cache, self.config.cache.block_size, self.stage, compiled)
+        backend = resolve_attention_backend(self.config.model.attention_backend, self.device, self.dtype)
+        self.model_runner = ModelRunner(self.model, self.kv_cache, self.config.cache.block_size, self.stage, backend)
         self.kv_transfer = KVTransfer(self.kv_cache.tensor, self.kv_layout)
 
     def kv(self, method: str, *args):

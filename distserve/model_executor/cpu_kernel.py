@@ -1,0 +1,113 @@
+"""The hand-written CPU decode attention kernel (``csrc/paged_decode.cpp``): built with the host's
+C++ compiler the first time a process needs it, kept in a per-user cache keyed by its source,
+flags and CPU, and called through ctypes on the tensors' memory.
+
+Plain C++ with OpenMP and no torch headers, so it compiles in about a second (an extension
+against torch's headers takes tens of seconds) and loads in a millisecond. It links the OpenMP
+runtime torch has already loaded, so it runs on torch's threads and their count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+class KernelUnavailable(RuntimeError):
+    """No C++ compiler, or the kernel failed to build."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler: ``$CXX``, else ``c++`` or ``g++`` on the PATH."""
+    for name in (os.environ.get("CXX"), "c++", "g++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return "".join(line for line in info.splitlines(keepends=True) if line.startswith(("model name", "flags")))[:4096]
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("DISTSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "distserve")
+    return Path(base) / "kernels"
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL:
+    """The built kernel library; raises KernelUnavailable when it cannot be built."""
+    cxx = compiler()
+    if cxx is None:
+        raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
+    source = SOURCE.read_text()
+    key = hashlib.sha256("\n".join([source, cxx, *FLAGS, _cpu_signature()]).encode()).hexdigest()[:20]
+    library = _cache_dir() / f"paged_decode-{key}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        # Built under a temporary name and renamed: processes that start together may all build it.
+        fd, scratch = tempfile.mkstemp(suffix=".so", dir=library.parent)
+        os.close(fd)
+        build = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", scratch], capture_output=True, text=True)
+        if build.returncode != 0:
+            os.unlink(scratch)
+            raise KernelUnavailable(f"building {SOURCE.name} failed: {build.stderr.strip()[-2000:]}")
+        os.replace(scratch, library)
+    kernel = ctypes.CDLL(str(library))
+    kernel.paged_decode_f32.restype = ctypes.c_int
+    kernel.paged_decode_f32.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6
+    return kernel
+
+
+def kernel_available() -> bool:
+    try:
+        load_kernel()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+def paged_decode_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    positions: torch.Tensor,
+    oldest: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """q ``[batch, heads, dim]`` over each sequence's context from ``oldest`` to ``positions``
+    ``[batch]`` through its row of ``block_tables`` ``[batch, max_blocks]``, K/V ``[slots, kv_heads,
+    dim]`` read in place. float32 CPU tensors; returns ``[batch, heads, dim]``."""
+    batch, heads, dim = q.shape
+    q = (q * scale).contiguous()
+    out = torch.empty_like(q)
+    tables, positions, oldest = (t.to(torch.long).contiguous() for t in (block_tables, positions, oldest))
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
+    status = load_kernel().paged_decode_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), positions.data_ptr(),
+        oldest.data_ptr(), out.data_ptr(), batch, heads, k_cache.shape[1], dim, block_size, tables.shape[1],
+    )  # fmt: skip
+    if status != 0:
+        raise ValueError(f"paged decode kernel: block size {block_size} over 256, or {heads} heads not a multiple "
+                         f"of {k_cache.shape[1]} KV heads")  # fmt: skip
+    return out
