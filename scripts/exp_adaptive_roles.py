@@ -137,9 +137,10 @@ def probe(
         "--seconds", str(seconds), "--phase", str(phase), "--slos", json.dumps(slos), "--out", str(out),
         "--seed", str(seed), *(["--oracle"] if oracle else []),
     ]  # fmt: skip
+    started = time.time()
     subprocess.run(command, check=True)
     records = json.loads(out.read_text())
-    result = {"rate": rate, "requests": len(records), "attainment": _share(records)}
+    result = {"rate": rate, "started": started, "requests": len(records), "attainment": _share(records)}
     for cls in CLASSES:
         mine = [r for r in records if r["class"] == cls]
         if mine:
@@ -307,7 +308,9 @@ def main() -> None:
                     changes = running.cluster.role_changes if name in ("adaptive", "oracle") else []
                     results.setdefault(workload, {})[name] = {
                         "goodput": best, "probes": probes,
-                        "role_changes": [(c.instance, c.old_role, c.new_role, c.seconds, c.reason) for c in changes],
+                        "role_changes": [
+                            (c.instance, c.old_role, c.new_role, c.started, c.seconds, c.reason) for c in changes
+                        ],
                     }  # fmt: skip
                     print(f"{workload:<12} {name:<14} goodput {best:.3g} req/s", flush=True)
     finally:
