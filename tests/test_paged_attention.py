@@ -85,6 +85,16 @@ def test_the_kernel_is_built_once_into_the_cache(fresh_kernel_build):
     assert list((fresh_kernel_build / "kernels").iterdir()) == built
 
 
+def test_loading_the_kernel_leaves_the_process_floats_and_openmp_runtime_alone(fresh_kernel_build):
+    """Built with -ffast-math but not linked with it: subnormal floats still exist afterwards, and
+    the kernel runs on torch's OpenMP runtime, not a second one."""
+    cpu_kernel.load_kernel()
+    assert (torch.tensor([1e-38]) / 1000).item() > 0
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) == 1
+
+
 def test_without_a_compiler_auto_falls_back_to_sdpa_and_cpp_says_why(fresh_kernel_build, tmp_path, monkeypatch):
     from torch._inductor import cpp_builder
 

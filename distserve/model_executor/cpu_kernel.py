@@ -22,7 +22,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
+# Linked without -ffast-math: with it, gcc links crtfastmath.o, which flushes subnormal floats to
+# zero in the whole process once the library is loaded, torch's arithmetic included.
+LINK_FLAGS = ("-shared", "-fopenmp")
 
 
 class KernelUnavailable(RuntimeError):
@@ -58,22 +61,31 @@ def load_kernel() -> ctypes.CDLL:
     if cxx is None:
         raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
     source = SOURCE.read_text()
-    key = hashlib.sha256("\n".join([source, cxx, *FLAGS, _cpu_signature()]).encode()).hexdigest()[:20]
+    key = hashlib.sha256("\n".join([source, cxx, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_signature()]).encode())
+    key = key.hexdigest()[:20]
     library = _cache_dir() / f"paged_decode-{key}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
-        # Built under a temporary name and renamed: processes that start together may all build it.
-        fd, scratch = tempfile.mkstemp(suffix=".so", dir=library.parent)
-        os.close(fd)
-        build = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", scratch], capture_output=True, text=True)
-        if build.returncode != 0:
-            os.unlink(scratch)
-            raise KernelUnavailable(f"building {SOURCE.name} failed: {build.stderr.strip()[-2000:]}")
-        os.replace(scratch, library)
+        _build(cxx, library)
     kernel = ctypes.CDLL(str(library))
     kernel.paged_decode_f32.restype = ctypes.c_int
     kernel.paged_decode_f32.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6
     return kernel
+
+
+def _build(cxx: str, library: Path) -> None:
+    """Compile and link under temporary names, then rename: processes that start together may all
+    build it, and none may load a half-written library."""
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        objects, shared = os.path.join(scratch, "kernel.o"), os.path.join(scratch, "kernel.so")
+        for command in (
+            [cxx, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", objects],
+            [cxx, *LINK_FLAGS, objects, "-o", shared],
+        ):
+            build = subprocess.run(command, capture_output=True, text=True)
+            if build.returncode != 0:
+                raise KernelUnavailable(f"building {SOURCE.name} failed: {build.stderr.strip()[-2000:]}")
+        os.replace(shared, library)
 
 
 def kernel_available() -> bool:
