@@ -382,7 +382,7 @@ def test_tls_server_with_an_admission_limit_answers_429(server, tmp_path):
             assert stream.readline().startswith(b"data: {")
             status, reply = _request(server, "/v1/completions", COMPLETION, context=context, port=port)
             assert status == 429 and reply["error"]["type"] == "rate_limit_error"
-        wait_nothing_in_use(server.info, server.frontend)
+        wait_nothing_in_use(server.info, frontend)  # this server's own frontend: its admissions
         assert _request(server, "/v1/completions", COMPLETION, context=context, port=port)[0] == 200
     finally:
         server.loop.run(runner.cleanup())
@@ -407,7 +407,7 @@ def test_a_batch_is_admitted_whole_or_refused_whole(server):
             assert len(server.cluster.orchestrator.requests) == 1  # only the stream: nothing of the batch ran
         status, reply = _request(server, "/v1/completions", _with(batch, n=2), port=port)
         assert status == 400 and "more than the server runs at once (3)" in reply["error"]["message"]
-        wait_nothing_in_use(server.info, server.frontend)
+        wait_nothing_in_use(server.info, frontend)  # this server's own frontend: its admissions
         status, reply = _request(server, "/v1/completions", batch, port=port)
         assert status == 200 and len(reply["choices"]) == 3
     finally:
