@@ -72,6 +72,7 @@ def fresh_kernel_build(tmp_path, monkeypatch):
     """The kernel built anew, into an empty cache, by whatever compiler the test leaves."""
     monkeypatch.setenv("DISTSERVE_CACHE", str(tmp_path))
     cpu_kernel.load_kernel.cache_clear()
+    cpu_kernel._warn_once.cache_clear()
     yield tmp_path
     cpu_kernel.load_kernel.cache_clear()
 
@@ -95,7 +96,7 @@ def test_loading_the_kernel_leaves_the_process_floats_and_openmp_runtime_alone(f
     assert len(runtimes) == 1
 
 
-def test_without_a_compiler_auto_falls_back_to_sdpa_and_cpp_says_why(fresh_kernel_build, tmp_path, monkeypatch):
+def test_without_a_compiler_auto_falls_back_to_sdpa_and_cpp_says_why(fresh_kernel_build, tmp_path, monkeypatch, caplog):
     from torch._inductor import cpp_builder
 
     monkeypatch.delenv("CXX", raising=False)
@@ -103,6 +104,7 @@ def test_without_a_compiler_auto_falls_back_to_sdpa_and_cpp_says_why(fresh_kerne
     cpp_builder.cpp_compiler_search.cache_clear()  # inductor remembers the compiler it found
     try:
         assert resolve_attention_backend("auto", torch.device("cpu"), torch.float32) == "sdpa"
+        assert "C++ decode attention kernel is not available" in caplog.text and "no C++ compiler" in caplog.text
         with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler found"):
             resolve_attention_backend("cpp", torch.device("cpu"), torch.float32)
     finally:

@@ -184,7 +184,8 @@ def test_the_controller_moves_capacity_to_the_phase_that_misses_its_slo():
     assert propose(pd, _seen(0.5, 1.0), 0.9)[0] == cc  # TTFT missed, TPOT held: colocate
     assert propose(cc, _seen(1.0, 0.4), 0.9)[0] == {"a": D, "b": P}  # the busier instance keeps decoding
     assert propose(pd, _seen(1.0, 0.4), 0.9) is None  # no prefill to spare
-    assert propose(cc, _seen(0.5, 1.0), 0.9) is None  # colocated is all prefill already
+    assert propose(cc, _seen(0.5, 1.0), 0.9)[0] == {"a": D, "b": P}  # prompts wait behind decoding: disaggregate
+    assert propose({"a": C}, _seen(0.5, 1.0), 0.9) is None  # one instance: nothing to split
     for layout in (pd, cc):
         assert propose(layout, _seen(0.95, 0.95), 0.9) is None  # both met
         assert propose(layout, _seen(0.85, 0.84), 0.9) is None  # under 90%, within 50 requests' noise (7 points)
@@ -243,6 +244,14 @@ def test_the_controller_follows_the_arriving_load_to_the_layout_that_did_best_un
     controller.remember(pd, long, met=44, num_requests=60, now=70.0)
     controller.remember(cc, long, met=23, num_requests=30, now=75.0)
     assert controller.recall(pd, long, now=80.0) is None  # 73% against 77%: within the noise
+
+
+def test_a_share_is_clearly_above_another_only_beyond_both_samples_noise():
+    assert Share(48, 50).clearly_above(Share(25, 50))
+    assert not Share(46, 50).clearly_above(Share(44, 50))
+    # All of a few requests met: not certain, so not clearly above a large sample a little lower.
+    assert not Share(8, 8).clearly_above(Share(905, 1005))
+    assert Share(60, 60).clearly_above(Share(905, 1005))
 
 
 def test_each_finished_request_is_remembered_once_under_the_layout_that_served_it():

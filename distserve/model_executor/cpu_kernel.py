@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -20,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
@@ -89,11 +92,18 @@ def _build(cxx: str, library: Path) -> None:
 
 
 def kernel_available() -> bool:
+    """Whether the kernel builds and loads here; when not, a warning says why, once a process."""
     try:
         load_kernel()
-    except KernelUnavailable:
+    except KernelUnavailable as e:
+        _warn_once(str(e))
         return False
     return True
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    logger.warning("the C++ decode attention kernel is not available, another backend runs instead: %s", reason)
 
 
 def paged_decode_cpu(
