@@ -184,8 +184,7 @@ def test_the_controller_moves_capacity_to_the_phase_that_misses_its_slo():
     assert propose(pd, _seen(0.5, 1.0), 0.9)[0] == cc  # TTFT missed, TPOT held: colocate
     assert propose(cc, _seen(1.0, 0.4), 0.9)[0] == {"a": D, "b": P}  # the busier instance keeps decoding
     assert propose(pd, _seen(1.0, 0.4), 0.9) is None  # no prefill to spare
-    assert propose(cc, _seen(0.5, 1.0), 0.9)[0] == {"a": D, "b": P}  # prompts wait behind decoding: disaggregate
-    assert propose({"a": C}, _seen(0.5, 1.0), 0.9) is None  # one instance: nothing to split
+    assert propose(cc, _seen(0.5, 1.0), 0.9) is None  # colocated is all prefill already
     for layout in (pd, cc):
         assert propose(layout, _seen(0.95, 0.95), 0.9) is None  # both met
         assert propose(layout, _seen(0.85, 0.84), 0.9) is None  # under 90%, within 50 requests' noise (7 points)

@@ -6,10 +6,8 @@ and arrived once the layout had settled (no request from before the last change 
 judged by its own SLOs (a request may carry them) or the cluster's. An SLO counts as missed when
 its attainment is under the target by more than the window's sampling noise. TTFT missed while
 TPOT holds means too little prefill: one decode instance fewer, or all colocated when one is
-left; in a colocated layout it means prompts wait behind decoding in mixed steps, and a layout
-with instances for prefill alone is tried. TPOT missed while TTFT holds means prefill interferes
-with decoding, or too little decode: from colocated to half prefill, half decode, else one
-decode instance more. Both met: no change.
+left. TPOT missed while TTFT holds means prefill interferes with decoding, or too little decode:
+from colocated to half prefill, half decode, else one decode instance more. Both met: no change.
 Both missed (an overload, or the wrong layout for the load): the other of colocated and
 disaggregated is tried.
 
@@ -211,9 +209,8 @@ def propose(layout: dict[str, Role], seen: Attainment, target: float) -> tuple[d
         return {n: Role.COLOCATED for n in names}, f"{why}: too little prefill, colocating"
     if missing_ttft and decode:
         return {**layout, decode[-1]: Role.PREFILL}, f"{why}: too little prefill, one decode instance fewer"
-    if not decode and len(names) > 1:  # colocated: prompts wait behind decoding, or decoding behind prompts
-        side = "prompts wait behind decoding" if missing_ttft else "prefill interferes with decoding"
-        return _disaggregated(names), f"{why}: {side}, disaggregating"
+    if missing_tpot and not decode and len(names) > 1:
+        return _disaggregated(names), f"{why}: prefill interferes with decoding, disaggregating"
     prefill = [n for n in names if layout[n] is Role.PREFILL]
     if missing_tpot and len(prefill) > 1:
         return {**layout, prefill[-1]: Role.DECODE}, f"{why}: too little decode, one decode instance more"
