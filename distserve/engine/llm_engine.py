@@ -72,7 +72,8 @@ class LLMEngine:
     def _warm_up(self) -> None:
         """Run one decode step of two throw-away sequences, so that its one-time costs (with the
         compiled attention backend, building its kernel: one to five seconds on CPU) are paid now
-        and not inside the first request's latency. They write the first slot of block 0, which holds nothing yet."""
+        and not inside the first request's latency. They write the first slot of block 0, which
+        holds nothing yet."""
         params = SamplingParams(max_tokens=1, temperature=0.0)
         seqs = [SeqInput([0], 0, [0], params, output_index=0) for _ in range(2)]
         self.executor.execute_model(BatchInput(is_prefill=False, seqs=seqs, num_decode=len(seqs)))

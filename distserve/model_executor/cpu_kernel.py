@@ -38,8 +38,8 @@ class KernelUnavailable(RuntimeError):
 def compiler() -> str | None:
     """The C++ compiler: ``$CXX``, else ``c++`` or ``g++`` on the PATH."""
     for name in (os.environ.get("CXX"), "c++", "g++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        if name and (path := shutil.which(name)):
+            return path
     return None
 
 
@@ -119,14 +119,15 @@ def paged_decode_cpu(
     """q ``[batch, heads, dim]`` over each sequence's context from ``oldest`` to ``positions``
     ``[batch]`` through its row of ``block_tables`` ``[batch, max_blocks]``, K/V ``[slots, kv_heads,
     dim]`` read in place. float32 CPU tensors; returns ``[batch, heads, dim]``."""
+    q_scaled = torch.empty(q.shape, dtype=q.dtype)  # contiguous, whatever the strides of q: one pass
+    torch.mul(q, scale, out=q_scaled)
+    out = torch.empty_like(q_scaled)
     batch, heads, dim = q.shape
-    q = (q * scale).contiguous()
-    out = torch.empty_like(q)
     tables, positions, oldest = (t.to(torch.long).contiguous() for t in (block_tables, positions, oldest))
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous")
     status = load_kernel().paged_decode_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), positions.data_ptr(),
+        q_scaled.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), positions.data_ptr(),
         oldest.data_ptr(), out.data_ptr(), batch, heads, k_cache.shape[1], dim, block_size, tables.shape[1],
     )  # fmt: skip
     if status != 0:
