@@ -64,7 +64,7 @@ WORKLOADS = ("long", "short", "alternating")
 # The load: one process per probe -----------------------------------------------------------------
 
 
-async def _one(client, cls: str, prompt: list[int], slo: tuple[float, float]) -> dict:
+async def _one(client, cls: str, prompt: list[int], slo: tuple[float, float], sent: float = 0.0) -> dict:
     start = time.perf_counter()
     times = []
     error = None
@@ -77,10 +77,10 @@ async def _one(client, cls: str, prompt: list[int], slo: tuple[float, float]) ->
     except Exception as e:
         error = str(e)
     if error or not times:
-        return {"class": cls, "ok": False, "error": error}
+        return {"class": cls, "sent": sent, "ok": False, "error": error}
     ttft = times[0] - start
     tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-    return {"class": cls, "ttft": ttft, "tpot": tpot, "ok": ttft <= slo[0] and tpot <= slo[1]}
+    return {"class": cls, "sent": sent, "ttft": ttft, "tpot": tpot, "ok": ttft <= slo[0] and tpot <= slo[1]}
 
 
 async def _drive(args: argparse.Namespace) -> None:
@@ -114,7 +114,7 @@ async def _drive(args: argparse.Namespace) -> None:
             low, high = CLASSES[cls]["prompt"]
             prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(low, high))]
             await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
-            tasks.append(asyncio.create_task(_one(client, cls, prompt, tuple(slos[cls]))))
+            tasks.append(asyncio.create_task(_one(client, cls, prompt, tuple(slos[cls]), t)))
         records = [r for r in await asyncio.gather(*tasks) if isinstance(r, dict)]
     Path(args.out).write_text(json.dumps(records))
 
@@ -131,7 +131,7 @@ def probe(
     seed: int = 0,
 ) -> dict:
     """One run of the load at ``rate`` (arrivals and prompts drawn from ``seed``): its attainment,
-    per class too."""
+    per class too, and each request's record (class, when it was sent, TTFT, TPOT, met)."""
     command = [
         sys.executable, __file__, "drive", "--server", address, "--workload", workload, "--rate", str(rate),
         "--seconds", str(seconds), "--phase", str(phase), "--slos", json.dumps(slos), "--out", str(out),
@@ -140,7 +140,8 @@ def probe(
     started = time.time()
     subprocess.run(command, check=True)
     records = json.loads(out.read_text())
-    result = {"rate": rate, "started": started, "requests": len(records), "attainment": _share(records)}
+    result = {"rate": rate, "started": started, "requests": len(records), "attainment": _share(records),
+              "records": records}  # fmt: skip
     for cls in CLASSES:
         mine = [r for r in records if r["class"] == cls]
         if mine:
