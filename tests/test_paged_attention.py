@@ -1,7 +1,8 @@
-"""The in-place paged decode kernels (C++ and compiled) against SDPA over each sequence's K/V
-copied out of its blocks: grouped query heads, sliding windows (leaving whole blocks out), contexts
-from one token to many blocks, blocks anywhere; how ``auto`` chooses, and what happens without a
-compiler; and the one compiled kernel an engine builds at start-up."""
+"""The in-place paged attention kernels (C++ and compiled) against SDPA over each sequence's K/V
+copied out of its blocks: decode, and (C++) prompt chunks after a cached prefix; grouped query
+heads, sliding windows (leaving whole blocks out), contexts from one token to many blocks, blocks
+anywhere; how ``auto`` chooses, and what happens without a compiler; and the one compiled kernel
+an engine builds at start-up."""
 
 import pytest
 import torch
@@ -16,21 +17,41 @@ from distserve.model_executor.attention import (
     _compiled_paged_decode,
     resolve_attention_backend,
 )
-from distserve.model_executor.cpu_kernel import KernelUnavailable, paged_decode_cpu
+from distserve.model_executor.cpu_kernel import KernelUnavailable, paged_attention_cpu
 
 BLOCK_SIZE, NUM_BLOCKS, DIM = 16, 64, 32
 LENGTHS = [1, 16, 17, 100, 250]
 
 
-def _compiled(q, k_cache, v_cache, tables, positions, oldest, scale):
+def _compiled(q, k_cache, v_cache, tables, positions, window, scale):
     plan = DecodePlan.build(tables, positions.tolist(), BLOCK_SIZE, "cpu")
+    oldest = positions - (NO_WINDOW if window is None else window - 1)
     return _compiled_paged_decode(q, k_cache, v_cache, plan, positions, oldest, BLOCK_SIZE, scale)
 
 
-def _cpp(q, k_cache, v_cache, tables, positions, oldest, scale):
+def _padded(tables: list[list[int]]) -> torch.Tensor:
     width = max(map(len, tables))
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    return paged_decode_cpu(q, k_cache, v_cache, padded, positions, oldest, BLOCK_SIZE, scale)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+
+def _cpp(q, k_cache, v_cache, tables, positions, window, scale):
+    batch = len(tables)
+    starts, lens = torch.arange(batch), torch.ones(batch, dtype=torch.long)
+    window = NO_WINDOW if window is None else window
+    return paged_attention_cpu(q, k_cache, v_cache, _padded(tables), starts, lens, positions + 1, BLOCK_SIZE, scale,
+                               window)  # fmt: skip
+
+
+def _cache(kv_heads: int, dim: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A random K and V cache, and its blocks in random order."""
+    k_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen)
+    return k_cache, v_cache, torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+
+
+def _gathered(cache: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
+    """A sequence's first ``length`` positions of ``cache``, as ``[kv_heads, length, dim]``."""
+    return cache.view(-1, BLOCK_SIZE, *cache.shape[1:])[table].flatten(0, 1)[:length].transpose(0, 1)
 
 
 @pytest.mark.parametrize("kernel", [_cpp, _compiled], ids=["cpp", "compiled"])
@@ -38,23 +59,48 @@ def _cpp(q, k_cache, v_cache, tables, positions, oldest, scale):
 @pytest.mark.parametrize("window", [None, 40])
 def test_paged_decode_equals_sdpa_over_gathered_blocks(kernel, heads, kv_heads, dim, window):
     gen = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen)
-    v_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen)
-    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    k_cache, v_cache, free = _cache(kv_heads, dim, gen)
     tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in LENGTHS]
     positions = torch.tensor(LENGTHS) - 1
-    oldest = positions - (NO_WINDOW if window is None else window - 1)
     q = torch.randn(len(LENGTHS), heads, dim, generator=gen)
     scale = dim**-0.5
-    out = kernel(q, k_cache, v_cache, tables, positions, oldest, scale)
+    out = kernel(q, k_cache, v_cache, tables, positions, window, scale)
     for i, (n, table) in enumerate(zip(LENGTHS, tables)):
-        k = k_cache.view(-1, BLOCK_SIZE, kv_heads, dim)[table].flatten(0, 1)[:n]
-        v = v_cache.view(-1, BLOCK_SIZE, kv_heads, dim)[table].flatten(0, 1)[:n]
         first = 0 if window is None else max(0, n - window)
-        expected = F.scaled_dot_product_attention(
-            q[i][:, None], k[first:].transpose(0, 1), v[first:].transpose(0, 1), scale=scale, enable_gqa=True
-        )
+        k, v = (_gathered(cache, table, n)[:, first:] for cache in (k_cache, v_cache))
+        expected = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=scale, enable_gqa=True)
         torch.testing.assert_close(out[i], expected[:, 0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, DIM), (8, 2, 64)])
+@pytest.mark.parametrize("window", [None, 24])
+def test_cpp_prompt_chunks_after_a_cached_prefix_equal_causal_sdpa(heads, kv_heads, dim, window):
+    """Sequences of several query tokens (more than a tile of 16, fewer, one), each the last of its
+    context, packed with rows the kernel does not own (left as they were)."""
+    gen = torch.Generator().manual_seed(1)
+    k_cache, v_cache, free = _cache(kv_heads, dim, gen)
+    chunks = [(1, 1), (5, 100), (16, 16), (40, 250), (17, 33)]  # (query tokens, context length)
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for _, n in chunks]
+    gap = 3  # rows between sequences that no sequence owns
+    starts = [sum(c + gap for c, _ in chunks[:i]) for i in range(len(chunks))]
+    tokens = starts[-1] + chunks[-1][0] + gap
+    q = torch.randn(tokens, heads, dim, generator=gen)
+    out = torch.full((tokens, heads, dim), 7.0)
+    scale = dim**-0.5
+    lens, contexts = (torch.tensor(column) for column in zip(*chunks))
+    paged_attention_cpu(q, k_cache, v_cache, _padded(tables), torch.tensor(starts), lens, contexts, BLOCK_SIZE,
+                        scale, NO_WINDOW if window is None else window, out)  # fmt: skip
+    owned = torch.zeros(tokens, dtype=torch.bool)
+    for (count, n), table, start in zip(chunks, tables, starts):
+        owned[start : start + count] = True
+        query = torch.arange(n - count, n)[:, None]
+        key = torch.arange(n)[None, :]
+        mask = (key <= query) & (key > query - (window or NO_WINDOW))
+        k, v = (_gathered(cache, table, n) for cache in (k_cache, v_cache))
+        qs = q[start : start + count].transpose(0, 1)
+        expected = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        torch.testing.assert_close(out[start : start + count], expected.transpose(0, 1), atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[~owned], torch.full_like(out[~owned], 7.0))
 
 
 def test_auto_backend_is_cpp_for_float32_on_cpu_compiled_for_other_dtypes_and_sdpa_on_cuda():
@@ -79,7 +125,7 @@ def fresh_kernel_build(tmp_path, monkeypatch):
 
 def test_the_kernel_is_built_once_into_the_cache(fresh_kernel_build):
     cpu_kernel.load_kernel()
-    built = list((fresh_kernel_build / "kernels").glob("paged_decode-*.so"))
+    built = list((fresh_kernel_build / "kernels").glob("paged_attention-*.so"))
     assert len(built) == 1
     cpu_kernel.load_kernel.cache_clear()
     cpu_kernel.load_kernel()  # a second process finds it: nothing built
@@ -104,7 +150,7 @@ def test_without_a_compiler_auto_falls_back_to_sdpa_and_cpp_says_why(fresh_kerne
     cpp_builder.cpp_compiler_search.cache_clear()  # inductor remembers the compiler it found
     try:
         assert resolve_attention_backend("auto", torch.device("cpu"), torch.float32) == "sdpa"
-        assert "C++ decode attention kernel is not available" in caplog.text and "no C++ compiler" in caplog.text
+        assert "C++ paged attention kernel is not available" in caplog.text and "no C++ compiler" in caplog.text
         with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler found"):
             resolve_attention_backend("cpp", torch.device("cpu"), torch.float32)
     finally:
@@ -113,7 +159,7 @@ def test_without_a_compiler_auto_falls_back_to_sdpa_and_cpp_says_why(fresh_kerne
 
 def test_a_failed_build_says_why(fresh_kernel_build, monkeypatch):
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
-    with pytest.raises(KernelUnavailable, match="building paged_decode.cpp failed"):
+    with pytest.raises(KernelUnavailable, match="building paged_attention.cpp failed"):
         cpu_kernel.load_kernel()
     assert not list((fresh_kernel_build / "kernels").glob("*.so"))  # no half-built library left
 

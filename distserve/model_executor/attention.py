@@ -1,17 +1,22 @@
 """Paged attention plugged into transformers' attention interface.
 
-A batch runs as one packed sequence ``[1, num_tokens]``. Each attention layer first writes the
-batch's new K/V into its cache slots, then attends: prefill per sequence (causal, over cached
-prefix + new tokens), decode as one batched call over K/V gathered through the block tables.
-The batch's metadata reaches the layers through a per-forward context, because transformers
-calls the attention function with the model's own arguments only.
+A batch runs as one packed sequence ``[1, num_tokens]``: decode tokens first, then prompt chunks.
+Each attention layer first writes the batch's new K/V into its cache slots, then attends. The
+batch's metadata reaches the layers through a per-forward context, because transformers calls
+the attention function with the model's own arguments only.
 
-Decode attention has three implementations, chosen by ``attention_backend``: ``cpp`` (the
-default on CPU in float32) is a hand-written C++ kernel that reads K/V where they sit through the
-block tables (``cpu_kernel.py``); ``compiled`` reads them in place too, in a kernel
-``torch.compile`` builds once per model when the engine starts (any dtype); ``sdpa`` (the
-reference, and the choice off CPU) copies each sequence's blocks into a padded buffer and runs
-SDPA over it. At 57-64 sequences on CPU, the in-place kernels halve decode step time or better.
+Three implementations, chosen by ``attention_backend``:
+
+- ``cpp`` (the default on CPU in float32): a hand-written C++ kernel (``cpu_kernel.py``) reads
+  K/V where they sit through the block tables, for every query row of the batch (decode tokens,
+  prompts, prompt chunks after a cached prefix) in one call per layer.
+- ``compiled``: decode reads K/V in place in a kernel ``torch.compile`` builds once per model when
+  the engine starts (any dtype); prefill as ``sdpa``.
+- ``sdpa`` (the reference, and the choice off CPU): decode copies each sequence's blocks into a
+  padded buffer and runs one SDPA over the batch; a prompt chunk after a cached prefix gathers its
+  blocks and runs SDPA with a causal mask, one sequence at a time.
+
+At 57-64 sequences on CPU, the in-place kernels halve decode step time or better.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from distserve.model_executor.cpu_kernel import kernel_available, load_kernel, paged_decode_cpu
+from distserve.model_executor.cpu_kernel import kernel_available, load_kernel, paged_attention_cpu
 
 ATTN_IMPLEMENTATION = "distserve_paged"
 NO_WINDOW = 1 << 30  # a sliding window wider than any context
@@ -39,6 +44,24 @@ class PrefillSeqMeta:
     query_len: int
     context_len: int  # cached prefix + new tokens
     block_ids: torch.Tensor | None  # the sequence's blocks when part of its context is cached, else None
+
+
+@dataclass
+class PagedQueries:
+    """A batch's query rows by sequence, for the C++ kernel to attend over the cache in place (``cpp``)."""
+
+    block_tables: torch.Tensor  # [seqs, max_blocks], padded with block 0
+    query_starts: torch.Tensor  # [seqs] its first row in the packed batch
+    query_lens: torch.Tensor  # [seqs] its rows: 1 when it decodes
+    context_lens: torch.Tensor  # [seqs] its positions, the query rows' included (they are the last)
+
+    @classmethod
+    def build(cls, seqs: list[tuple[list[int], int, int, int]], device) -> PagedQueries:
+        """From each sequence's (block table, first row, rows, context length)."""
+        width = max(len(table) for table, *_ in seqs)
+        tables = [table + [0] * (width - len(table)) for table, *_ in seqs]
+        columns = [tables, *([entry[i] for entry in seqs] for i in (1, 2, 3))]
+        return cls(*(torch.tensor(column, dtype=torch.long, device=device) for column in columns))
 
 
 @dataclass
@@ -85,10 +108,11 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     prefill_seqs: list[PrefillSeqMeta] | None = None
     num_decode_tokens: int = 0  # in a prefill batch: decode tokens packed before the prompts' tokens
-    decode_block_tables: torch.Tensor | None = None  # [batch, max_blocks], padded with block 0 (cpp, sdpa)
+    decode_block_tables: torch.Tensor | None = None  # [batch, max_blocks], padded with block 0 (sdpa)
     decode_mask: torch.Tensor | None = None  # [batch, 1, 1, max_blocks * block_size] valid positions (sdpa)
     decode_positions: torch.Tensor | None = None  # [batch] position of each query token
     decode_plan: DecodePlan | None = None  # the compiled kernel's view of the decode context (compiled)
+    paged: PagedQueries | None = None  # every row of the batch, by sequence (cpp)
 
 
 class GatherBuffers:
@@ -164,50 +188,53 @@ def paged_attention(
     k_cache.index_copy_(0, meta.slot_mapping, new_k)
     v_cache.index_copy_(0, meta.slot_mapping, new_v)
     gqa = query.shape[1] != key.shape[1]
-    if not meta.is_prefill:
-        out = _decode_attention(query[0], k_cache, v_cache, scaling, sliding_window, gqa)
+    q = query[0]
+    if _context.decode_backend == "cpp":  # every row in one call, over the cache the new K/V are in
+        scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+        window = NO_WINDOW if sliding_window is None else sliding_window
+        p = meta.paged
+        out = paged_attention_cpu(q.transpose(0, 1), k_cache, v_cache, p.block_tables, p.query_starts, p.query_lens,
+                                  p.context_lens, meta.block_size, scale, window)  # fmt: skip
+    elif not meta.is_prefill:
+        out = _decode_attention(q, k_cache, v_cache, scaling, sliding_window, gqa)
     else:
-        out = _prefill_attention(query[0], key[0], value[0], k_cache, v_cache, scaling, sliding_window, gqa)
+        out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
+        _prefill_attention(q, key[0], value[0], k_cache, v_cache, scaling, sliding_window, gqa, out)
         if meta.num_decode_tokens:  # chunked prefill: decode tokens first, as one batched call
-            q_decode = query[0, :, : meta.num_decode_tokens]
-            out = torch.cat([_decode_attention(q_decode, k_cache, v_cache, scaling, sliding_window, gqa), out])
+            q_decode = q[:, : meta.num_decode_tokens]
+            out[: meta.num_decode_tokens] = _decode_attention(q_decode, k_cache, v_cache, scaling, sliding_window, gqa)
     return out.unsqueeze(0), None
 
 
-def _prefill_attention(q, k, v, k_cache, v_cache, scaling, sliding_window, gqa) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole context. Returns ``[tokens, heads, dim]``
-    for the prompts' tokens (those after the batch's decode tokens)."""
+def _prefill_attention(q, k, v, k_cache, v_cache, scaling, sliding_window, gqa, out: torch.Tensor) -> None:
+    """Causal attention of each prompt's new tokens over its whole context, into their rows of
+    ``out`` ``[tokens, heads, dim]``."""
     meta = _context.metadata
-    first = meta.num_decode_tokens
-    out = torch.empty(q.shape[1] - first, q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)
     for s in meta.prefill_seqs:
+        cached = s.context_len > s.query_len
         end = s.query_start + s.query_len
         qs = q[:, s.query_start : end]
-        if s.block_ids is None:  # no cached prefix: the fresh K/V are the whole context
+        if not cached:  # the fresh K/V are the whole context
             ks, vs = k[:, s.query_start : end], v[:, s.query_start : end]
         else:
             ks, vs = _context.buffers.gather(k_cache, v_cache, s.block_ids, meta.block_size)
             ks = ks.flatten(0, 1)[: s.context_len].transpose(0, 1)
             vs = vs.flatten(0, 1)[: s.context_len].transpose(0, 1)
-        if sliding_window is None and s.context_len == s.query_len:
+        if sliding_window is None and not cached:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=gqa)
         else:
             mask = _causal_mask(s.query_len, s.context_len, sliding_window, q.device)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-        out[s.query_start - first : end - first] = o.transpose(0, 1)
-    return out
+        out[s.query_start : end] = o.transpose(0, 1)
 
 
 def _decode_attention(q, k_cache, v_cache, scaling, sliding_window, gqa) -> torch.Tensor:
     """One query token per sequence over its cached context. Returns ``[batch, heads, dim]``."""
     meta = _context.metadata
-    if _context.decode_backend != "sdpa":
+    if _context.decode_backend == "compiled":
         scale = q.shape[-1] ** -0.5 if scaling is None else scaling
         positions = meta.decode_positions
         oldest = positions - (NO_WINDOW if sliding_window is None else sliding_window - 1)
-        if _context.decode_backend == "cpp":
-            q, tables = q.transpose(0, 1), meta.decode_block_tables
-            return paged_decode_cpu(q, k_cache, v_cache, tables, positions, oldest, meta.block_size, scale)
         # A fresh contiguous copy (small): with one sequence, the transposed view's strides differ
         # from those of a larger batch, and the kernel would be compiled again for them.
         q = q.transpose(0, 1).clone(memory_format=torch.contiguous_format)

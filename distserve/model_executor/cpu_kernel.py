@@ -1,4 +1,4 @@
-"""The hand-written CPU decode attention kernel (``csrc/paged_decode.cpp``): built with the host's
+"""The hand-written CPU paged attention kernel (``csrc/paged_attention.cpp``): built with the host's
 C++ compiler the first time a process needs it, kept in a per-user cache keyed by its source,
 flags and CPU, and called through ctypes on the tensors' memory.
 
@@ -24,7 +24,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c++17")
 # Linked without -ffast-math: with it, gcc links crtfastmath.o, which flushes subnormal floats to
 # zero in the whole process once the library is loaded, torch's arithmetic included.
@@ -66,13 +66,13 @@ def load_kernel() -> ctypes.CDLL:
     source = SOURCE.read_text()
     key = hashlib.sha256("\n".join([source, cxx, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_signature()]).encode())
     key = key.hexdigest()[:20]
-    library = _cache_dir() / f"paged_decode-{key}.so"
+    library = _cache_dir() / f"paged_attention-{key}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         _build(cxx, library)
     kernel = ctypes.CDLL(str(library))
-    kernel.paged_decode_f32.restype = ctypes.c_int
-    kernel.paged_decode_f32.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6
+    kernel.paged_attention_f32.restype = ctypes.c_int
+    kernel.paged_attention_f32.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7
     return kernel
 
 
@@ -103,34 +103,45 @@ def kernel_available() -> bool:
 
 @functools.cache
 def _warn_once(reason: str) -> None:
-    logger.warning("the C++ decode attention kernel is not available, another backend runs instead: %s", reason)
+    logger.warning("the C++ paged attention kernel is not available, another backend runs instead: %s", reason)
 
 
-def paged_decode_cpu(
+def paged_attention_cpu(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
-    positions: torch.Tensor,
-    oldest: torch.Tensor,
+    query_starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
     block_size: int,
     scale: float,
+    window: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q ``[batch, heads, dim]`` over each sequence's context from ``oldest`` to ``positions``
-    ``[batch]`` through its row of ``block_tables`` ``[batch, max_blocks]``, K/V ``[slots, kv_heads,
-    dim]`` read in place. float32 CPU tensors; returns ``[batch, heads, dim]``."""
+    """Causal attention of q ``[tokens, heads, dim]`` over a paged cache read in place. Sequence
+    ``s`` owns the query rows ``query_starts[s]`` .. ``+ query_lens[s]``, the last positions of its
+    ``context_lens[s]``, whose K/V (its new tokens' included) sit in the blocks of its row of
+    ``block_tables`` ``[seqs, max_blocks]``; each row attends to the last ``window`` positions up to
+    its own. K/V ``[slots, kv_heads, dim]``, float32 on CPU. Writes the owned rows of ``out``
+    ``[tokens, heads, dim]`` (new when None) and returns it."""
     q_scaled = torch.empty(q.shape, dtype=q.dtype)  # contiguous, whatever the strides of q: one pass
     torch.mul(q, scale, out=q_scaled)
-    out = torch.empty_like(q_scaled)
-    batch, heads, dim = q.shape
-    tables, positions, oldest = (t.to(torch.long).contiguous() for t in (block_tables, positions, oldest))
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the KV cache must be contiguous")
-    status = load_kernel().paged_decode_f32(
-        q_scaled.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), positions.data_ptr(),
-        oldest.data_ptr(), out.data_ptr(), batch, heads, k_cache.shape[1], dim, block_size, tables.shape[1],
+    out = torch.empty_like(q_scaled) if out is None else out
+    tokens, heads, dim = q.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
+        raise ValueError("the KV cache and the output must be contiguous")
+    if out.shape != q.shape:
+        raise ValueError(f"output of shape {tuple(out.shape)} for queries of shape {tuple(q.shape)}")
+    tables, starts, lens, contexts = (
+        t.to(torch.long).contiguous() for t in (block_tables, query_starts, query_lens, context_lens)
+    )
+    status = load_kernel().paged_attention_f32(
+        q_scaled.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(),
+        lens.data_ptr(), contexts.data_ptr(), out.data_ptr(), len(starts), heads, k_cache.shape[1], dim, block_size,
+        tables.shape[1], window,
     )  # fmt: skip
     if status != 0:
-        raise ValueError(f"paged decode kernel: block size {block_size} over 256, or {heads} heads not a multiple "
-                         f"of {k_cache.shape[1]} KV heads")  # fmt: skip
+        raise ValueError(f"paged attention kernel: block size {block_size} or window {window} under 1, or {heads} "
+                         f"heads not a multiple of {k_cache.shape[1]} KV heads")  # fmt: skip
     return out

@@ -16,6 +16,7 @@ from distserve.model_executor.attention import (
     DecodePlan,
     ForwardContext,
     GatherBuffers,
+    PagedQueries,
     PrefillSeqMeta,
     forward_context,
 )
@@ -99,10 +100,24 @@ class ModelRunner:
     def prepare(self, batch: BatchInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor | None]:
         """Input ids, positions, attention metadata and the rows whose logits are needed."""
         if not batch.is_prefill:
-            return self.prepare_decode(batch.seqs)
-        if batch.num_decode == 0:
-            return self.prepare_prefill(batch.seqs)
-        return self.prepare_mixed(batch.seqs[: batch.num_decode], batch.seqs[batch.num_decode :])
+            prepared = self.prepare_decode(batch.seqs)
+        elif batch.num_decode == 0:
+            prepared = self.prepare_prefill(batch.seqs)
+        else:
+            prepared = self.prepare_mixed(batch.seqs[: batch.num_decode], batch.seqs[batch.num_decode :])
+        if self.decode_backend == "cpp":
+            prepared[2].paged = self.paged_queries(batch)
+        return prepared
+
+    def paged_queries(self, batch: BatchInput) -> PagedQueries:
+        """Every query row of the batch by sequence, for the C++ kernel: a decode token, or a
+        prompt's new tokens (the last of its context; the earlier ones cached, if any)."""
+        seqs, row = [], 0
+        for i, seq in enumerate(batch.seqs):
+            count = 1 if i < batch.num_decode else len(seq.input_token_ids)
+            seqs.append((seq.block_table, row, count, seq.start + count))
+            row += count
+        return PagedQueries.build(seqs, self.device)
 
     def prepare_mixed(
         self, decode: list[SeqInput], prompts: list[SeqInput]
@@ -151,8 +166,8 @@ class ModelRunner:
 
     def prepare_decode(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
         """One new token per sequence, attending over its context through its block table: as
-        (sequence, block) pairs for the compiled kernel, as padded tables for the C++ kernel and
-        SDPA, with a mask for SDPA."""
+        (sequence, block) pairs for the compiled kernel, as padded tables and a mask for SDPA (the
+        C++ kernel's rows: ``paged_queries``)."""
         bs = self.block_size
         positions = [seq.start for seq in seqs]
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
@@ -162,14 +177,13 @@ class ModelRunner:
         )
         if self.decode_backend == "compiled":
             meta.decode_plan = DecodePlan.build([seq.block_table for seq in seqs], positions, bs, self.device)
-        else:
+        elif self.decode_backend == "sdpa":
             width = max(len(seq.block_table) for seq in seqs)
             meta.decode_block_tables = self._tensor(
                 [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
             )
-            if self.decode_backend == "sdpa":
-                grid = torch.arange(width * bs, device=self.device)
-                meta.decode_mask = (grid[None, :] <= positions_t[:, None])[:, None, None, :]
+            grid = torch.arange(width * bs, device=self.device)
+            meta.decode_mask = (grid[None, :] <= positions_t[:, None])[:, None, None, :]
         return self._tensor([seq.input_token_ids[-1] for seq in seqs]), positions_t, meta, None
 
     @torch.inference_mode()
