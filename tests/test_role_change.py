@@ -92,7 +92,7 @@ def test_roles_change_under_load_in_every_direction(ray_cluster, llama):
 def test_the_adaptive_controller_colocates_a_cluster_whose_prefill_misses_ttft(ray_cluster, llama):
     # No TTFT can be met and every TPOT is: too little prefill, so the controller colocates the
     # 1 prefill + 1 decode instances, while requests keep coming and come out greedy-equal.
-    control = {"mode": "adaptive", "slo_ttft": 1e-6, "slo_tpot": 10.0, "interval": 0.1, "window": 5.0,
+    control = {"mode": "adaptive", "slo_ttft": 1e-6, "slo_tpot": 10.0, "interval": 0.1, "window": 1.0,
                "min_requests": 4, "patience": 2, "min_dwell": 0.0}  # fmt: skip
     prompts = random_prompts([30, 12, 50, 21] * 6, llama.config.vocab_size, seed=7)
 
@@ -184,7 +184,9 @@ def test_the_controller_moves_capacity_to_the_phase_that_misses_its_slo():
     assert propose(pd, _seen(0.5, 1.0), 0.9)[0] == cc  # TTFT missed, TPOT held: colocate
     assert propose(cc, _seen(1.0, 0.4), 0.9)[0] == {"a": D, "b": P}  # the busier instance keeps decoding
     assert propose(pd, _seen(1.0, 0.4), 0.9) is None  # no prefill to spare
-    assert propose(cc, _seen(0.5, 1.0), 0.9) is None  # colocated is all prefill already
+    # Colocated, TTFT missed while TPOT holds: prompts wait behind decoding in mixed steps.
+    roles, why = propose(cc, _seen(0.5, 1.0), 0.9)
+    assert roles == {"a": D, "b": P} and why.endswith("prompts wait behind decoding, disaggregating")
     for layout in (pd, cc):
         assert propose(layout, _seen(0.95, 0.95), 0.9) is None  # both met
         assert propose(layout, _seen(0.85, 0.84), 0.9) is None  # under 90%, within 50 requests' noise (7 points)
@@ -267,17 +269,35 @@ def test_each_finished_request_is_remembered_once_under_the_layout_that_served_i
     assert controller.remembered(tuple(sorted((P, D))), Load(10.0, 1.0), start + 8) == Share(4, 6)
 
 
-def test_requests_count_for_a_layout_once_the_work_from_before_its_change_is_done():
+def test_requests_count_for_a_layout_once_the_work_and_the_queue_from_its_change_are_done():
     controller = RoleController(None, RoleControlConfig("adaptive", slo_ttft=0.1, slo_tpot=0.01, min_requests=1))
-    controller.last_change, controller.settled_at = 100.0, None  # a change at t=100
+    controller.last_change, controller.settled_at, controller._previous_done_at = 100.0, None, None  # a change at t=100
     for arrival in (99.0, 101.0, 103.0):
         controller.observe(FinishedRequest(arrival, 600, 60, finished=104.0, ttft=0.05, tpot=0.005))
-    controller.settle([99.5, 102.0], now=104.0)  # a request from before the change is in flight
-    assert controller.window(104.5) == []
-    controller.settle([102.0], now=105.0)
-    assert [r.arrival for r in controller.window(105.5)] == []  # what arrived before t=105 waited behind it
-    controller.observe(FinishedRequest(105.5, 600, 60, finished=106.0, ttft=0.05, tpot=0.005))
-    assert [r.arrival for r in controller.window(106.5)] == [105.5]
+    controller.settle([(99.5, True), (102.0, False)], now=104.0)  # a request from before the change is in flight
+    assert controller.settled_at is None and controller.window(104.5) == []
+    # The previous layout's work is done at t=105, but a request that queued during the change
+    # still waits for its first token...
+    controller.settle([(102.0, False), (104.8, False)], now=105.0)
+    assert controller.settled_at is None
+    # ...until it has it (one that arrived after t=105 may still wait).
+    controller.settle([(102.0, True), (105.2, False)], now=105.5)
+    assert controller.settled_at == 105.5
+    assert [r.arrival for r in controller.window(105.5)] == []  # what arrived before t=105.5 waited behind it
+    controller.observe(FinishedRequest(105.6, 600, 60, finished=106.0, ttft=0.05, tpot=0.005))
+    assert [r.arrival for r in controller.window(106.5)] == [105.6]
+
+
+def test_a_window_proposes_a_change_only_once_it_is_whole_after_the_layout_settled():
+    config = RoleControlConfig("adaptive", slo_ttft=0.1, slo_tpot=0.01, window=3.0, min_requests=4)
+    controller = RoleController(None, config)
+    controller.settled_at = settled = 1000.0
+    cc = {"a": C, "b": C}
+    for i in range(8):  # every prompt missed its TTFT
+        controller.observe(FinishedRequest(settled + 0.1 * i, 600, 60, finished=settled + 1, ttft=0.5, tpot=0.005))
+    assert controller.propose_now(cc, controller.window(settled + 2.0), settled + 2.0) is None
+    roles, _, from_memory = controller.propose_now(cc, controller.window(settled + 3.0), settled + 3.0)
+    assert roles == {"a": D, "b": P} and not from_memory
 
 
 def test_load_is_the_token_ratio_and_rate_of_a_window():

@@ -2,14 +2,17 @@
 colocated and disaggregated (prefill + decode) layouts from the latency SLOs' live attainment.
 
 Every ``interval`` seconds it looks at the requests that finished in the last ``window`` seconds
-and arrived once the layout had settled (no request from before the last change in flight), each
-judged by its own SLOs (a request may carry them) or the cluster's. An SLO counts as missed when
-its attainment is under the target by more than the window's sampling noise. TTFT missed while
-TPOT holds means too little prefill: one decode instance fewer, or all colocated when one is
-left. TPOT missed while TTFT holds means prefill interferes with decoding, or too little decode:
-from colocated to half prefill, half decode, else one decode instance more. Both met: no change.
-Both missed (an overload, or the wrong layout for the load): the other of colocated and
-disaggregated is tried.
+and arrived once the layout had settled, each judged by its own SLOs (a request may carry them)
+or the cluster's. A layout has settled once the work from before its change is done and the
+queue that formed meanwhile has been prefilled: requests that arrive earlier wait behind the
+change, not the layout. Until a whole window has passed since, only memory (below) moves it. An
+SLO counts as missed when its attainment is under the target by more than the window's sampling
+noise. TTFT missed while TPOT holds means too little prefill: one decode instance fewer, or all
+colocated when one is left; colocated already, prompts wait behind decoding in mixed steps, and
+half the instances prefill alone. TPOT missed while TTFT holds means prefill interferes with
+decoding, or too little decode: from colocated to half prefill, half decode, else one decode
+instance more. Both met: no change. Both missed (an overload, or the wrong layout for the load):
+the other of colocated and disaggregated is tried.
 
 The controller remembers how the requests each layout served did (how many met both SLOs) under
 the load they came in: the typical ratio of prompt to requested output tokens and the request
@@ -209,6 +212,8 @@ def propose(layout: dict[str, Role], seen: Attainment, target: float) -> tuple[d
         return {n: Role.COLOCATED for n in names}, f"{why}: too little prefill, colocating"
     if missing_ttft and decode:
         return {**layout, decode[-1]: Role.PREFILL}, f"{why}: too little prefill, one decode instance fewer"
+    if missing_ttft and not missing_tpot and len(names) > 1 and all(r is Role.COLOCATED for r in layout.values()):
+        return _disaggregated(names), f"{why}: prompts wait behind decoding, disaggregating"
     if missing_tpot and not decode and len(names) > 1:
         return _disaggregated(names), f"{why}: prefill interferes with decoding, disaggregating"
     prefill = [n for n in names if layout[n] is Role.PREFILL]
@@ -242,9 +247,10 @@ class RoleController:
         self.finished: deque[FinishedRequest] = deque()
         self.outcomes: deque[Outcome] = deque()
         self.last_change = time.time()  # counts from start-up: the first window fills first
-        # Requests that arrived before the layout's work of the previous one was done waited behind
-        # it: only those after count for the layout.
+        # Requests that arrived before the previous layout's work was done, and the queue that
+        # formed meanwhile prefilled, waited behind the change: only those after count for the layout.
         self.settled_at: float | None = self.last_change
+        self._previous_done_at: float | None = self.last_change
         self._recorded_until = self.last_change
         self._proposal: dict[str, Role] | None = None
         self._repeats = 0
@@ -329,9 +335,15 @@ class RoleController:
             return []
         return [r for r in self.finished if r.arrival >= self.settled_at]
 
-    def settle(self, arrivals_in_flight: Iterable[float], now: float) -> None:
-        """The layout has settled once no request that arrived before the last change is in flight."""
-        if all(t >= self.last_change for t in arrivals_in_flight):
+    def settle(self, in_flight: Iterable[tuple[float, bool]], now: float) -> None:
+        """Each request in flight as (arrival, has its first token). The layout has settled once no
+        request that arrived before the last change is in flight, and then none that arrived before
+        that moment still waits for its first token (the queue that formed during the change)."""
+        in_flight = list(in_flight)
+        if self._previous_done_at is None and all(arrival >= self.last_change for arrival, _ in in_flight):
+            self._previous_done_at = now
+        done = self._previous_done_at
+        if done is not None and all(prefilled or arrival >= done for arrival, prefilled in in_flight):
             self.settled_at = self._recorded_until = now
 
     def record(self, layout: dict[str, Role], window: list[FinishedRequest], now: float) -> None:
@@ -352,8 +364,8 @@ class RoleController:
         arriving = self.arriving(now)
         if arriving and (recalled := self.recall(layout, arriving, now)):
             return *recalled, True
-        if len(window) < self.config.min_requests:
-            return None
+        if len(window) < self.config.min_requests or now - self.settled_at < self.config.window:
+            return None  # too few requests, or not yet a whole window since the layout settled
         seen = attainment(window, self.config.slo_ttft, self.config.slo_tpot)
         proposal = self.consider(layout, seen, Load.of(window), now)
         return (*proposal, False) if proposal else None
@@ -364,7 +376,8 @@ class RoleController:
         live = sorted((s for s in orchestrator.instances if s.failure is None), key=lambda s: -s.load_tokens)
         layout = {s.name: s.role for s in live}
         if self.settled_at is None:
-            self.settle((state.metrics.arrival_time for state in orchestrator.requests.values()), now)
+            in_flight = orchestrator.requests.values()
+            self.settle(((state.metrics.arrival_time, bool(state.metrics.token_times)) for state in in_flight), now)
         window = self.window(now)
         self.record(layout, window, now)
         if now - self.last_change < config.min_dwell:
@@ -380,4 +393,4 @@ class RoleController:
         self._proposal, self._repeats = None, 0
         records = await orchestrator.roles.set_roles(roles, reason)
         if records:
-            self.last_change, self.settled_at = time.time(), None
+            self.last_change, self.settled_at, self._previous_done_at = time.time(), None, None
