@@ -217,6 +217,9 @@ def test_the_controller_does_not_go_back_to_a_layout_that_did_worse_under_this_l
     # A layout that did better under this load is moved to.
     controller.remember(cc, busy, met=48, num_requests=50, now=101.0)
     assert controller.consider(pd, _seen(0.5, 1.0, 0.5), busy, now=102.0)[0] == cc
+    # Not for a window's dip, when memory holds this layout to do better than the proposed one.
+    controller.remember(pd, busy, met=40, num_requests=50, now=103.0)
+    assert controller.consider(cc, _seen(0.7, 1.0, 0.7), busy, now=104.0) is None
 
 
 def test_the_controller_follows_the_arriving_load_to_the_layout_that_did_best_under_it():
