@@ -40,10 +40,11 @@ class ModelConfig:
     max_model_len: int | None = option(None, "context length limit (default: the model's)")
     attention_backend: str = option(
         "auto",
-        "decode attention: 'cpp' reads K/V in place in the blocks (a C++ kernel for CPU and float32, "
-        "built once per machine in about a second), 'compiled' too (torch.compile, built in 1-5 s at "
-        "start-up), 'sdpa' runs SDPA over K/V copied out of them; 'auto' is cpp on CPU in float32 when "
-        "a C++ compiler is found, compiled on CPU in other dtypes, else sdpa",
+        "paged attention: 'cpp' reads K/V in place in the blocks, for decode and prompts (a C++ kernel "
+        "for CPU and float32, built once per machine in about a second), 'compiled' for decode "
+        "(torch.compile, built in 1-5 s at start-up), 'sdpa' runs SDPA over K/V copied out of them; "
+        "'auto' is cpp on CPU in float32 when a C++ compiler is found, compiled on CPU in other dtypes, "
+        "else sdpa",
         ATTENTION_BACKENDS,
     )
 
