@@ -75,24 +75,19 @@ def test_paged_decode_equals_sdpa_over_gathered_blocks(kernel, heads, kv_heads, 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, DIM), (8, 2, 64)])
 @pytest.mark.parametrize("window", [None, 24])
 def test_cpp_prompt_chunks_after_a_cached_prefix_equal_causal_sdpa(heads, kv_heads, dim, window):
-    """Sequences of several query tokens (more than a tile of 16, fewer, one), each the last of its
-    context, packed with rows the kernel does not own (left as they were)."""
+    """Sequences of several query tokens (more than a tile of 16, fewer, one; a whole prompt, and
+    chunks after cached ones), each the last of its context, packed with a decode token."""
     gen = torch.Generator().manual_seed(1)
     k_cache, v_cache, free = _cache(kv_heads, dim, gen)
-    chunks = [(1, 1), (5, 100), (16, 16), (40, 250), (17, 33)]  # (query tokens, context length)
+    chunks = [(1, 1), (1, 70), (5, 100), (16, 16), (40, 250), (17, 33)]  # (query tokens, context length)
     tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for _, n in chunks]
-    gap = 3  # rows between sequences that no sequence owns
-    starts = [sum(c + gap for c, _ in chunks[:i]) for i in range(len(chunks))]
-    tokens = starts[-1] + chunks[-1][0] + gap
-    q = torch.randn(tokens, heads, dim, generator=gen)
-    out = torch.full((tokens, heads, dim), 7.0)
+    starts = [sum(c for c, _ in chunks[:i]) for i in range(len(chunks))]
+    q = torch.randn(sum(c for c, _ in chunks), heads, dim, generator=gen)
     scale = dim**-0.5
     lens, contexts = (torch.tensor(column) for column in zip(*chunks))
-    paged_attention_cpu(q, k_cache, v_cache, _padded(tables), torch.tensor(starts), lens, contexts, BLOCK_SIZE,
-                        scale, NO_WINDOW if window is None else window, out)  # fmt: skip
-    owned = torch.zeros(tokens, dtype=torch.bool)
+    out = paged_attention_cpu(q, k_cache, v_cache, _padded(tables), torch.tensor(starts), lens, contexts, BLOCK_SIZE,
+                              scale, NO_WINDOW if window is None else window)  # fmt: skip
     for (count, n), table, start in zip(chunks, tables, starts):
-        owned[start : start + count] = True
         query = torch.arange(n - count, n)[:, None]
         key = torch.arange(n)[None, :]
         mask = (key <= query) & (key > query - (window or NO_WINDOW))
@@ -100,7 +95,6 @@ def test_cpp_prompt_chunks_after_a_cached_prefix_equal_causal_sdpa(heads, kv_hea
         qs = q[start : start + count].transpose(0, 1)
         expected = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         torch.testing.assert_close(out[start : start + count], expected.transpose(0, 1), atol=1e-5, rtol=1e-5)
-    assert torch.equal(out[~owned], torch.full_like(out[~owned], 7.0))
 
 
 def test_auto_backend_is_cpp_for_float32_on_cpu_compiled_for_other_dtypes_and_sdpa_on_cuda():

@@ -149,7 +149,7 @@ class ForwardContext:
     metadata: AttentionMetadata
     kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer index -> (k, v) of [slots, kv_heads, head_dim]
     buffers: GatherBuffers
-    decode_backend: str = "sdpa"  # a resolved attention backend: cpp, compiled or sdpa
+    attention_backend: str = "sdpa"  # a resolved attention backend: cpp, compiled or sdpa
 
 
 _context: ForwardContext | None = None
@@ -189,7 +189,7 @@ def paged_attention(
     v_cache.index_copy_(0, meta.slot_mapping, new_v)
     gqa = query.shape[1] != key.shape[1]
     q = query[0]
-    if _context.decode_backend == "cpp":  # every row in one call, over the cache the new K/V are in
+    if _context.attention_backend == "cpp":  # every row in one call, over the cache the new K/V are in
         scale = q.shape[-1] ** -0.5 if scaling is None else scaling
         window = NO_WINDOW if sliding_window is None else sliding_window
         p = meta.paged
@@ -231,7 +231,7 @@ def _prefill_attention(q, k, v, k_cache, v_cache, scaling, sliding_window, gqa, 
 def _decode_attention(q, k_cache, v_cache, scaling, sliding_window, gqa) -> torch.Tensor:
     """One query token per sequence over its cached context. Returns ``[batch, heads, dim]``."""
     meta = _context.metadata
-    if _context.decode_backend == "compiled":
+    if _context.attention_backend == "compiled":
         scale = q.shape[-1] ** -0.5 if scaling is None else scaling
         positions = meta.decode_positions
         oldest = positions - (NO_WINDOW if sliding_window is None else sliding_window - 1)

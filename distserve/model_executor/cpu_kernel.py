@@ -117,22 +117,18 @@ def paged_attention_cpu(
     block_size: int,
     scale: float,
     window: int,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of q ``[tokens, heads, dim]`` over a paged cache read in place. Sequence
     ``s`` owns the query rows ``query_starts[s]`` .. ``+ query_lens[s]``, the last positions of its
     ``context_lens[s]``, whose K/V (its new tokens' included) sit in the blocks of its row of
     ``block_tables`` ``[seqs, max_blocks]``; each row attends to the last ``window`` positions up to
-    its own. K/V ``[slots, kv_heads, dim]``, float32 on CPU. Writes the owned rows of ``out``
-    ``[tokens, heads, dim]`` (new when None) and returns it."""
+    its own. K/V ``[slots, kv_heads, dim]``, float32 on CPU. Returns ``[tokens, heads, dim]``."""
     q_scaled = torch.empty(q.shape, dtype=q.dtype)  # contiguous, whatever the strides of q: one pass
     torch.mul(q, scale, out=q_scaled)
-    out = torch.empty_like(q_scaled) if out is None else out
+    out = torch.empty_like(q_scaled)
     tokens, heads, dim = q.shape
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
-        raise ValueError("the KV cache and the output must be contiguous")
-    if out.shape != q.shape:
-        raise ValueError(f"output of shape {tuple(out.shape)} for queries of shape {tuple(q.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache must be contiguous")
     tables, starts, lens, contexts = (
         t.to(torch.long).contiguous() for t in (block_tables, query_starts, query_lens, context_lens)
     )

@@ -84,10 +84,10 @@ class ModelRunner:
         kv_cache: KVCache,
         block_size: int,
         stage: PipelineStage | None = None,
-        decode_backend: str = "sdpa",
+        attention_backend: str = "sdpa",
     ) -> None:
         self.model = model
-        self.decode_backend = decode_backend  # resolved: cpp, compiled or sdpa
+        self.attention_backend = attention_backend  # resolved: cpp, compiled or sdpa
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.stage = stage
@@ -105,7 +105,7 @@ class ModelRunner:
             prepared = self.prepare_prefill(batch.seqs)
         else:
             prepared = self.prepare_mixed(batch.seqs[: batch.num_decode], batch.seqs[batch.num_decode :])
-        if self.decode_backend == "cpp":
+        if self.attention_backend == "cpp":
             prepared[2].paged = self.paged_queries(batch)
         return prepared
 
@@ -175,9 +175,9 @@ class ModelRunner:
         meta = AttentionMetadata(
             is_prefill=False, block_size=bs, slot_mapping=self._tensor(slots), decode_positions=positions_t
         )
-        if self.decode_backend == "compiled":
+        if self.attention_backend == "compiled":
             meta.decode_plan = DecodePlan.build([seq.block_table for seq in seqs], positions, bs, self.device)
-        elif self.decode_backend == "sdpa":
+        elif self.attention_backend == "sdpa":
             width = max(len(seq.block_table) for seq in seqs)
             meta.decode_block_tables = self._tensor(
                 [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
@@ -201,7 +201,7 @@ class ModelRunner:
         if self.stage is not None:
             self.stage.received = received
         try:
-            context = ForwardContext(meta, self.kv_cache.layers, self.buffers, self.decode_backend)
+            context = ForwardContext(meta, self.kv_cache.layers, self.buffers, self.attention_backend)
             with forward_context(context):
                 out = self.model(
                     input_ids=input_ids[None],

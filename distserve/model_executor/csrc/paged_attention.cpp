@@ -268,8 +268,7 @@ void paged_attention(const float* q, const float* k_cache, const float* v_cache,
 // q, out [tokens, heads, dim] (q already scaled); K/V caches [slots, kv_heads, dim]; block_tables
 // [num_seqs, max_blocks]. Sequence s owns query tokens query_starts[s] .. + query_lens[s], the
 // last of its context_lens[s] positions; each attends to the positions up to its own within the
-// last `window`. Rows of q that no sequence owns are left alone in out. Returns 0, or 1 for
-// shapes the kernel does not take.
+// last `window`. Returns 0, or 1 for shapes the kernel does not take.
 extern "C" int paged_attention_f32(const float* q, const float* k_cache, const float* v_cache,
                                    const int64_t* block_tables, const int64_t* query_starts,
                                    const int64_t* query_lens, const int64_t* context_lens, float* out,
