@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from distserve.model_executor.attention import NO_WINDOW, GatherBuffers, _causal_mask
+from distserve.model_executor.attention import NO_WINDOW, GatherBuffers, _causal_mask, padded_block_tables
 from distserve.model_executor.cpu_kernel import load_kernel, paged_attention_cpu
 
 BLOCK_SIZE = 16
@@ -78,8 +78,7 @@ class Layer:
         return tuple(x.flatten(0, 1)[:n].transpose(0, 1) for x in (k, v))
 
     def cpp(self) -> torch.Tensor:
-        width = max(map(len, self.tables))
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in self.tables])
+        tables = torch.tensor(padded_block_tables(self.tables))
         lens, contexts = (torch.tensor(column) for column in zip(*self.seqs))
         return paged_attention_cpu(self.q, self.k_cache, self.v_cache, tables, torch.tensor(self.starts), lens,
                                    contexts, BLOCK_SIZE, self.scale, NO_WINDOW)  # fmt: skip
@@ -103,8 +102,8 @@ class Layer:
         return out
 
     def _sdpa_decode(self) -> torch.Tensor:
-        width = max(map(len, self.tables))
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in self.tables])
+        tables = torch.tensor(padded_block_tables(self.tables))
+        width = tables.shape[1]
         k, v = self.buffers.gather(self.k_cache, self.v_cache, tables, BLOCK_SIZE)
         k, v = (x.flatten(1, 2).transpose(1, 2) for x in (k, v))
         positions = torch.tensor([n - 1 for _, n in self.seqs])

@@ -15,6 +15,7 @@ from distserve.model_executor.attention import (
     NO_WINDOW,
     DecodePlan,
     _compiled_paged_decode,
+    padded_block_tables,
     resolve_attention_backend,
 )
 from distserve.model_executor.cpu_kernel import KernelUnavailable, paged_attention_cpu
@@ -30,8 +31,7 @@ def _compiled(q, k_cache, v_cache, tables, positions, window, scale):
 
 
 def _padded(tables: list[list[int]]) -> torch.Tensor:
-    width = max(map(len, tables))
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    return torch.tensor(padded_block_tables(tables))
 
 
 def _cpp(q, k_cache, v_cache, tables, positions, window, scale):

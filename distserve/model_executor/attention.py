@@ -46,6 +46,13 @@ class PrefillSeqMeta:
     block_ids: torch.Tensor | None  # the sequence's blocks when part of its context is cached, else None
 
 
+def padded_block_tables(tables: list[list[int]]) -> list[list[int]]:
+    """Block tables of one length, the longest one's, padded with block 0 (never read: past each
+    sequence's context)."""
+    width = max(map(len, tables))
+    return [table + [0] * (width - len(table)) for table in tables]
+
+
 @dataclass
 class PagedQueries:
     """A batch's query rows by sequence, for the C++ kernel to attend over the cache in place (``cpp``)."""
@@ -58,8 +65,7 @@ class PagedQueries:
     @classmethod
     def build(cls, seqs: list[tuple[list[int], int, int, int]], device) -> PagedQueries:
         """From each sequence's (block table, first row, rows, context length)."""
-        width = max(len(table) for table, *_ in seqs)
-        tables = [table + [0] * (width - len(table)) for table, *_ in seqs]
+        tables = padded_block_tables([table for table, *_ in seqs])
         columns = [tables, *([entry[i] for entry in seqs] for i in (1, 2, 3))]
         return cls(*(torch.tensor(column, dtype=torch.long, device=device) for column in columns))
 

@@ -19,6 +19,7 @@ from distserve.model_executor.attention import (
     PagedQueries,
     PrefillSeqMeta,
     forward_context,
+    padded_block_tables,
 )
 from distserve.model_executor.kv_cache import KVCache
 from distserve.parallel.pipeline_parallel import PipelineStage, StageDone
@@ -178,11 +179,8 @@ class ModelRunner:
         if self.attention_backend == "compiled":
             meta.decode_plan = DecodePlan.build([seq.block_table for seq in seqs], positions, bs, self.device)
         elif self.attention_backend == "sdpa":
-            width = max(len(seq.block_table) for seq in seqs)
-            meta.decode_block_tables = self._tensor(
-                [seq.block_table + [0] * (width - len(seq.block_table)) for seq in seqs]
-            )
-            grid = torch.arange(width * bs, device=self.device)
+            meta.decode_block_tables = self._tensor(padded_block_tables([seq.block_table for seq in seqs]))
+            grid = torch.arange(meta.decode_block_tables.shape[1] * bs, device=self.device)
             meta.decode_mask = (grid[None, :] <= positions_t[:, None])[:, None, None, :]
         return self._tensor([seq.input_token_ids[-1] for seq in seqs]), positions_t, meta, None
 
