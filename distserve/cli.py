@@ -220,12 +220,14 @@ def cmd_roles(args: argparse.Namespace) -> int:
             return 2
         roles[name] = value
     with _client(args) as client:
-        if roles:
-            changes = client.set_roles(roles, timeout=args.timeout).changes
+        if roles or args.control:
+            changes = client.set_roles(roles, timeout=args.timeout, role_control=args.control).changes
             for change in changes:
                 _print_role_change(change)
-            if not changes:
+            if roles and not changes:
                 print("no role changed: every instance has its role already")
+            if args.control:
+                print(f"role control: {args.control}")
             return 0 if all(not change.error for change in changes) else 1
         info = client.cluster_info(timeout=args.timeout)
     print(f"role control: {info.role_control}")
@@ -361,13 +363,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     roles = sub.add_parser(
         "roles",
-        usage="%(prog)s --server HOST:PORT [INSTANCE=ROLE ...]",
+        usage="%(prog)s --server HOST:PORT [--control {fixed,adaptive}] [INSTANCE=ROLE ...]",
         help="change instances' roles on a running server (prefill, decode, colocated), or list them",
         description="Give instances new roles while the server serves: weights and KV cache stay, requests "
-        "move on to other instances or stay where the new role can serve them. Without INSTANCE=ROLE, list "
-        "the roles and the latest changes.",
+        "move on to other instances or stay where the new role can serve them. Without INSTANCE=ROLE or "
+        "--control, list the roles and the latest changes.",
     )
     roles.add_argument("changes", nargs="*", metavar="INSTANCE=ROLE", help="an instance name and its new role")
+    roles.add_argument(
+        "--control",
+        choices=ROLE_CONTROL_MODES,
+        help="fixed: take roles back from the controller (before these changes); adaptive: hand them to it "
+        "(after them; the server needs its SLOs)",
+    )
     _add_client_args(roles, required=True)
     roles.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the changes (default: 120)")
     roles.set_defaults(func=cmd_roles)

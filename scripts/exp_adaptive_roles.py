@@ -21,6 +21,11 @@ Before a workload is measured, every deployment serves it at a quarter of ``--ra
 single-class one for ``--warmup-seconds``, an alternating one for a cycle (adaptive roles settle
 into a layout for it, or see each class once; static ones are unchanged by it).
 
+With ``--one-cluster``, chunked, disaggregated, oracle and adaptive are one cluster (the adaptive
+deployment's) whose roles and role control are set by hand before each deployment's probes, the
+deployments in another order each repeat: the comparison is then not between separately started
+processes, whose speed differs by a few points of attainment from one start to the next.
+
 The load runs in a process of its own (``drive``), so that the client does not share the
 server's interpreter.
 """
@@ -58,6 +63,12 @@ DEPLOYMENTS = {
 DEPLOYMENTS["oracle"] = DEPLOYMENTS["adaptive"]  # roles set by the load at each phase change, not by the controller
 # The oracle's layout of the 2 instances for each class: the better static one for it.
 ORACLE_LAYOUTS = {"long": ("colocated", "colocated"), "short": ("prefill", "decode")}
+# With --one-cluster, each deployment as the roles set on the adaptive deployment's cluster before
+# its probes (None: set as the probes go, by the oracle's load or by the controller).
+ONE_CLUSTER_LAYOUTS = {"chunked": ("colocated", "colocated"), "disaggregated": ("prefill", "decode"),
+                       "oracle": None, "adaptive": None}  # fmt: skip
+ROLE_CONTROL = {"interval": 0.5, "window": 3.0, "min_requests": 8, "patience": 2, "min_dwell": 3.0,
+                "arrival_window": 1.0, "memory": 300.0}  # fmt: skip
 WORKLOADS = ("long", "short", "alternating")
 
 
@@ -140,8 +151,8 @@ def probe(
     started = time.time()
     subprocess.run(command, check=True)
     records = json.loads(out.read_text())
-    result = {"rate": rate, "started": started, "requests": len(records), "attainment": _share(records),
-              "records": records}  # fmt: skip
+    result = {"rate": rate, "started": started, "ended": time.time(), "requests": len(records),
+              "attainment": _share(records), "records": records}  # fmt: skip
     for cls in CLASSES:
         mine = [r for r in records if r["class"] == cls]
         if mine:
@@ -178,12 +189,17 @@ def grid_goodput(run_probe, rates: list[float], repeats: int, target: float) -> 
     meet ``target``; and every probe. Unlike a bisection, one unlucky probe moves the result by one
     grid step at most, not into the other half of the range."""
     probes = [run_probe(rate, seed=repeat) for repeat in range(repeats) for rate in rates]
+    return grid_best(probes, target), probes
+
+
+def grid_best(probes: list[dict], target: float) -> float:
+    """The highest rate at which, and below which everywhere, the pooled probes meet ``target``."""
     best = 0.0
     for rate, met in pooled(probes):
         if met < target:
             break
         best = rate
-    return best, probes
+    return best
 
 
 def pooled(probes: list[dict]) -> list[tuple[float, float]]:
@@ -215,6 +231,55 @@ def calibrate(address: str, out: Path, scales: dict[str, tuple[float, float]]) -
     return slos
 
 
+def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) -> dict:
+    """Chunked, disaggregated, oracle and adaptive as one cluster's roles and role control, set by
+    hand before each deployment's probes (all at every rate, then the next deployment). Each
+    repeat takes the deployments in another order, so that a drift of the machine's speed falls on
+    each of them, and none is measured on processes of its own."""
+    from distserve.entrypoints.client import Client
+
+    names = args.deployments.split(",")
+    rates = [float(r) for r in args.rates.split(",")]
+    results: dict = {}
+    with Client(running.grpc_address) as client:
+        instances = [i.name for i in client.cluster_info().instances]
+        for workload in args.workloads.split(","):
+            seconds = 2 * args.cycles * args.phase_seconds if workload == "alternating" else args.probe_seconds
+            warmup = 2 * args.phase_seconds if workload == "alternating" else args.warmup_seconds
+
+            def run_probe(
+                rate: float, duration: float = seconds, oracle: bool = False, seed: int = 0, workload: str = workload
+            ) -> dict:
+                return probe(running.grpc_address, workload, rate, duration, args.phase_seconds, slos, scratch,
+                             oracle, seed)  # fmt: skip
+
+            run_probe(args.rate_high / 4, warmup)  # the cluster's first requests of this workload
+            probes: dict[str, list[dict]] = {name: [] for name in names}
+            for repeat in range(args.repeats):
+                for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
+                    layout = ONE_CLUSTER_LAYOUTS[name]
+                    control = "adaptive" if name == "adaptive" else "fixed"
+                    client.set_roles(dict(zip(instances, layout)) if layout else {}, role_control=control)
+                    if name == "adaptive":  # it sees each class (or settles) first, as on a cluster of its own
+                        run_probe(args.rate_high / 4, warmup)
+                    for rate in rates:
+                        result = run_probe(rate, oracle=name == "oracle", seed=repeat)
+                        result["role_changes"] = [
+                            (c.instance, c.old_role, c.new_role, c.started, c.seconds, c.reason)
+                            for c in running.cluster.role_changes
+                            if result["started"] <= c.started <= result["ended"]
+                        ]
+                        probes[name].append(result)
+                    client.set_roles({}, role_control="fixed")
+            for name in names:
+                best = grid_best(probes[name], args.target)
+                changes = [c for p in probes[name] for c in p["role_changes"]]
+                results.setdefault(workload, {})[name] = {"goodput": best, "probes": probes[name],
+                                                          "role_changes": changes}  # fmt: skip
+                print(f"{workload:<12} {name:<14} goodput {best:.3g} req/s", flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama")
@@ -239,6 +304,8 @@ def main() -> None:
     parser.add_argument("--finish-decoding-as-prefill", action="store_true",
                         help="adaptive and oracle: an instance becoming prefill decodes what it held to the end")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--one-cluster", action="store_true",
+                        help="with --rates: chunked, disaggregated, oracle and adaptive on one cluster, in turn")
     parser.add_argument("--out", type=Path, default=Path("results/adaptive-roles"))
     parser.add_argument("--report", action="store_true", help="only print and plot the summary.json in --out")
     args = parser.parse_args()
@@ -273,16 +340,16 @@ def main() -> None:
                     scales[cls] = (float(ttft), float(tpot))
                 slos = calibrate(calibration.grpc_address, scratch, scales)
         print("SLOs (TTFT, TPOT) ms: " + ", ".join(f"{c} {t * 1e3:.1f}/{p * 1e3:.2f}" for c, (t, p) in slos.items()))
-        for name in args.deployments.split(","):
+        control = {"slo_ttft": slos["long"][0], "slo_tpot": slos["long"][1], **ROLE_CONTROL}
+        if args.one_cluster:
+            with server(DEPLOYMENTS["adaptive"], role_control={"mode": "fixed", **control}) as running:
+                results = one_cluster(args, running, slos, scratch)
+        for name in [] if args.one_cluster else args.deployments.split(","):
             pools = dict(DEPLOYMENTS[name])
             if args.finish_decoding_as_prefill and name in ("adaptive", "oracle"):
                 pools["finish_decoding_as_prefill"] = True
-            control = {}
-            if name == "adaptive":
-                control["role_control"] = {"mode": "adaptive", "slo_ttft": slos["long"][0], "slo_tpot": slos["long"][1],
-                                           "interval": 0.5, "window": 3.0, "min_requests": 8, "patience": 2,
-                                           "min_dwell": 3.0, "arrival_window": 1.0, "memory": 300.0}  # fmt: skip
-            with server(pools, **control) as running:
+            adaptive = {"role_control": {"mode": "adaptive", **control}} if name == "adaptive" else {}
+            with server(pools, **adaptive) as running:
                 for workload in args.workloads.split(","):
                     seconds = 2 * args.cycles * args.phase_seconds if workload == "alternating" else args.probe_seconds
 

@@ -90,30 +90,46 @@ def test_roles_change_under_load_in_every_direction(ray_cluster, llama):
 
 
 def test_the_adaptive_controller_colocates_a_cluster_whose_prefill_misses_ttft(ray_cluster, llama):
-    # No TTFT can be met and every TPOT is: too little prefill, so the controller colocates the
-    # 1 prefill + 1 decode instances, while requests keep coming and come out greedy-equal.
-    control = {"mode": "adaptive", "slo_ttft": 1e-6, "slo_tpot": 10.0, "interval": 0.1, "window": 1.0,
+    # No TTFT can be met and every TPOT is: too little prefill. Roles fixed, nothing changes; handed
+    # to the controller, it colocates the 1 prefill + 1 decode instances while requests keep coming
+    # and come out greedy-equal; taken back with roles set by hand, they stay as set.
+    control = {"mode": "fixed", "slo_ttft": 1e-6, "slo_tpot": 10.0, "interval": 0.1, "window": 1.0,
                "min_requests": 4, "patience": 2, "min_dwell": 0.0}  # fmt: skip
     prompts = random_prompts([30, 12, 50, 21] * 6, llama.config.vocab_size, seed=7)
 
+    async def waves(cluster: AsyncCluster, until_a_change: bool) -> list[list[int]]:
+        outputs = []
+        for wave in range(0, len(prompts), 4):
+            outputs += await asyncio.gather(*(_final(cluster, p, 6) for p in prompts[wave : wave + 4]))
+            if until_a_change and cluster.role_changes:
+                break
+            await asyncio.sleep(0.3)  # decisions come every 0.1 s
+        return outputs
+
     async def main() -> tuple[list[list[int]], list]:
         async with AsyncCluster(model="tiny-llama", prefill={}, decode={}, role_control=control) as cluster:
-            outputs = []
-            for wave in range(0, len(prompts), 4):
-                outputs += await asyncio.gather(*(_final(cluster, p, 6) for p in prompts[wave : wave + 4]))
-                if cluster.role_changes:
-                    break
-                await asyncio.sleep(0.3)  # decisions come every 0.1 s
+            names = [i.name for i in await cluster.info()]
+            outputs = await waves(cluster, until_a_change=False)
+            assert cluster.role_changes == [] and [i.role for i in await cluster.info()] == [P, D]
+            assert await cluster.set_roles({}, role_control="adaptive") == []
+            outputs += await waves(cluster, until_a_change=True)
             assert [i.role for i in await cluster.info()] == [C, C]
             outputs += await asyncio.gather(*(_final(cluster, p, 6) for p in prompts[:4]))  # served colocated
+            changes = await cluster.set_roles(dict(zip(names, (P, D))), role_control="fixed")
+            assert [r.reason for r in changes] == ["operator", "operator"]
+            outputs += await waves(cluster, until_a_change=False)
+            assert [i.role for i in await cluster.info()] == [P, D] and len(cluster.role_changes) == 4
             await wait_nothing_in_use_async(cluster)
-            return outputs, cluster.role_changes
+            return outputs, cluster.role_changes[:2]
 
     outputs, history = asyncio.run(main())
     assert {(r.old_role, r.new_role) for r in history} == {(P, C), (D, C)}
     assert all(r.reason.startswith("TTFT attainment 0%, TPOT 100%") for r in history)
     assert all(r.reason.endswith("too little prefill, colocating") for r in history)
-    for prompt, tokens in zip(prompts[: len(outputs) - 4] + prompts[:4], outputs):
+    adaptive = len(outputs) - 4 - 2 * len(prompts)
+    sent = prompts + prompts[:adaptive] + prompts[:4] + prompts
+    assert len(sent) == len(outputs)
+    for prompt, tokens in zip(sent, outputs):
         assert tokens == reference_greedy(llama, prompt, 6)
 
 
@@ -147,6 +163,16 @@ def test_set_roles_over_grpc_and_the_cli(ray_cluster, llama):
                 client.set_roles({names[1]: "prefill"})
             assert refusal.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "prefill instances need a decode instance" in refusal.value.details()
+            for roles, control, message in [
+                ({}, None, "name an instance or a role control mode"),
+                ({}, "adaptive", "adaptive role control needs both SLOs"),
+                ({names[0]: "colocated"}, "sometimes", "role_control.mode must be one of fixed, adaptive"),
+            ]:
+                with pytest.raises(CallError) as refusal:
+                    client.set_roles(roles, role_control=control)
+                assert refusal.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert message in refusal.value.details()
+            assert client.cluster_info().role_control == "fixed" and not client.cluster_info().role_changes
             cli = [sys.executable, "-m", "distserve.cli", "roles", "--server", server.grpc_address]
             done = subprocess.run([*cli, f"{names[0]}=colocated", f"{names[1]}=colocated"],
                                   capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -155,6 +181,8 @@ def test_set_roles_over_grpc_and_the_cli(ray_cluster, llama):
             assert f"{names[1]}: decode -> colocated" in done.stdout
             bad = subprocess.run([*cli, f"{names[0]}=encoder"], capture_output=True, text=True, timeout=60)
             assert bad.returncode == 2 and "is not INSTANCE=ROLE" in bad.stderr
+            refused = subprocess.run([*cli, "--control", "adaptive"], capture_output=True, text=True, timeout=60)
+            assert refused.returncode == 1 and "adaptive role control needs both SLOs" in refused.stderr
             info = client.cluster_info()
             assert [i.role for i in info.instances] == [3, 3] and info.role_control == "fixed"
             assert [c.reason for c in info.role_changes] == ["operator", "operator"]

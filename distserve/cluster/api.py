@@ -105,12 +105,14 @@ class AsyncCluster:
         self._check_running()
         return await self.orchestrator.info()
 
-    async def set_roles(self, roles: dict[str, Role | str]) -> list[RoleChangeRecord]:
+    async def set_roles(self, roles: dict[str, Role | str], role_control: str | None = None) -> list[RoleChangeRecord]:
         """Give instances (by name, as ``info()`` lists them) new roles while serving; returns once
-        they serve them, a record per instance whose role changed. Raises RequestError, changing
-        nothing, for an unknown instance or a layout that could not serve."""
+        they serve them, a record per instance whose role changed. ``role_control``: "fixed" takes
+        roles back from the controller, "adaptive" hands them to it. Raises RequestError, changing
+        nothing, for an unknown instance, a layout that could not serve, or adaptive control
+        without SLOs."""
         self._check_running()
-        return await self.orchestrator.roles.set_roles(roles)
+        return await self.orchestrator.set_roles(roles, role_control)
 
     @property
     def role_changes(self) -> list[RoleChangeRecord]:
@@ -181,8 +183,8 @@ class Cluster:
     def info(self) -> list[InstanceInfo]:
         return self._run(self._async.info())
 
-    def set_roles(self, roles: dict[str, Role | str]) -> list[RoleChangeRecord]:
-        return self._run(self._async.set_roles(roles))
+    def set_roles(self, roles: dict[str, Role | str], role_control: str | None = None) -> list[RoleChangeRecord]:
+        return self._run(self._async.set_roles(roles, role_control))
 
     @property
     def role_changes(self) -> list[RoleChangeRecord]:

@@ -31,7 +31,7 @@ import ray
 from distserve.cluster.config import ClusterConfig
 from distserve.cluster.failover import Failover
 from distserve.cluster.instance import InstanceInfo, launch_instance
-from distserve.cluster.role_changes import RoleChanger
+from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
 from distserve.cluster.role_controller import Arrival, FinishedRequest, RequestSLO, RoleController
 from distserve.cluster.routing import InstanceState, Router
 from distserve.core.errors import InstanceFailure, RequestError
@@ -149,8 +149,7 @@ class Orchestrator:
             smallest.info.num_blocks,
             smallest.info.block_size,
         )
-        if self.config.role_control.mode == "adaptive":
-            self._pollers.append(asyncio.create_task(self.controller.run()))
+        self._pollers.append(asyncio.create_task(self.controller.run()))  # it decides while adaptive
 
     async def shutdown(self) -> None:
         self.closed = True
@@ -160,6 +159,29 @@ class Orchestrator:
         await asyncio.gather(*(s.handle.shutdown.remote() for s in self.instances), return_exceptions=True)
         for state in self.instances:
             ray.kill(state.handle)
+
+    async def set_roles(self, roles: dict[str, Role | str], role_control: str | None = None) -> list[RoleChangeRecord]:
+        """Give instances new roles (see ``RoleChanger.set_roles``), and with ``role_control`` take
+        roles back from the controller ("fixed", first, so that it does not undo them) or hand
+        them to it ("adaptive", once they are set). Raises RequestError, changing nothing, for a
+        mode that is not one or adaptive control without SLOs."""
+        control = self.config.role_control
+        previous = control.mode
+        if role_control is not None:
+            try:
+                dataclasses.replace(control, mode=role_control)  # its checks
+            except ValueError as e:
+                raise RequestError(str(e)) from None
+        if role_control == "fixed":
+            control.mode = role_control
+        try:
+            records = await self.roles.set_roles(roles) if roles else []
+        except BaseException:
+            control.mode = previous
+            raise
+        if role_control is not None:
+            control.mode = role_control
+        return records
 
     def add_instance(self, entry: InstanceState, replacing: InstanceState | None = None) -> None:
         """Serve from ``entry`` (in place of ``replacing``) and start polling it."""

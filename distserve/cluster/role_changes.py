@@ -65,6 +65,8 @@ class RoleChanger:
             finally:
                 self.under_way = False
                 await self.orchestrator.failover.pools_changed()
+                if records:  # by an operator too: the controller lets the new layout settle
+                    self.orchestrator.controller.layout_changed(time.time())
             return records
 
     def _check(self, roles: dict[str, Role | str]) -> dict[InstanceState, Role]:

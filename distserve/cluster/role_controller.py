@@ -247,14 +247,15 @@ class RoleController:
         self.arrivals: deque[Arrival] = deque()
         self.finished: deque[FinishedRequest] = deque()
         self.outcomes: deque[Outcome] = deque()
-        self.last_change = time.time()  # counts from start-up: the first window fills first
+        self.last_change = 0.0
         # Requests that arrived before the previous layout's work was done, and the queue that
         # formed meanwhile prefilled, waited behind the change: only those after count for the layout.
-        self.settled_at: float | None = self.last_change
-        self._previous_done_at: float | None = self.last_change
-        self._recorded_until = self.last_change
+        self.settled_at: float | None = None
+        self._previous_done_at: float | None = None
+        self._recorded_until = 0.0
         self._proposal: dict[str, Role] | None = None
         self._repeats = 0
+        self.resume(time.time())  # counts from start-up: the first window fills first
 
     def remember(self, layout: dict[str, Role], load: Load, met: int, num_requests: int, now: float) -> None:
         self.outcomes.append(Outcome(_layout_key(layout), load, met, num_requests, now))
@@ -306,18 +307,43 @@ class RoleController:
         return _roles_for(key, list(layout)), why
 
     def observe_arrival(self, request: Arrival) -> None:
-        self.arrivals.append(request)
+        if self.config.mode == "adaptive":
+            self.arrivals.append(request)
 
     def observe(self, request: FinishedRequest) -> None:
-        self.finished.append(request)
+        if self.config.mode == "adaptive":
+            self.finished.append(request)
 
     async def run(self) -> None:
+        """Decide every ``interval`` while the mode is adaptive. An operator may take roles back
+        ("fixed") and hand them over again: the controller then starts afresh, memory kept."""
+        deciding = False
         while True:
             await asyncio.sleep(self.config.interval)
+            if self.config.mode != "adaptive":
+                deciding = False
+                continue
             try:
-                await self.decide()
+                if not deciding:
+                    self.resume(time.time())
+                    deciding = True
+                else:
+                    await self.decide()
             except Exception:  # a bug here must not stop serving
                 logger.exception("role controller")
+
+    def resume(self, now: float) -> None:
+        """Decide from ``now`` on as if started then: what it observed before is dropped (not what
+        it remembers), and a window of requests fills before one is judged."""
+        self.arrivals.clear()
+        self.finished.clear()
+        self.last_change = self.settled_at = self._previous_done_at = self._recorded_until = now
+        self._proposal, self._repeats = None, 0
+
+    def layout_changed(self, now: float) -> None:
+        """Roles changed (by the controller or an operator): the next change waits ``min_dwell``, and
+        the requests of the new layout count once it has settled."""
+        self.last_change, self.settled_at, self._previous_done_at = now, None, None
 
     def arriving(self, now: float) -> Load | None:
         """The load coming in: the token ratio of the last ``arrival_window`` seconds of arrivals (a
@@ -395,6 +421,4 @@ class RoleController:
             return
         roles, reason, _ = proposal
         self._proposal, self._repeats = None, 0
-        records = await orchestrator.roles.set_roles(roles, reason)
-        if records:
-            self.last_change, self.settled_at, self._previous_done_at = time.time(), None, None
+        await orchestrator.roles.set_roles(roles, reason)

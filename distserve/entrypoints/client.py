@@ -57,10 +57,11 @@ class CallError(grpc.aio.AioRpcError):
         return type(self), (self.address, self.code(), self.details())
 
 
-def _roles_request(roles: dict[str, int | str]) -> pb.SetRolesRequest:
+def _roles_request(roles: dict[str, int | str], role_control: str | None) -> pb.SetRolesRequest:
     """``roles`` by name: a ``pb.Role`` value or a role's name ("decode")."""
     return pb.SetRolesRequest(
-        roles={name: getattr(pb, f"ROLE_{r.upper()}") if isinstance(r, str) else r for name, r in roles.items()}
+        roles={name: getattr(pb, f"ROLE_{r.upper()}") if isinstance(r, str) else r for name, r in roles.items()},
+        role_control=role_control,
     )
 
 
@@ -193,10 +194,14 @@ class Client(_Base):
         with self._errors():
             return self.stub.GetClusterInfo(pb.GetClusterInfoRequest(), metadata=self.metadata, timeout=timeout)
 
-    def set_roles(self, roles: dict[str, int | str], timeout: float | None = None) -> pb.SetRolesResponse:
-        """Give instances new roles (``pb.ROLE_DECODE`` or ``"decode"``); returns once they serve them."""
+    def set_roles(
+        self, roles: dict[str, int | str], timeout: float | None = None, role_control: str | None = None
+    ) -> pb.SetRolesResponse:
+        """Give instances new roles (``pb.ROLE_DECODE`` or ``"decode"``); returns once they serve them.
+        ``role_control``: "fixed" takes roles back from the controller, "adaptive" hands them to it."""
         with self._errors():
-            return self.stub.SetRoles(_roles_request(roles), metadata=self.metadata, timeout=timeout)
+            request = _roles_request(roles, role_control)
+            return self.stub.SetRoles(request, metadata=self.metadata, timeout=timeout)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
@@ -253,9 +258,12 @@ class AsyncClient(_Base):
         with self._errors():
             return await self.stub.GetClusterInfo(pb.GetClusterInfoRequest(), metadata=self.metadata, timeout=timeout)
 
-    async def set_roles(self, roles: dict[str, int | str], timeout: float | None = None) -> pb.SetRolesResponse:
+    async def set_roles(
+        self, roles: dict[str, int | str], timeout: float | None = None, role_control: str | None = None
+    ) -> pb.SetRolesResponse:
         with self._errors():
-            return await self.stub.SetRoles(_roles_request(roles), metadata=self.metadata, timeout=timeout)
+            request = _roles_request(roles, role_control)
+            return await self.stub.SetRoles(request, metadata=self.metadata, timeout=timeout)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)

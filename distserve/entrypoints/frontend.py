@@ -124,9 +124,9 @@ class Frontend:
         self.metrics.update_instances(infos, self.num_pending, self.cluster.role_changes)
         return infos
 
-    async def set_roles(self, roles: dict[str, Role | str]) -> list[RoleChangeRecord]:
+    async def set_roles(self, roles: dict[str, Role | str], role_control: str | None = None) -> list[RoleChangeRecord]:
         try:
-            return await self.cluster.set_roles(roles)
+            return await self.cluster.set_roles(roles, role_control)
         except Exception as e:
             raise to_serving_error(e) from e
 

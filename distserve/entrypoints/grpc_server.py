@@ -187,11 +187,15 @@ class DistServeServicer(pb_grpc.DistServeServicer):
         await self._authenticate(context)
         by_proto = {value: role for role, value in _ROLES.items()}
         unknown = {name: value for name, value in request.roles.items() if value not in by_proto}
-        if unknown or not request.roles:
-            message = "name at least one instance" if not request.roles else f"no role given for {', '.join(unknown)}"
+        role_control = request.role_control if request.HasField("role_control") else None
+        if unknown or not (request.roles or role_control):
+            message = (
+                f"no role given for {', '.join(unknown)}" if unknown else "name an instance or a role control mode"
+            )
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         try:
-            records = await self.frontend.set_roles({name: by_proto[value] for name, value in request.roles.items()})
+            roles = {name: by_proto[value] for name, value in request.roles.items()}
+            records = await self.frontend.set_roles(roles, role_control)
         except ServingError as e:
             await context.abort(e.grpc_code, str(e))
         return pb.SetRolesResponse(changes=[role_change_to_proto(r) for r in records])

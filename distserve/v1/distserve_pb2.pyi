@@ -236,7 +236,7 @@ class RoleChange(_message.Message):
     def __init__(self, instance: _Optional[str] = ..., old_role: _Optional[_Union[Role, str]] = ..., new_role: _Optional[_Union[Role, str]] = ..., started: _Optional[float] = ..., seconds: _Optional[float] = ..., reason: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class SetRolesRequest(_message.Message):
-    __slots__ = ("roles",)
+    __slots__ = ("roles", "role_control")
     class RolesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -245,8 +245,10 @@ class SetRolesRequest(_message.Message):
         value: Role
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Role, str]] = ...) -> None: ...
     ROLES_FIELD_NUMBER: _ClassVar[int]
+    ROLE_CONTROL_FIELD_NUMBER: _ClassVar[int]
     roles: _containers.ScalarMap[str, Role]
-    def __init__(self, roles: _Optional[_Mapping[str, Role]] = ...) -> None: ...
+    role_control: str
+    def __init__(self, roles: _Optional[_Mapping[str, Role]] = ..., role_control: _Optional[str] = ...) -> None: ...
 
 class SetRolesResponse(_message.Message):
     __slots__ = ("changes",)
