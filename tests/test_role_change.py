@@ -245,9 +245,14 @@ def test_the_controller_does_not_go_back_to_a_layout_that_did_worse_under_this_l
     # A layout that did better under this load is moved to.
     controller.remember(cc, busy, met=48, num_requests=50, now=101.0)
     assert controller.consider(pd, _seen(0.5, 1.0, 0.5), busy, now=102.0)[0] == cc
-    # Not for a window's dip, when memory holds this layout to do better than the proposed one.
+    # Not for a window's dip, when memory holds this layout to do better than the proposed one...
     controller.remember(pd, busy, met=40, num_requests=50, now=103.0)
     assert controller.consider(cc, _seen(0.7, 1.0, 0.7), busy, now=104.0) is None
+    # ...or to meet the target under this load, though the other layout is not known under it.
+    controller.remember(cc, other, met=460, num_requests=500, now=105.0)
+    assert controller.consider(cc, _seen(0.7, 1.0, 0.7), other, now=106.0) is None
+    controller.remember(cc, other, met=30, num_requests=100, now=107.0)  # 82% of 600 now: the layout fails it
+    assert controller.consider(cc, _seen(0.7, 1.0, 0.7), other, now=108.0)[0] == {"a": D, "b": P}
 
 
 def test_the_controller_follows_the_arriving_load_to_the_layout_that_did_best_under_it():

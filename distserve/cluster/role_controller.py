@@ -19,7 +19,9 @@ the load they came in: the typical ratio of prompt to requested output tokens an
 rate, both known when a request arrives. A change to a layout whose requests did no better under
 a similar load within ``memory`` seconds than the current layout's (in the window, or as
 remembered) is not made, so a layout that is worse for this load is left after one try and not
-tried again for a window's dip, and an overload in which both miss does not flap.
+tried again for a window's dip, and an overload in which both miss does not flap. Nor does a
+window's miss move it from a layout whose requests met the target under a similar load as
+remembered: under bursty arrivals misses come in runs, and one window of them is a dip.
 
 Finished requests tell late: a request is judged only once it has all its tokens, and a window of
 them must fill after a change. So the controller also looks at the load arriving now (the mix of
@@ -273,14 +275,17 @@ class RoleController:
         self, layout: dict[str, Role], seen: Attainment, load: Load, now: float
     ) -> tuple[dict[str, Role], str] | None:
         """The roles to move to (with why) after ``layout`` did ``seen`` under ``load``, or None: none
-        is proposed, or the proposed layout did no better under a similar load lately than this one
-        did, in this window or as remembered (a window's dip must not send it back to a layout
-        that memory already holds to be worse)."""
+        is proposed; or this layout's requests met the target under a similar load as remembered,
+        so the window is a dip, not this layout failing the load (under bursty arrivals misses
+        come in runs, and a window of them is not the layout's share); or the proposed layout did
+        no better under a similar load lately than this one, in this window or as remembered."""
         proposal = propose(layout, seen, self.config.target)
         if proposal is None:
             return None
-        known = self.remembered(_layout_key(proposal[0]), load, now)
         current = self.remembered(_layout_key(layout), load, now)
+        if current and current.value >= self.config.target:
+            return None
+        known = self.remembered(_layout_key(proposal[0]), load, now)
         if known and known.value <= max(seen.both, current.value if current else 0.0):
             return None
         return proposal
