@@ -64,9 +64,9 @@ DEPLOYMENTS["oracle"] = DEPLOYMENTS["adaptive"]  # roles set by the load at each
 # The oracle's layout of the 2 instances for each class: the better static one for it.
 ORACLE_LAYOUTS = {"long": ("colocated", "colocated"), "short": ("prefill", "decode")}
 # With --one-cluster, each deployment as the roles set on the adaptive deployment's cluster before
-# its probes (None: set as the probes go, by the oracle's load or by the controller).
+# its probes (None: set as the probes go, by the oracle's load); adaptive starts as on its own.
 ONE_CLUSTER_LAYOUTS = {"chunked": ("colocated", "colocated"), "disaggregated": ("prefill", "decode"),
-                       "oracle": None, "adaptive": None}  # fmt: skip
+                       "oracle": None, "adaptive": ("prefill", "decode")}  # fmt: skip
 ROLE_CONTROL = {"interval": 0.5, "window": 3.0, "min_requests": 8, "patience": 2, "min_dwell": 3.0,
                 "arrival_window": 1.0, "memory": 300.0}  # fmt: skip
 WORKLOADS = ("long", "short", "alternating")

@@ -322,7 +322,7 @@ class RoleController:
     async def run(self) -> None:
         """Decide every ``interval`` while the mode is adaptive. An operator may take roles back
         ("fixed") and hand them over again: the controller then starts afresh, memory kept."""
-        deciding = False
+        deciding = self.config.mode == "adaptive"  # from start-up, as constructed
         while True:
             await asyncio.sleep(self.config.interval)
             if self.config.mode != "adaptive":
