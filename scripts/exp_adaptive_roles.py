@@ -231,6 +231,11 @@ def calibrate(address: str, out: Path, scales: dict[str, tuple[float, float]]) -
     return slos
 
 
+def _change_row(c) -> tuple:
+    """A role change as summary.json keeps it."""
+    return (c.instance, c.old_role, c.new_role, c.started, c.seconds, c.reason)
+
+
 def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) -> dict:
     """Chunked, disaggregated, oracle and adaptive as one cluster's roles and role control, set by
     hand before each deployment's probes (all at every rate, then the next deployment). Each
@@ -265,7 +270,7 @@ def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) ->
                     for rate in rates:
                         result = run_probe(rate, oracle=name == "oracle", seed=repeat)
                         result["role_changes"] = [
-                            (c.instance, c.old_role, c.new_role, c.started, c.seconds, c.reason)
+                            _change_row(c)
                             for c in running.cluster.role_changes
                             if result["started"] <= c.started <= result["ended"]
                         ]
@@ -377,7 +382,7 @@ def main() -> None:
                     results.setdefault(workload, {})[name] = {
                         "goodput": best, "probes": probes,
                         "role_changes": [
-                            (c.instance, c.old_role, c.new_role, c.started, c.seconds, c.reason) for c in changes
+                            _change_row(c) for c in changes
                         ],
                     }  # fmt: skip
                     print(f"{workload:<12} {name:<14} goodput {best:.3g} req/s", flush=True)

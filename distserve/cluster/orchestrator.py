@@ -179,8 +179,7 @@ class Orchestrator:
         except BaseException:
             control.mode = previous
             raise
-        if role_control is not None:
-            control.mode = role_control
+        control.mode = role_control or previous
         return records
 
     def add_instance(self, entry: InstanceState, replacing: InstanceState | None = None) -> None:
