@@ -20,6 +20,7 @@ from distserve.cluster.role_controller import (
     Attainment,
     FinishedRequest,
     Load,
+    RequestSLO,
     RoleControlConfig,
     RoleController,
     Share,
@@ -202,29 +203,54 @@ def test_set_roles_over_grpc_and_the_cli(ray_cluster, llama):
 # The controller's decisions -----------------------------------------------------------------------
 
 
-def _seen(ttft: float, tpot: float, both: float | None = None) -> Attainment:
-    return Attainment(ttft, tpot, min(ttft, tpot) if both is None else both, 50)
+def _seen(ttft: float, tpot: float, both: float | None = None, levels: tuple[float, float] | None = None) -> Attainment:
+    """A window's attainment; ``levels``: its TTFT and TPOT quantiles as fractions of the SLOs, by
+    default over the SLO where missed, else TTFT at 70% and TPOT at 40% (decode steps with room)."""
+    levels = levels or (1.2 if ttft < 0.9 else 0.7, 1.2 if tpot < 0.9 else 0.4)
+    return Attainment(ttft, tpot, min(ttft, tpot) if both is None else both, 50, *levels)
 
 
 def test_the_controller_moves_capacity_to_the_phase_that_misses_its_slo():
     pd = {"a": P, "b": D}
     cc = {"a": C, "b": C}
-    assert propose(pd, _seen(0.5, 1.0), 0.9)[0] == cc  # TTFT missed, TPOT held: colocate
+    assert propose(pd, _seen(0.5, 1.0), 0.9)[0] == cc  # TTFT missed, TPOT held with room: colocate
     assert propose(cc, _seen(1.0, 0.4), 0.9)[0] == {"a": D, "b": P}  # the busier instance keeps decoding
     assert propose(pd, _seen(1.0, 0.4), 0.9) is None  # no prefill to spare
-    # Colocated, TTFT missed while TPOT holds: prompts wait behind decoding in mixed steps.
-    roles, why = propose(cc, _seen(0.5, 1.0), 0.9)
+    # TTFT near its SLO, not yet missed, and room in decode steps: colocate before a window misses.
+    assert propose(pd, _seen(0.92, 1.0, levels=(0.95, 0.4)), 0.9)[0] == cc
+    assert propose(pd, _seen(0.92, 1.0, levels=(0.8, 0.4)), 0.9) is None  # not near
+    # TPOT held but near its SLO: prompt chunks in decode steps would trade one miss for another.
+    assert propose(pd, _seen(0.5, 1.0, levels=(1.3, 0.8)), 0.9) is None
+    assert propose(pd, _seen(0.92, 1.0, levels=(0.95, 0.8)), 0.9) is None
+    # Colocated, TTFT missed while TPOT holds near its SLO: prompts wait behind decoding in mixed steps.
+    roles, why = propose(cc, _seen(0.5, 1.0, levels=(1.3, 0.8)), 0.9)
     assert roles == {"a": D, "b": P} and why.endswith("prompts wait behind decoding, disaggregating")
+    assert propose(cc, _seen(0.5, 1.0), 0.9) is None  # with room: prefill is short, which halving it would not mend
     for layout in (pd, cc):
-        assert propose(layout, _seen(0.95, 0.95), 0.9) is None  # both met
-        assert propose(layout, _seen(0.85, 0.84), 0.9) is None  # under 90%, within 50 requests' noise (7 points)
+        assert propose(layout, _seen(0.95, 0.95, levels=(0.7, 0.7)), 0.9) is None  # both met
+        # under 90%, within 50 requests' noise (7 points)
+        assert propose(layout, _seen(0.85, 0.84, levels=(1.05, 1.05)), 0.9) is None
     assert propose(pd, _seen(0.5, 0.5), 0.9)[0] == cc  # both missed: the other layout is tried
     assert propose(cc, _seen(0.5, 0.5), 0.9)[0] == {"a": D, "b": P}
     four = {"a": P, "b": P, "c": D, "d": D}
     assert propose(four, _seen(0.5, 1.0), 0.9)[0] == {"a": P, "b": P, "c": D, "d": P}
     assert propose(four, _seen(1.0, 0.5), 0.9)[0] == {"a": P, "b": D, "c": D, "d": D}
     roles, why = propose(pd, _seen(0.5, 1.0), 0.9)
-    assert why == "TTFT attainment 50%, TPOT 100% over 50 requests: too little prefill, colocating"
+    assert why == (
+        "TTFT attainment 50%, TPOT 100% over 50 requests (quantiles at 120% and 40% of the SLOs): "
+        "too little prefill, colocating"
+    )
+
+
+def test_a_window_s_attainment_and_quantiles_judge_each_request_by_its_own_slos():
+    requests = [FinishedRequest(0.0, 600, 60, finished=1.0, ttft=0.01 * i, tpot=0.001 * i) for i in range(1, 11)]
+    requests.append(FinishedRequest(0.0, 40, 1, finished=1.0, ttft=0.05, tpot=None, slo=RequestSLO(ttft=0.025)))
+    seen = attainment(requests, slo_ttft=0.08, slo_tpot=0.01, target=0.9)
+    assert (seen.ttft, seen.tpot, seen.num_requests) == (8 / 11, 1.0, 11)
+    assert seen.both == 8 / 11
+    # TTFT over its SLO, request by request: 0.125 ... 1.25 and 2.0 (its own SLO); the 10th of 11.
+    assert seen.ttft_level == pytest.approx(1.25)
+    assert seen.tpot_level == pytest.approx(0.9)  # 9 of the 10 decoded within 0.9 of the SLO
 
 
 def test_the_controller_does_not_go_back_to_a_layout_that_did_worse_under_this_load():
@@ -247,12 +273,12 @@ def test_the_controller_does_not_go_back_to_a_layout_that_did_worse_under_this_l
     assert controller.consider(pd, _seen(0.5, 1.0, 0.5), busy, now=102.0)[0] == cc
     # Not for a window's dip, when memory holds this layout to do better than the proposed one...
     controller.remember(pd, busy, met=40, num_requests=50, now=103.0)
-    assert controller.consider(cc, _seen(0.7, 1.0, 0.7), busy, now=104.0) is None
+    assert controller.consider(cc, _seen(0.7, 1.0, 0.7, (1.2, 0.8)), busy, now=104.0) is None
     # ...or to meet the target under this load, though the other layout is not known under it.
     controller.remember(cc, other, met=460, num_requests=500, now=105.0)
-    assert controller.consider(cc, _seen(0.7, 1.0, 0.7), other, now=106.0) is None
+    assert controller.consider(cc, _seen(0.7, 1.0, 0.7, (1.2, 0.8)), other, now=106.0) is None
     controller.remember(cc, other, met=30, num_requests=100, now=107.0)  # 82% of 600 now: the layout fails it
-    assert controller.consider(cc, _seen(0.7, 1.0, 0.7), other, now=108.0)[0] == {"a": D, "b": P}
+    assert controller.consider(cc, _seen(0.7, 1.0, 0.7, (1.2, 0.8)), other, now=108.0)[0] == {"a": D, "b": P}
 
 
 def test_the_controller_follows_the_arriving_load_to_the_layout_that_did_best_under_it():
@@ -329,8 +355,8 @@ def test_a_window_proposes_a_change_only_once_it_is_whole_after_the_layout_settl
     controller = RoleController(None, config)
     controller.settled_at = settled = 1000.0
     cc = {"a": C, "b": C}
-    for i in range(8):  # every prompt missed its TTFT
-        controller.observe(FinishedRequest(settled + 0.1 * i, 600, 60, finished=settled + 1, ttft=0.5, tpot=0.005))
+    for i in range(8):  # every prompt missed its TTFT, TPOT held near its SLO
+        controller.observe(FinishedRequest(settled + 0.1 * i, 600, 60, finished=settled + 1, ttft=0.5, tpot=0.008))
     assert controller.propose_now(cc, controller.window(settled + 2.0), settled + 2.0) is None
     roles, _, from_memory = controller.propose_now(cc, controller.window(settled + 3.0), settled + 3.0)
     assert roles == {"a": D, "b": P} and not from_memory

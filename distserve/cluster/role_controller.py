@@ -8,11 +8,14 @@ queue that formed meanwhile has been prefilled: requests that arrive earlier wai
 change, not the layout. Until a whole window has passed since, only memory (below) moves it. An
 SLO counts as missed when its attainment is under the target by more than the window's sampling
 noise. TTFT missed while TPOT holds means too little prefill: one decode instance fewer, or all
-colocated when one is left; colocated already, prompts wait behind decoding in mixed steps, and
-half the instances prefill alone. TPOT missed while TTFT holds means prefill interferes with
-decoding, or too little decode: from colocated to half prefill, half decode, else one decode
-instance more. Both met: no change. Both missed (an overload, or the wrong layout for the load):
-the other of colocated and disaggregated is tried.
+colocated when one is left, if decode steps have room for prompt chunks beside them (the TPOT
+quantile well within its SLO; then TTFT near its SLO is enough, before a window misses); without
+that room colocating would trade TTFT misses for TPOT ones. Colocated already and without that
+room, prompts wait behind decoding in mixed steps, and half the instances prefill alone. TPOT
+missed while TTFT holds means prefill interferes with decoding, or too little decode: from
+colocated to half prefill, half decode, else one decode instance more. Both met: no change. Both
+missed (an overload, or the wrong layout for the load): the other of colocated and disaggregated
+is tried.
 
 The controller remembers how the requests each layout served did (how many met both SLOs) under
 the load they came in: the typical ratio of prompt to requested output tokens and the request
@@ -55,6 +58,12 @@ logger = logging.getLogger(__name__)
 
 ROLE_CONTROL_MODES = ("fixed", "adaptive")
 LOAD_SIMILARITY = 1.5  # loads whose token ratios and rates are within this factor count as the same
+# A prompt chunk lengthens the decode step it joins: decoding has room for prompts beside it while
+# the target share of requests' TPOT is within this fraction of the SLO. Prefill short of capacity
+# (TTFT missed or near its SLO) is then met by colocating; without that room colocation trades TTFT
+# misses for TPOT ones, and prompts in mixed steps are better served apart.
+DECODE_ROOM = 0.6
+NEAR_SLO = 0.9  # a quantile this close to its SLO is pressure on it, before a window misses
 
 
 @dataclass
@@ -124,16 +133,29 @@ class Attainment:
     tpot: float  # of requests with more than one token, within the TPOT SLO
     both: float  # share within both
     num_requests: int
+    # The target quantile of each latency as a fraction of its SLO (1 or more: under the target):
+    # how close to its SLO each phase runs, which attainment alone does not say while it is met.
+    ttft_level: float
+    tpot_level: float
 
 
-def attainment(requests: list[FinishedRequest], slo_ttft: float, slo_tpot: float) -> Attainment:
+def attainment(
+    requests: list[FinishedRequest], slo_ttft: float, slo_tpot: float, target: float = 0.9
+) -> Attainment:
     """Each request judged by its own SLOs, else by ``slo_ttft`` and ``slo_tpot``."""
-    ttft_met = [r.ttft <= (r.slo.ttft or slo_ttft) for r in requests]
+    ttft_ratio = [r.ttft / (r.slo.ttft or slo_ttft) for r in requests]
+    tpot_ratio = [r.tpot / (r.slo.tpot or slo_tpot) for r in requests if r.tpot is not None]
+    ttft_met = [x <= 1.0 for x in ttft_ratio]
     tpot_met = [r.tpot is None or r.tpot <= (r.slo.tpot or slo_tpot) for r in requests]
-    decoded = sum(r.tpot is not None for r in requests)
-    tpot = sum(m for m, r in zip(tpot_met, requests) if r.tpot is not None) / decoded if decoded else 1.0
+    tpot = sum(x <= 1.0 for x in tpot_ratio) / len(tpot_ratio) if tpot_ratio else 1.0
     both = sum(a and b for a, b in zip(ttft_met, tpot_met)) / len(requests)
-    return Attainment(sum(ttft_met) / len(requests), tpot, both, len(requests))
+    levels = _quantile(ttft_ratio, target), _quantile(tpot_ratio, target)
+    return Attainment(sum(ttft_met) / len(requests), tpot, both, len(requests), *levels)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The smallest value that ``q`` of ``values`` are at most (0 for none)."""
+    return sorted(values)[max(0, math.ceil(q * len(values)) - 1)] if values else 0.0
 
 
 @dataclass(frozen=True)
@@ -204,18 +226,25 @@ def propose(layout: dict[str, Role], seen: Attainment, target: float) -> tuple[d
     decode = [n for n in names if layout[n] is Role.DECODE]
     clear = target - miss_margin(target, seen.num_requests)
     missing_ttft, missing_tpot = seen.ttft < clear, seen.tpot < clear
-    if not missing_ttft and not missing_tpot:
+    decode_has_room = seen.tpot_level <= DECODE_ROOM
+    # With room in decode steps, prefill near its SLO is worth more capacity before a window misses.
+    short_of_prefill = missing_ttft or (decode_has_room and seen.ttft_level >= NEAR_SLO)
+    if not short_of_prefill and not missing_tpot:
         return None
-    why = f"TTFT attainment {seen.ttft:.0%}, TPOT {seen.tpot:.0%} over {seen.num_requests} requests"
+    why = (
+        f"TTFT attainment {seen.ttft:.0%}, TPOT {seen.tpot:.0%} over {seen.num_requests} requests "
+        f"(quantiles at {seen.ttft_level:.0%} and {seen.tpot_level:.0%} of the SLOs)"
+    )
     if missing_ttft and missing_tpot:  # the other layout may do better: try it
         if decode:
             return {n: Role.COLOCATED for n in names}, f"{why}: both missed, trying colocated"
         return _disaggregated(names), f"{why}: both missed, trying disaggregated"
-    if missing_ttft and len(decode) == 1:
+    if short_of_prefill and len(decode) == 1 and decode_has_room:
         return {n: Role.COLOCATED for n in names}, f"{why}: too little prefill, colocating"
-    if missing_ttft and decode:
+    if missing_ttft and len(decode) > 1:
         return {**layout, decode[-1]: Role.PREFILL}, f"{why}: too little prefill, one decode instance fewer"
-    if missing_ttft and not missing_tpot and len(names) > 1 and all(r is Role.COLOCATED for r in layout.values()):
+    colocated = len(names) > 1 and all(r is Role.COLOCATED for r in layout.values())
+    if missing_ttft and not missing_tpot and colocated and not decode_has_room:
         return _disaggregated(names), f"{why}: prompts wait behind decoding, disaggregating"
     if missing_tpot and not decode and len(names) > 1:
         return _disaggregated(names), f"{why}: prefill interferes with decoding, disaggregating"
@@ -401,7 +430,7 @@ class RoleController:
             return *recalled, True
         if len(window) < self.config.min_requests or now - self.settled_at < self.config.window:
             return None  # too few requests, or not yet a whole window since the layout settled
-        seen = attainment(window, self.config.slo_ttft, self.config.slo_tpot)
+        seen = attainment(window, self.config.slo_ttft, self.config.slo_tpot, self.config.target)
         proposal = self.consider(layout, seen, Load.of(window), now)
         return (*proposal, False) if proposal else None
 
