@@ -22,9 +22,10 @@ single-class one for ``--warmup-seconds``, an alternating one for a cycle (adapt
 into a layout for it, or see each class once; static ones are unchanged by it).
 
 With ``--one-cluster``, chunked, disaggregated, oracle and adaptive are one cluster (the adaptive
-deployment's) whose roles and role control are set by hand before each deployment's probes, the
-deployments in another order each repeat: the comparison is then not between separately started
-processes, whose speed differs by a few points of attainment from one start to the next.
+deployment's) whose roles and role control are set by hand before each probe, every deployment
+in turn at each rate, in another order at each: the comparison is then not between separately
+started processes, whose speed differs by a few points of attainment from one start to the next,
+nor between minutes apart, over which this machine's speed drifts by as much.
 
 The load runs in a process of its own (``drive``), so that the client does not share the
 server's interpreter.
@@ -238,9 +239,11 @@ def _change_row(c) -> tuple:
 
 def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) -> dict:
     """Chunked, disaggregated, oracle and adaptive as one cluster's roles and role control, set by
-    hand before each deployment's probes (all at every rate, then the next deployment). Each
-    repeat takes the deployments in another order, so that a drift of the machine's speed falls on
-    each of them, and none is measured on processes of its own."""
+    hand before each probe: at each rate every deployment in turn, in another order at each rate
+    and repeat, so that the deployments compared at a rate are measured minutes apart at most and a
+    drift of the machine's speed falls on each of them; none is measured on processes of its own.
+    Adaptive starts each repeat as 1 prefill + 1 decode after a warm-up, as on a cluster of its own,
+    and each later turn from the roles it left (its memory kept): a cluster that has been running."""
     from distserve.entrypoints.client import Client
 
     names = args.deployments.split(",")
@@ -261,21 +264,28 @@ def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) ->
             run_probe(args.rate_high / 4, warmup)  # the cluster's first requests of this workload
             probes: dict[str, list[dict]] = {name: [] for name in names}
             for repeat in range(args.repeats):
-                for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
-                    layout = ONE_CLUSTER_LAYOUTS[name]
-                    control = "adaptive" if name == "adaptive" else "fixed"
-                    client.set_roles(dict(zip(instances, layout)) if layout else {}, role_control=control)
-                    if name == "adaptive":  # it sees each class (or settles) first, as on a cluster of its own
-                        run_probe(args.rate_high / 4, warmup)
-                    for rate in rates:
+                adaptive_roles = None  # adaptive's roles when its last turn ended
+                for turn, rate in enumerate(rates):
+                    shift = (repeat * len(rates) + turn) % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        if name == "adaptive":
+                            roles = adaptive_roles or dict(zip(instances, ONE_CLUSTER_LAYOUTS[name]))
+                            client.set_roles(roles, role_control="adaptive")
+                            if adaptive_roles is None:  # it sees each class (or settles) first
+                                run_probe(args.rate_high / 4, warmup)
+                        else:
+                            layout = ONE_CLUSTER_LAYOUTS[name]
+                            client.set_roles(dict(zip(instances, layout)) if layout else {}, role_control="fixed")
                         result = run_probe(rate, oracle=name == "oracle", seed=repeat)
+                        if name == "adaptive":
+                            client.set_roles({}, role_control="fixed")  # stays as it is until set again
+                            adaptive_roles = {i.name: i.role for i in client.cluster_info().instances}
                         result["role_changes"] = [
                             _change_row(c)
                             for c in running.cluster.role_changes
                             if result["started"] <= c.started <= result["ended"]
                         ]
                         probes[name].append(result)
-                    client.set_roles({}, role_control="fixed")
             for name in names:
                 best = grid_best(probes[name], args.target)
                 changes = [c for p in probes[name] for c in p["role_changes"]]

@@ -277,6 +277,9 @@ def test_the_controller_does_not_go_back_to_a_layout_that_did_worse_under_this_l
     # ...or to meet the target under this load, though the other layout is not known under it.
     controller.remember(cc, other, met=460, num_requests=500, now=105.0)
     assert controller.consider(cc, _seen(0.7, 1.0, 0.7, (1.2, 0.8)), other, now=106.0) is None
+    # What it met at a lower rate does not hold it at a higher one.
+    heavier = Load(other.tokens_ratio, 1.2 * other.rate)
+    assert controller.consider(cc, _seen(0.7, 1.0, 0.7, (1.2, 0.8)), heavier, now=106.0)[0] == {"a": D, "b": P}
     controller.remember(cc, other, met=30, num_requests=100, now=107.0)  # 82% of 600 now: the layout fails it
     assert controller.consider(cc, _seen(0.7, 1.0, 0.7, (1.2, 0.8)), other, now=108.0)[0] == {"a": D, "b": P}
 

@@ -23,8 +23,9 @@ rate, both known when a request arrives. A change to a layout whose requests did
 a similar load within ``memory`` seconds than the current layout's (in the window, or as
 remembered) is not made, so a layout that is worse for this load is left after one try and not
 tried again for a window's dip, and an overload in which both miss does not flap. Nor does a
-window's miss move it from a layout whose requests met the target under a similar load as
-remembered: under bursty arrivals misses come in runs, and one window of them is a dip.
+window's miss move it from a layout whose requests met the target under a similar load at this
+rate or above as remembered: under bursty arrivals misses come in runs, and one window of them is
+a dip; what a lower rate met says nothing of a rising one.
 
 Finished requests tell late: a request is judged only once it has all its tokens, and a window of
 them must fill after a change. So the controller also looks at the load arriving now (the mix of
@@ -291,11 +292,16 @@ class RoleController:
     def remember(self, layout: dict[str, Role], load: Load, met: int, num_requests: int, now: float) -> None:
         self.outcomes.append(Outcome(_layout_key(layout), load, met, num_requests, now))
 
-    def remembered(self, layout: tuple[Role, ...], load: Load, now: float) -> Share | None:
-        """How the requests that ``layout`` served under loads similar to ``load`` did, within memory."""
+    def remembered(self, layout: tuple[Role, ...], load: Load, now: float, heavier: bool = False) -> Share | None:
+        """How the requests that ``layout`` served under loads similar to ``load`` did, within memory;
+        ``heavier``: only under loads at ``load``'s rate or above."""
         while self.outcomes and now - self.outcomes[0].when >= self.config.memory:
             self.outcomes.popleft()
-        alike = [o for o in self.outcomes if o.layout == layout and o.load.similar(load)]
+        alike = [
+            o
+            for o in self.outcomes
+            if o.layout == layout and o.load.similar(load) and (not heavier or o.load.rate >= load.rate)
+        ]
         if sum(o.num_requests for o in alike) < self.config.min_requests:
             return None
         return Share(sum(o.met for o in alike), sum(o.num_requests for o in alike))
@@ -306,14 +312,17 @@ class RoleController:
         """The roles to move to (with why) after ``layout`` did ``seen`` under ``load``, or None: none
         is proposed; or this layout's requests met the target under a similar load as remembered,
         so the window is a dip, not this layout failing the load (under bursty arrivals misses
-        come in runs, and a window of them is not the layout's share); or the proposed layout did
-        no better under a similar load lately than this one, in this window or as remembered."""
+        come in runs, and a window of them is not the layout's share), counting only loads at this
+        rate or above; or the proposed layout did no better under a similar load lately than this
+        one, in this window or as remembered."""
         proposal = propose(layout, seen, self.config.target)
         if proposal is None:
             return None
-        current = self.remembered(_layout_key(layout), load, now)
-        if current and current.value >= self.config.target:
+        # Met under this load or a heavier one: a rising rate is not held by what a lower one met.
+        held = self.remembered(_layout_key(layout), load, now, heavier=True)
+        if held and held.value >= self.config.target:
             return None
+        current = self.remembered(_layout_key(layout), load, now)
         known = self.remembered(_layout_key(proposal[0]), load, now)
         if known and known.value <= max(seen.both, current.value if current else 0.0):
             return None
