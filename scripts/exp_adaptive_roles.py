@@ -69,7 +69,7 @@ ORACLE_LAYOUTS = {"long": ("colocated", "colocated"), "short": ("prefill", "deco
 ONE_CLUSTER_LAYOUTS = {"chunked": ("colocated", "colocated"), "disaggregated": ("prefill", "decode"),
                        "oracle": None, "adaptive": ("prefill", "decode")}  # fmt: skip
 ROLE_CONTROL = {"interval": 0.5, "window": 3.0, "min_requests": 8, "patience": 2, "min_dwell": 3.0,
-                "arrival_window": 1.0, "memory": 300.0}  # fmt: skip
+                "arrival_window": 1.0}  # fmt: skip
 WORKLOADS = ("long", "short", "alternating")
 
 
@@ -321,6 +321,8 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--one-cluster", action="store_true",
                         help="with --rates: chunked, disaggregated, oracle and adaptive on one cluster, in turn")
+    parser.add_argument("--memory", type=float, default=300.0,
+                        help="seconds the adaptive controller trusts a layout's measured attainment for")
     parser.add_argument("--out", type=Path, default=Path("results/adaptive-roles"))
     parser.add_argument("--report", action="store_true", help="only print and plot the summary.json in --out")
     args = parser.parse_args()
@@ -355,7 +357,7 @@ def main() -> None:
                     scales[cls] = (float(ttft), float(tpot))
                 slos = calibrate(calibration.grpc_address, scratch, scales)
         print("SLOs (TTFT, TPOT) ms: " + ", ".join(f"{c} {t * 1e3:.1f}/{p * 1e3:.2f}" for c, (t, p) in slos.items()))
-        control = {"slo_ttft": slos["long"][0], "slo_tpot": slos["long"][1], **ROLE_CONTROL}
+        control = {"slo_ttft": slos["long"][0], "slo_tpot": slos["long"][1], "memory": args.memory, **ROLE_CONTROL}
         if args.one_cluster:
             with server(DEPLOYMENTS["adaptive"], role_control={"mode": "fixed", **control}) as running:
                 results = one_cluster(args, running, slos, scratch)
