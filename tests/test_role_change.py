@@ -312,6 +312,20 @@ def test_the_controller_follows_the_arriving_load_to_the_layout_that_did_best_un
     assert controller.recall(pd, long, now=80.0) is None  # 73% against 77%: within the noise
 
 
+def test_a_layout_just_moved_to_is_judged_by_what_it_did_before_the_change():
+    controller = RoleController(None, RoleControlConfig("adaptive", 0.1, 0.01, window=3.0, min_requests=4))
+    pd, cc = {"a": P, "b": D}, {"a": C, "b": C}
+    controller.remember(cc, Load(10.0, 8.0), met=90, num_requests=100, now=1000.0)
+    controller.layout_changed(1010.0)  # to prefill + decode, whose first requests wait behind a backlog
+    controller.remember(pd, Load(10.0, 8.0), met=5, num_requests=20, now=1012.0)
+    for i in range(25):
+        controller.observe_arrival(Arrival(1012.0 + 0.1 * i, prompt_len=600, max_tokens=60))
+    assert controller.propose_now(pd, [], 1012.9) is None  # not back on those alone
+    controller.settled_at = 1011.0
+    roles, _, from_memory = controller.propose_now(pd, [], 1014.5)  # a whole window since it settled
+    assert roles == cc and from_memory
+
+
 def test_a_share_is_clearly_above_another_only_beyond_both_samples_noise():
     assert Share(48, 50).clearly_above(Share(25, 50))
     assert not Share(46, 50).clearly_above(Share(44, 50))

@@ -292,15 +292,20 @@ class RoleController:
     def remember(self, layout: dict[str, Role], load: Load, met: int, num_requests: int, now: float) -> None:
         self.outcomes.append(Outcome(_layout_key(layout), load, met, num_requests, now))
 
-    def remembered(self, layout: tuple[Role, ...], load: Load, now: float, heavier: bool = False) -> Share | None:
+    def remembered(
+        self, layout: tuple[Role, ...], load: Load, now: float, heavier: bool = False, before: float = math.inf
+    ) -> Share | None:
         """How the requests that ``layout`` served under loads similar to ``load`` did, within memory;
-        ``heavier``: only under loads at ``load``'s rate or above."""
+        ``heavier``: only under loads at ``load``'s rate or above; only as recorded by ``before``."""
         while self.outcomes and now - self.outcomes[0].when >= self.config.memory:
             self.outcomes.popleft()
         alike = [
             o
             for o in self.outcomes
-            if o.layout == layout and o.load.similar(load) and (not heavier or o.load.rate >= load.rate)
+            if o.layout == layout
+            and o.load.similar(load)
+            and (not heavier or o.load.rate >= load.rate)
+            and o.when <= before
         ]
         if sum(o.num_requests for o in alike) < self.config.min_requests:
             return None
@@ -328,11 +333,13 @@ class RoleController:
             return None
         return proposal
 
-    def recall(self, layout: dict[str, Role], arriving: Load, now: float) -> tuple[dict[str, Role], str] | None:
+    def recall(
+        self, layout: dict[str, Role], arriving: Load, now: float, before: float = math.inf
+    ) -> tuple[dict[str, Role], str] | None:
         """The layout whose requests did best under loads like ``arriving`` (with why), when the
-        current layout's fell short of the target under them and the other's did clearly better;
-        else None."""
-        current = self.remembered(_layout_key(layout), arriving, now)
+        current layout's fell short of the target under them (as recorded by ``before``) and the
+        other's did clearly better; else None."""
+        current = self.remembered(_layout_key(layout), arriving, now, before=before)
         if current is None or current.value >= self.config.target:
             return None
         others = {o.layout for o in self.outcomes if o.layout != _layout_key(layout) and len(o.layout) == len(layout)}
@@ -435,7 +442,11 @@ class RoleController:
         requests in ``window``. The flag: whether it is from memory, which needs no patience (it
         rests on every request remembered, not on one window)."""
         arriving = self.arriving(now)
-        if arriving and (recalled := self.recall(layout, arriving, now)):
+        # A layout's first requests after a change wait behind the backlog of the one before, an
+        # overload's most of all: until a whole window has passed since it settled, the current
+        # layout is judged by what it did before the change, not by them.
+        fresh = self.settled_at is None or now - self.settled_at < self.config.window
+        if arriving and (recalled := self.recall(layout, arriving, now, self.last_change if fresh else math.inf)):
             return *recalled, True
         if len(window) < self.config.min_requests or now - self.settled_at < self.config.window:
             return None  # too few requests, or not yet a whole window since the layout settled
