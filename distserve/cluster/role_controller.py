@@ -32,7 +32,9 @@ them must fill after a change. So the controller also looks at the load arriving
 the last ``arrival_window`` seconds of arrivals): when the current layout's requests fell short
 of the target under a load like it and another layout's did clearly better, it moves there at
 once. A workload that switches between kinds of requests is then followed within about
-``arrival_window`` once each kind has been seen.
+``arrival_window`` once each kind has been seen. A layout just moved to is judged there by what
+it did before the change until a whole window has passed since it settled: its first requests
+wait behind the backlog of the layout before.
 
 Against flapping besides: a proposal from a window's attainment must come ``patience`` times in a
 row (one from memory rests on every request remembered, and needs none), and a change waits
