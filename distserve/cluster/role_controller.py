@@ -147,13 +147,12 @@ def attainment(
 ) -> Attainment:
     """Each request judged by its own SLOs, else by ``slo_ttft`` and ``slo_tpot``."""
     ttft_ratio = [r.ttft / (r.slo.ttft or slo_ttft) for r in requests]
-    tpot_ratio = [r.tpot / (r.slo.tpot or slo_tpot) for r in requests if r.tpot is not None]
-    ttft_met = [x <= 1.0 for x in ttft_ratio]
-    tpot_met = [r.tpot is None or r.tpot <= (r.slo.tpot or slo_tpot) for r in requests]
-    tpot = sum(x <= 1.0 for x in tpot_ratio) / len(tpot_ratio) if tpot_ratio else 1.0
-    both = sum(a and b for a, b in zip(ttft_met, tpot_met)) / len(requests)
-    levels = _quantile(ttft_ratio, target), _quantile(tpot_ratio, target)
-    return Attainment(sum(ttft_met) / len(requests), tpot, both, len(requests), *levels)
+    tpot_ratio = [None if r.tpot is None else r.tpot / (r.slo.tpot or slo_tpot) for r in requests]
+    decoded = [x for x in tpot_ratio if x is not None]
+    tpot = sum(x <= 1.0 for x in decoded) / len(decoded) if decoded else 1.0
+    both = sum(t <= 1.0 and (p is None or p <= 1.0) for t, p in zip(ttft_ratio, tpot_ratio)) / len(requests)
+    ttft = sum(x <= 1.0 for x in ttft_ratio) / len(requests)
+    return Attainment(ttft, tpot, both, len(requests), _quantile(ttft_ratio, target), _quantile(decoded, target))
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -450,8 +449,8 @@ class RoleController:
         fresh = self.settled_at is None or now - self.settled_at < self.config.window
         if arriving and (recalled := self.recall(layout, arriving, now, self.last_change if fresh else math.inf)):
             return *recalled, True
-        if len(window) < self.config.min_requests or now - self.settled_at < self.config.window:
-            return None  # too few requests, or not yet a whole window since the layout settled
+        if fresh or len(window) < self.config.min_requests:
+            return None  # not yet a whole window since the layout settled, or too few requests
         seen = attainment(window, self.config.slo_ttft, self.config.slo_tpot, self.config.target)
         proposal = self.consider(layout, seen, Load.of(window), now)
         return (*proposal, False) if proposal else None
