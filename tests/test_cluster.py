@@ -11,7 +11,10 @@ import pytest
 from conftest import in_use, random_prompts, reference_greedy, wait_nothing_in_use
 
 from distserve import LLM, AsyncCluster, Cluster, SamplingParams
+from distserve.cluster.api import make_cluster_config
 from distserve.cluster.instance import IDLE_HEALTH_CHECK_S
+from distserve.core.handover import Handover
+from distserve.core.outputs import RequestDelta, coalesce
 
 LENGTHS = [1, 7, 16, 33, 64, 101, 150, 200]
 MAX_TOKENS = [12, 30, 5, 40, 17, 25, 9, 33]
@@ -200,7 +203,7 @@ def test_bad_requests_are_refused_before_any_instance(small_cluster):
 
 def test_async_cluster_streams(ray_cluster):
     async def main():
-        cluster = await AsyncCluster.start(model="tiny-llama", prefill={}, decode={})
+        cluster = await AsyncCluster.start(model="tiny-llama", prefill={}, decode={}, stream_interval=0)
         try:
             chunks = [out async for out in cluster.generate("Hello", _greedy(6))]
             assert [len(c.output_token_ids) for c in chunks] == list(range(1, len(chunks) + 1))
@@ -209,6 +212,58 @@ def test_async_cluster_streams(ray_cluster):
             await cluster.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("pools", [{"colocated": {}}, {"prefill": {}, "decode": {}}], ids=["colocated", "1P+1D"])
+def test_stream_interval_batches_decode_tokens_but_not_the_first_or_the_end(ray_cluster, llama, pools):
+    """With an interval longer than the whole request, its decode tokens come together at its end
+    (a decode instance's first tokens also at once when it has sent nothing for an interval),
+    while its first token comes alone and at once: the interval delays neither."""
+    prompt = random_prompts([20], 1024, seed=9)[0]
+
+    async def main():
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, stream_interval=1.0, **pools)
+        try:
+            for _ in range(2):  # the second run starts inside the interval begun by the first's end
+                start = time.time()
+                chunks = [out async for out in cluster.generate(prompt, _greedy(40))]
+                assert chunks[-1].output_token_ids == reference_greedy(llama, prompt, 40)
+                sizes = [len(c.new_token_ids) for c in chunks]
+                assert sizes[0] == 1 and len(sizes) <= 3 and chunks[-1].finished, sizes
+                assert chunks[0].metrics.token_times[0] - start < 0.5
+                assert time.time() - start < 0.9  # the end did not wait for the interval either
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(main())
+
+
+def test_coalesce_joins_a_runs_plain_steps_and_keeps_ends_hand_overs_and_failures_apart():
+    def delta(rid, tokens, finished=False, reason=None, handover=None, attempt=0, first=False):
+        return RequestDelta(rid, attempt, tokens, "".join(map(str, tokens)), finished, reason, 0, handover, first=first)
+
+    handover = Handover("b", 0, "p0", None, [3], [7], SamplingParams(), 0, [0], 16, 1, 1)
+    deltas = [
+        delta("a", [1], first=True), delta("b", [7], handover=handover), delta("a", [2]), delta("c", [5]),
+        delta("a", [3], finished=True, reason="length"), delta("a", [4]), delta("c", [6], attempt=1),
+        delta("c", [8], finished=True, reason="requeue"), delta("b", [9]),
+    ]  # fmt: skip
+    joined = coalesce(deltas)
+    assert [(d.request_id, d.attempt, d.new_token_ids, d.new_text, d.finished, d.first) for d in joined] == [
+        ("a", 0, [1, 2, 3], "123", True, True),  # up to its end
+        ("b", 0, [7], "7", False, False),  # a hand-over stays alone
+        ("c", 0, [5], "5", False, False),
+        ("a", 0, [4], "4", False, False),  # nothing joins a run's end
+        ("c", 1, [6], "6", False, False),  # another run of c
+        ("c", 0, [8], "8", True, False),  # a failure that gives the run up stays apart
+        ("b", 0, [9], "9", False, False),
+    ]
+    assert joined[0].finish_reason == "length"
+
+
+def test_stream_interval_is_checked():
+    with pytest.raises(ValueError, match="stream_interval must be between 0 and 1 second"):
+        make_cluster_config(model="tiny-llama", stream_interval=-0.1)
 
 
 def test_async_cluster_made_directly_serves_inside_async_with(ray_cluster):

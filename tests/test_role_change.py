@@ -295,8 +295,10 @@ def test_the_controller_follows_the_arriving_load_to_the_layout_that_did_best_un
     controller.remember(cc, long, met=23, num_requests=24, now=6.0)  # the requests of each record add up
     controller.remember(cc, short, met=10, num_requests=20, now=15.0)
     controller.remember(pd, short, met=37, num_requests=40, now=25.0)
-    # Long prompts arrive again: back to colocated at once, before any of them has finished...
-    roles, why = controller.recall(pd, Load(12.0, 24.0), now=30.0)
+    # What colocated met at 20 req/s says nothing of 24...
+    assert controller.recall(pd, Load(12.0, 24.0), now=30.0) is None
+    # ...but long prompts arriving again at 18: back to colocated at once, before any has finished...
+    roles, why = controller.recall(pd, Load(12.0, 18.0), now=30.0)
     assert roles == cc
     assert why == (
         "arriving load like one under which 60% of 20 requests met both SLOs in this layout"
@@ -315,7 +317,7 @@ def test_the_controller_follows_the_arriving_load_to_the_layout_that_did_best_un
 def test_a_layout_just_moved_to_is_judged_by_what_it_did_before_the_change():
     controller = RoleController(None, RoleControlConfig("adaptive", 0.1, 0.01, window=3.0, min_requests=4))
     pd, cc = {"a": P, "b": D}, {"a": C, "b": C}
-    controller.remember(cc, Load(10.0, 8.0), met=90, num_requests=100, now=1000.0)
+    controller.remember(cc, Load(10.0, 12.0), met=90, num_requests=100, now=1000.0)
     controller.layout_changed(1010.0)  # to prefill + decode, whose first requests wait behind a backlog
     controller.remember(pd, Load(10.0, 8.0), met=5, num_requests=20, now=1012.0)
     for i in range(25):

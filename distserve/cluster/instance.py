@@ -23,7 +23,7 @@ import ray
 from distserve.core.config import EngineConfig
 from distserve.core.errors import InstanceFailure, RequestError
 from distserve.core.handover import Handover
-from distserve.core.outputs import RequestDelta
+from distserve.core.outputs import RequestDelta, coalesce
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.engine.executor import cluster_device
@@ -77,6 +77,8 @@ class Instance:
         self._lock = threading.Lock()
         self._outputs_ready = threading.Condition(self._lock)
         self._outputs: list[RequestDelta] = []
+        self._urgent = False  # an output holds a first token or an end: the long poll returns at once
+        self._next_return = 0.0  # time.monotonic() before which plain decode tokens wait
         self._active: dict[str, int] = {}  # request id -> attempt, of runs queued or running; under _lock
         self._failure: str | None = None
         self._stopping = False
@@ -162,15 +164,25 @@ class Instance:
         """Decode: the latest KV pulls, by request id."""
         return self.migrator.records()
 
-    def get_outputs(self, timeout: float = 1.0) -> list[RequestDelta]:
+    def get_outputs(self, timeout: float = 1.0, interval: float = 0.0) -> list[RequestDelta]:
         """What each request gained since the last call, waiting up to ``timeout`` seconds for the
-        first news."""
+        first news. Calls return at most every ``interval`` seconds unless a request has its first
+        token or ends: a call costs the step loop several times a small decode step's Python work
+        (the caller's thread takes the interpreter between its kernels), so plain decode tokens
+        come together; a request's time to first token and its end are not delayed."""
+        end = time.monotonic() + timeout
         with self._outputs_ready:
-            self._outputs_ready.wait_for(lambda: self._outputs or self._failure, timeout)
+            while not (self._failure or self._urgent):
+                now = time.monotonic()
+                if now >= end or (self._outputs and now >= self._next_return):
+                    break
+                # Before the interval is up only urgent news wakes this call; after it, any.
+                self._outputs_ready.wait((end if now >= self._next_return else min(self._next_return, end)) - now)
             if not self._outputs:
                 self._raise_if_failed()
-            outputs, self._outputs = self._outputs, []
-            return outputs
+            outputs, self._outputs, self._urgent = self._outputs, [], False
+            self._next_return = time.monotonic() + interval
+        return coalesce(outputs)
 
     def info(self) -> InstanceInfo:
         engine = self.engine
@@ -312,7 +324,10 @@ class Instance:
             for delta in deltas:
                 if delta.finished and self._active.get(delta.request_id) == delta.attempt:
                     del self._active[delta.request_id]
-            self._outputs_ready.notify_all()
+                self._urgent = self._urgent or delta.finished or delta.handover is not None or delta.first
+            # A wake-up takes the interpreter from this loop: only when the poll is to return.
+            if self._urgent or time.monotonic() >= self._next_return:
+                self._outputs_ready.notify_all()
 
     def _fail(self, reason: str) -> None:
         logger.error("%s", reason)

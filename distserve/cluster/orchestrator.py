@@ -301,7 +301,7 @@ class Orchestrator:
     async def _poll(self, entry: InstanceState) -> None:
         while not self.closed:
             try:
-                deltas = await entry.handle.get_outputs.remote(POLL_TIMEOUT_S)
+                deltas = await entry.handle.get_outputs.remote(POLL_TIMEOUT_S, self.config.stream_interval)
             except INSTANCE_GONE as e:  # its requests cannot go on there
                 self.failover.instance_failed(entry, e)
                 return

@@ -30,8 +30,8 @@ a dip; what a lower rate met says nothing of a rising one.
 Finished requests tell late: a request is judged only once it has all its tokens, and a window of
 them must fill after a change. So the controller also looks at the load arriving now (the mix of
 the last ``arrival_window`` seconds of arrivals): when the current layout's requests fell short
-of the target under a load like it and another layout's did clearly better, it moves there at
-once. A workload that switches between kinds of requests is then followed within about
+of the target under a load like it and another layout's did clearly better under one at this
+rate or above, it moves there at once. A workload that switches between kinds of requests is then followed within about
 ``arrival_window`` once each kind has been seen. A layout just moved to is judged there by what
 it did before the change until a whole window has passed since it settled: its first requests
 wait behind the backlog of the layout before.
@@ -339,12 +339,13 @@ class RoleController:
     ) -> tuple[dict[str, Role], str] | None:
         """The layout whose requests did best under loads like ``arriving`` (with why), when the
         current layout's fell short of the target under them (as recorded by ``before``) and the
-        other's did clearly better; else None."""
+        other's did clearly better at ``arriving``'s rate or above; else None. What another layout
+        met at a lower rate says nothing of this one."""
         current = self.remembered(_layout_key(layout), arriving, now, before=before)
         if current is None or current.value >= self.config.target:
             return None
         others = {o.layout for o in self.outcomes if o.layout != _layout_key(layout) and len(o.layout) == len(layout)}
-        known = [(key, share) for key in others if (share := self.remembered(key, arriving, now))]
+        known = [(key, share) for key in others if (share := self.remembered(key, arriving, now, heavier=True))]
         if not known:
             return None
         key, best = max(known, key=lambda ks: ks[1].value)

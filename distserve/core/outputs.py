@@ -93,6 +93,43 @@ class RequestDelta:
     # The final delta only: the steps that gave the run its tokens after prefill, and its preemptions.
     steps: list[tuple[float, float, int]] | None = None
     num_preemptions: int = 0
+    first: bool = False  # the token sampled at its prompt's end: a caller waits for it most
+
+    def joins(self, later: RequestDelta) -> bool:
+        """Whether ``later`` can be added to this delta as one: the same run's, both plain steps of
+        it (no hand-over), this one not its end, nor ``later`` a failure that gives the run up."""
+        return (
+            later.request_id == self.request_id
+            and later.attempt == self.attempt
+            and not self.finished
+            and self.handover is None
+            and later.handover is None
+            and later.finish_reason not in ("error", "requeue")
+        )
+
+    def join(self, later: RequestDelta) -> RequestDelta:
+        """This delta and ``later`` as one: both steps' tokens and text, ``later``'s state."""
+        return replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+            first=self.first or later.first,
+        )
+
+
+def coalesce(deltas: list[RequestDelta]) -> list[RequestDelta]:
+    """Each run's consecutive plain deltas joined into one, in the order of their first: fewer
+    messages to route and stream. Deltas of different runs are independent of each other's order."""
+    joined: list[RequestDelta] = []
+    latest: dict[tuple[str, int], int] = {}  # run -> index of its latest delta in ``joined``
+    for delta in deltas:
+        i = latest.get((delta.request_id, delta.attempt))
+        if i is not None and joined[i].joins(delta):
+            joined[i] = joined[i].join(delta)
+        else:
+            latest[(delta.request_id, delta.attempt)] = len(joined)
+            joined.append(delta)
+    return joined
 
 
 class OutputBuilder:

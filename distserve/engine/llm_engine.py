@@ -314,7 +314,7 @@ class LLMEngine:
             return self._delta(seq, [token], self._unsent_text(seq))
         text = self._unsent_text(seq)  # first: the hand-over says how much text was sent
         handover = self.role.after_prefill(seq) if after_prefill else None
-        return self._delta(seq, [token], text, handover)
+        return self._delta(seq, [token], text, handover, first=after_prefill)
 
     @staticmethod
     def _unsent_text(seq: Sequence) -> str:
@@ -335,7 +335,9 @@ class LLMEngine:
             self.role.finish(seq)
         self.forget(seq)
 
-    def _delta(self, seq: Sequence, tokens: list[int], text: str, handover: Handover | None = None) -> RequestDelta:
+    def _delta(
+        self, seq: Sequence, tokens: list[int], text: str, handover: Handover | None = None, first: bool = False
+    ) -> RequestDelta:
         finished = seq.is_finished
         return RequestDelta(
             seq.request_id,
@@ -349,4 +351,5 @@ class LLMEngine:
             tuple(getattr(seq.metrics, name) for name in STAGE_FIELDS),
             seq.metrics.steps if finished else None,
             seq.num_preemptions,
+            first,
         )
