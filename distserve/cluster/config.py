@@ -75,8 +75,8 @@ class ClusterConfig:
     max_request_attempts: int = 3
     replace_failed_instances: bool = True
     # An instance hands its decode tokens over at most every this many seconds (a request's first
-    # token and its end at once): each hand-over costs its step loop about 0.6 ms on a CPU, several
-    # times a small decode step's Python work. 0: every step.
+    # token and its end at once): each hand-over cost its step loop about 0.6 ms on a CPU, more
+    # than half a small decode step. 0: every step.
     stream_interval: float = 0.005
     role_control: RoleControlConfig = field(default_factory=RoleControlConfig)
 
