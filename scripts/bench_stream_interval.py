@@ -87,8 +87,7 @@ async def serve(interval: float, prompts: list[list[int]], tokens: int) -> tuple
         tpots = []
         for prompt in prompts[:16]:
             outputs = [output async for output in cluster.generate(prompt, params)]
-            times = outputs[-1].metrics.token_times
-            tpots.append((times[-1] - times[0]) / (len(times) - 1))
+            tpots.append(outputs[-1].metrics.tpot)
         semaphore = asyncio.Semaphore(16)
 
         async def bounded(prompt: list[int]) -> None:

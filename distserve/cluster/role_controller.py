@@ -31,8 +31,8 @@ Finished requests tell late: a request is judged only once it has all its tokens
 them must fill after a change. So the controller also looks at the load arriving now (the mix of
 the last ``arrival_window`` seconds of arrivals): when the current layout's requests fell short
 of the target under a load like it and another layout's did clearly better under one at this
-rate or above, it moves there at once. A workload that switches between kinds of requests is then followed within about
-``arrival_window`` once each kind has been seen. A layout just moved to is judged there by what
+rate or above, it moves there at once. A workload that switches between kinds of requests is then
+followed within about ``arrival_window`` once each kind has been seen. A layout just moved to is judged there by what
 it did before the change until a whole window has passed since it settled: its first requests
 wait behind the backlog of the layout before.
 
