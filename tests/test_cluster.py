@@ -261,9 +261,16 @@ def test_coalesce_joins_a_runs_plain_steps_and_keeps_ends_hand_overs_and_failure
     assert joined[0].finish_reason == "length"
 
 
-def test_stream_interval_is_checked():
+@pytest.mark.parametrize("bad", [-0.1, 2, True, "5ms"])
+def test_stream_interval_is_checked(bad):
     with pytest.raises(ValueError, match="stream_interval must be between 0 and 1 second"):
-        make_cluster_config(model="tiny-llama", stream_interval=-0.1)
+        make_cluster_config(model="tiny-llama", stream_interval=bad)
+
+
+@pytest.mark.parametrize("bad", [0, True, 1.5])
+def test_max_request_attempts_is_checked(bad):
+    with pytest.raises(ValueError, match="max_request_attempts must be a positive integer"):
+        make_cluster_config(model="tiny-llama", max_request_attempts=bad)
 
 
 def test_async_cluster_made_directly_serves_inside_async_with(ray_cluster):

@@ -86,9 +86,12 @@ class ClusterConfig:
             if unknown:
                 raise ValueError(f"unknown role_control option(s): {', '.join(sorted(unknown))}")
             self.role_control = RoleControlConfig(**self.role_control)
-        if not isinstance(self.max_request_attempts, int) or self.max_request_attempts < 1:
+        # bool is an int to isinstance, but `true` for a count or a time is a mistake, not 1.
+        if isinstance(self.max_request_attempts, bool) or not isinstance(self.max_request_attempts, int) \
+                or self.max_request_attempts < 1:
             raise ValueError(f"max_request_attempts must be a positive integer, got {self.max_request_attempts!r}")
-        if not isinstance(self.stream_interval, (int, float)) or not 0 <= self.stream_interval <= 1:
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, (int, float)) \
+                or not 0 <= self.stream_interval <= 1:
             raise ValueError(f"stream_interval must be between 0 and 1 second, got {self.stream_interval!r}")
         if not isinstance(self.replace_failed_instances, bool):
             raise ValueError(f"replace_failed_instances must be true or false, got {self.replace_failed_instances!r}")
