@@ -27,6 +27,11 @@ in turn at each rate, in another order at each: the comparison is then not betwe
 started processes, whose speed differs by a few points of attainment from one start to the next,
 nor between minutes apart, over which this machine's speed drifts by as much.
 
+``--report --rejudge`` judges a finished run's static deployments by other SLO scales (their
+latencies do not depend on the SLOs): which scales pull the classes apart, and, from the long and
+short probes averaged at each rate, what an alternating workload would give each static deployment
+and each class in its better one, before an alternating run is spent on them.
+
 The load runs in a process of its own (``drive``), so that the client does not share the
 server's interpreter.
 """
@@ -195,8 +200,13 @@ def grid_goodput(run_probe, rates: list[float], repeats: int, target: float) -> 
 
 def grid_best(probes: list[dict], target: float) -> float:
     """The highest rate at which, and below which everywhere, the pooled probes meet ``target``."""
+    return highest_met(pooled(probes), target)
+
+
+def highest_met(attainment: list[tuple[float, float]], target: float) -> float:
+    """The highest rate at which, and below which everywhere, (rate, attainment) meets ``target``."""
     best = 0.0
-    for rate, met in pooled(probes):
+    for rate, met in attainment:
         if met < target:
             break
         best = rate
@@ -217,19 +227,67 @@ def pooled(probes: list[dict]) -> list[tuple[float, float]]:
 # The experiment ----------------------------------------------------------------------------------
 
 
-def calibrate(address: str, out: Path, scales: dict[str, tuple[float, float]]) -> dict:
-    """Each class's SLOs from its single-request latencies (10 requests, one at a time), times its
-    (TTFT, TPOT) scales."""
+def calibrate(address: str, out: Path) -> dict[str, tuple[float, float]]:
+    """Each class's single-request latencies (median TTFT and TPOT of 10 requests, one at a time)."""
     loose = {cls: (1e9, 1e9) for cls in CLASSES}
-    slos = {}
+    unloaded = {}
     for cls in CLASSES:
         command = [sys.executable, __file__, "drive", "--server", address, "--workload", cls,
                    "--sequential", "10", "--slos", json.dumps(loose), "--out", str(out)]  # fmt: skip
         subprocess.run(command, check=True)
         records = json.loads(out.read_text())
-        ttft_scale, tpot_scale = scales[cls]
-        slos[cls] = (ttft_scale * _p50(records, "ttft"), tpot_scale * _p50(records, "tpot"))
-    return slos
+        unloaded[cls] = (_p50(records, "ttft"), _p50(records, "tpot"))
+    return unloaded
+
+
+def class_scales(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Each class's (TTFT, TPOT) scales: ``--ttft-scale``/``--tpot-scale``, or ``--class-scales``."""
+    scales = {cls: (args.ttft_scale, args.tpot_scale) for cls in CLASSES}
+    for item in filter(None, args.class_scales.split(",")):
+        cls, ttft, tpot = item.split(":")
+        scales[cls] = (float(ttft), float(tpot))
+    return scales
+
+
+def scaled(unloaded: dict, scales: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
+    return {cls: (scales[cls][0] * ttft, scales[cls][1] * tpot) for cls, (ttft, tpot) in unloaded.items()}
+
+
+def rejudged(summary: dict, slos: dict) -> dict:
+    """The summary with every request judged by ``slos`` instead. A static deployment's latencies do
+    not depend on its SLOs, so this is what it would have met under them; an adaptive deployment's
+    controller acted on the SLOs it ran under, and it is left out."""
+    results: dict = {}
+    for workload, by_deployment in summary["results"].items():
+        for name, result in by_deployment.items():
+            if name == "adaptive":
+                continue
+            probes = []
+            for p in result["probes"]:
+                records = [{**r, "ok": "ttft" in r and r["ttft"] <= slos[r["class"]][0]
+                            and r["tpot"] <= slos[r["class"]][1]} for r in p["records"]]  # fmt: skip
+                probes.append({**p, "records": records, "attainment": _share(records)})
+            results.setdefault(workload, {})[name] = {**result, "probes": probes,
+                                                      "goodput": grid_best(probes, summary["target"])}  # fmt: skip
+    return {**summary, "slos": slos, "results": results}
+
+
+def alternating_from_classes(results: dict, target: float) -> dict[str, tuple[float, list]]:
+    """Each static deployment's long and short probes at a rate, their attainments averaged, as an
+    alternating workload of equal phases would give were a phase's backlog not carried into the
+    next; and each class in its better deployment, the most roles could reach. Name: (goodput,
+    [(rate, attainment)])."""
+    long, short = results.get("long", {}), results.get("short", {})
+    curves = {name: (dict(pooled(long[name]["probes"])), dict(pooled(short[name]["probes"])))
+              for name in long if name in short}  # fmt: skip
+    if not curves:
+        return {}
+    rates = sorted(set.intersection(*(set(lc) & set(sc) for lc, sc in curves.values())))
+    mixes = {name: [(r, (lc[r] + sc[r]) / 2) for r in rates] for name, (lc, sc) in curves.items()}
+    mixes["each class in its better"] = [
+        (r, (max(lc[r] for lc, _ in curves.values()) + max(sc[r] for _, sc in curves.values())) / 2) for r in rates
+    ]
+    return {name: (highest_met(mix, target), mix) for name, mix in mixes.items()}
 
 
 def _change_row(c) -> tuple:
@@ -325,11 +383,18 @@ def main() -> None:
                         help="seconds the adaptive controller trusts a layout's measured attainment for")
     parser.add_argument("--out", type=Path, default=Path("results/adaptive-roles"))
     parser.add_argument("--report", action="store_true", help="only print and plot the summary.json in --out")
+    parser.add_argument("--rejudge", action="store_true",
+                        help="with --report: judge the static deployments' requests by the SLO scales given "
+                             "(of the run's single-request latencies) instead of the run's")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report:
-        summary = json.loads((args.out / "summary.json").read_text())
-        report({"model": args.model, "target": args.target, **summary}, args.out)
+        summary = {"model": args.model, "target": args.target, **json.loads((args.out / "summary.json").read_text())}
+        if args.rejudge:
+            if not summary.get("unloaded"):
+                parser.error(f"{args.out / 'summary.json'} has no single-request latencies to scale")
+            summary = rejudged(summary, scaled(summary["unloaded"], class_scales(args)))
+        report(summary, args.out, "-rejudged" if args.rejudge else "")
         return
 
     import ray
@@ -348,14 +413,13 @@ def main() -> None:
     results: dict = {}
     try:
         if args.slos_from:
-            slos = {cls: tuple(v) for cls, v in json.loads(args.slos_from.read_text())["slos"].items()}
+            earlier = json.loads(args.slos_from.read_text())
+            slos = {cls: tuple(v) for cls, v in earlier["slos"].items()}
+            unloaded = earlier.get("unloaded")
         else:
             with server(DEPLOYMENTS["colocated"]) as calibration:
-                scales = {cls: (args.ttft_scale, args.tpot_scale) for cls in CLASSES}
-                for item in filter(None, args.class_scales.split(",")):
-                    cls, ttft, tpot = item.split(":")
-                    scales[cls] = (float(ttft), float(tpot))
-                slos = calibrate(calibration.grpc_address, scratch, scales)
+                unloaded = calibrate(calibration.grpc_address, scratch)
+            slos = scaled(unloaded, class_scales(args))
         print("SLOs (TTFT, TPOT) ms: " + ", ".join(f"{c} {t * 1e3:.1f}/{p * 1e3:.2f}" for c, (t, p) in slos.items()))
         control = {"slo_ttft": slos["long"][0], "slo_tpot": slos["long"][1], "memory": args.memory, **ROLE_CONTROL}
         if args.one_cluster:
@@ -400,13 +464,14 @@ def main() -> None:
                     print(f"{workload:<12} {name:<14} goodput {best:.3g} req/s", flush=True)
     finally:
         ray.shutdown()
-    summary = {"model": args.model, "target": args.target, "slos": slos, "results": results}
+    summary = {"model": args.model, "target": args.target, "slos": slos, "unloaded": unloaded, "results": results}
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     report(summary, args.out)
 
 
-def report(summary: dict, out: Path) -> None:
-    """The goodput table, and per workload a plot of each deployment's probes (attainment against rate)."""
+def report(summary: dict, out: Path, tag: str = "") -> None:
+    """The goodput table, and per workload a plot of each deployment's probes (attainment against rate,
+    to ``{workload}-rate{tag}.png``)."""
     from placement.plots import plot_attainment_vs_rate
 
     results = summary["results"]
@@ -416,7 +481,13 @@ def report(summary: dict, out: Path) -> None:
         series = {name: pooled(r["probes"]) for name, r in by_deployment.items()}
         slos = ", ".join(f"{c} {t * 1e3:.0f}/{p * 1e3:.1f} ms" for c, (t, p) in summary["slos"].items())
         title = f"{summary['model']}, {workload} prompts, 2 instances\nSLOs (TTFT/TPOT): {slos}"
-        print(f"  {plot_attainment_vs_rate(series, summary['target'], out / f'{workload}-rate.png', title)}")
+        print(f"  {plot_attainment_vs_rate(series, summary['target'], out / f'{workload}-rate{tag}.png', title)}")
+    mixes = alternating_from_classes(results, summary["target"])
+    if mixes:
+        print("alternating, from the single-class probes (long and short averaged at each rate):")
+        for name, (best, mix) in mixes.items():
+            cells = " ".join(f"{r:g}:{met:.1%}" for r, met in mix)
+            print(f"  {name:<26} goodput {best:>5.3g}   {cells}")
 
 
 if __name__ == "__main__":
