@@ -394,6 +394,7 @@ def main() -> None:
             if not summary.get("unloaded"):
                 parser.error(f"{args.out / 'summary.json'} has no single-request latencies to scale")
             summary = rejudged(summary, scaled(summary["unloaded"], class_scales(args)))
+            (args.out / "summary-rejudged.json").write_text(json.dumps(summary, indent=2))  # for --slos-from
         report(summary, args.out, "-rejudged" if args.rejudge else "")
         return
 
