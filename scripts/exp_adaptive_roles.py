@@ -279,7 +279,7 @@ def alternating_from_classes(results: dict, target: float) -> dict[str, tuple[fl
     [(rate, attainment)])."""
     long, short = results.get("long", {}), results.get("short", {})
     curves = {name: (dict(pooled(long[name]["probes"])), dict(pooled(short[name]["probes"])))
-              for name in long if name in short}  # fmt: skip
+              for name in long if name in short and name != "adaptive"}  # fmt: skip
     if not curves:
         return {}
     rates = sorted(set.intersection(*(set(lc) & set(sc) for lc, sc in curves.values())))
