@@ -30,6 +30,7 @@ from distserve.cluster.role_controller import (
 from distserve.core.errors import RequestError
 from distserve.core.role import Role
 from distserve.entrypoints.client import CallError, Client
+from distserve.entrypoints.prometheus import ServingMetrics
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
 
@@ -282,6 +283,34 @@ def test_the_controller_does_not_go_back_to_a_layout_that_did_worse_under_this_l
     assert controller.consider(cc, _seen(0.7, 1.0, 0.7, (1.2, 0.8)), heavier, now=106.0)[0] == {"a": D, "b": P}
     controller.remember(cc, other, met=30, num_requests=100, now=107.0)  # 82% of 600 now: the layout fails it
     assert controller.consider(cc, _seen(0.7, 1.0, 0.7, (1.2, 0.8)), other, now=108.0)[0] == {"a": D, "b": P}
+
+
+def test_the_controller_counts_each_verdict_and_the_metrics_show_them():
+    controller = RoleController(None, RoleControlConfig("adaptive", 0.1, 0.01, memory=60))
+    pd, cc = {"a": P, "b": D}, {"a": C, "b": C}
+    long, short = Load(tokens_ratio=10.0, rate=20.0), Load(tokens_ratio=0.3, rate=20.0)
+    missing_ttft = _seen(0.7, 1.0, 0.7)
+    assert controller.consider(pd, missing_ttft, long, now=0.0)[0] == cc  # nothing known: proposed
+    controller.remember(cc, long, met=30, num_requests=60, now=1.0)
+    assert controller.consider(pd, missing_ttft, long, now=2.0) is None  # colocated did worse
+    controller.remember(pd, long, met=57, num_requests=60, now=3.0)
+    assert controller.consider(pd, missing_ttft, long, now=4.0) is None  # a dip: memory holds it
+    controller.remember(cc, short, met=30, num_requests=60, now=5.0)
+    controller.remember(pd, short, met=58, num_requests=60, now=6.0)
+    assert controller.recall(cc, short, now=7.0)[0] == {"a": D, "b": P}
+    controller.settled_at = 0.0  # a whole window since the layout settled
+    assert controller.propose_now(cc, [], now=7.0) is None  # no arrivals seen: nothing recalled
+    assert controller.verdicts == {"proposed": 1, "proposed layout did no better": 1, "held by memory": 1}
+
+    metrics = ServingMetrics()
+    metrics.update_instances([], 0, [], dict(controller.verdicts))
+    controller.verdicts["held by memory"] += 2
+    controller.verdicts["recalled"] += 1
+    metrics.update_instances([], 0, [], dict(controller.verdicts))  # counts, not added twice
+    text = metrics.render().decode()
+    assert 'distserve_role_controller_verdicts_total{verdict="held by memory"} 3.0' in text
+    assert 'distserve_role_controller_verdicts_total{verdict="proposed"} 1.0' in text
+    assert 'distserve_role_controller_verdicts_total{verdict="recalled"} 1.0' in text
 
 
 def test_the_controller_follows_the_arriving_load_to_the_layout_that_did_best_under_it():

@@ -119,6 +119,11 @@ class AsyncCluster:
         """Every role change so far, by an operator or the controller, oldest first."""
         return list(self.orchestrator.roles.history)
 
+    @property
+    def role_verdicts(self) -> dict[str, int]:
+        """How many of the role controller's judgements proposed a change or kept the layout, by why."""
+        return dict(self.orchestrator.controller.verdicts)
+
     async def shutdown(self) -> None:
         """Stop every instance; nothing to do for a cluster not running."""
         if self.state == "running":
@@ -189,6 +194,10 @@ class Cluster:
     @property
     def role_changes(self) -> list[RoleChangeRecord]:
         return self._async.role_changes
+
+    @property
+    def role_verdicts(self) -> dict[str, int]:
+        return self._async.role_verdicts
 
     def shutdown(self) -> None:
         if self._loop.running:

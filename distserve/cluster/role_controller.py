@@ -47,7 +47,7 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -288,6 +288,9 @@ class RoleController:
         self._recorded_until = 0.0
         self._proposal: dict[str, Role] | None = None
         self._repeats = 0
+        # Each judgement that proposed a change or kept the layout, by why: what an operator reads
+        # to tell a controller held by its memory from one that saw nothing to change.
+        self.verdicts: Counter[str] = Counter()
         self.resume(time.time())  # counts from start-up: the first window fills first
 
     def remember(self, layout: dict[str, Role], load: Load, met: int, num_requests: int, now: float) -> None:
@@ -327,11 +330,14 @@ class RoleController:
         # Met under this load or a heavier one: a rising rate is not held by what a lower one met.
         held = self.remembered(_layout_key(layout), load, now, heavier=True)
         if held and held.value >= self.config.target:
+            self.verdicts["held by memory"] += 1
             return None
         current = self.remembered(_layout_key(layout), load, now)
         known = self.remembered(_layout_key(proposal[0]), load, now)
         if known and known.value <= max(seen.both, current.value if current else 0.0):
+            self.verdicts["proposed layout did no better"] += 1
             return None
+        self.verdicts["proposed"] += 1
         return proposal
 
     def recall(
@@ -449,6 +455,7 @@ class RoleController:
         # layout is judged by what it did before the change, not by them.
         fresh = self.settled_at is None or now - self.settled_at < self.config.window
         if arriving and (recalled := self.recall(layout, arriving, now, self.last_change if fresh else math.inf)):
+            self.verdicts["recalled"] += 1
             return *recalled, True
         if fresh or len(window) < self.config.min_requests:
             return None  # not yet a whole window since the layout settled, or too few requests

@@ -2,7 +2,9 @@
 
 Request latencies are observed when a request finishes; instance gauges (queues, KV use) are
 read from the instances when the endpoint is scraped, so they are never stale by more than a
-scrape; so are role changes (a counter per instance and direction, and their durations). Each
+scrape; so are role changes (a counter per instance and direction, and their durations) and the
+role controller's verdicts (a counter per verdict: proposed, recalled, held by memory, proposed
+layout did no better). Each
 server has its own registry, so several can run in one process (tests)."""
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class ServingMetrics:
         self.role_changes = counter("role_changes", "instances' role changes", ("instance", "old_role", "new_role"))
         self.role_change_time = histogram("role_change_seconds", "asked to serving the new role")
         self._num_role_changes = 0  # of the cluster's history, observed already
+        self.role_verdicts = counter("role_controller_verdicts", "role controller judgements, by verdict", ("verdict",))
+        self._verdicts: dict[str, int] = {}  # the controller's counts, observed already
 
     def observe_finished(self, output: RequestOutput) -> None:
         m = output.metrics
@@ -81,9 +85,16 @@ class ServingMetrics:
         self.errors.labels(code_name).inc()
 
     def update_instances(
-        self, infos: list[InstanceInfo], num_pending: int, role_changes: list[RoleChangeRecord]
+        self,
+        infos: list[InstanceInfo],
+        num_pending: int,
+        role_changes: list[RoleChangeRecord],
+        role_verdicts: dict[str, int],
     ) -> None:
         self.pending.set(num_pending)
+        for verdict, count in role_verdicts.items():
+            self.role_verdicts.labels(verdict).inc(count - self._verdicts.get(verdict, 0))
+        self._verdicts = dict(role_verdicts)
         for record in role_changes[self._num_role_changes :]:
             if record.error is None:
                 self.role_changes.labels(record.instance, record.old_role, record.new_role).inc()
