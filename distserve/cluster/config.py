@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from distserve.cluster.role_controller import RoleControlConfig
-from distserve.core.config import FIELD_SECTION, EngineConfig, read_sections
+from distserve.core.config import FIELD_SECTION, EngineConfig, is_int, is_number, read_sections
 from distserve.core.role import ROLES, Role
 
 CLUSTER_KEYS = ("name", "max_request_attempts", "replace_failed_instances", "stream_interval", "role_control")
@@ -86,12 +86,9 @@ class ClusterConfig:
             if unknown:
                 raise ValueError(f"unknown role_control option(s): {', '.join(sorted(unknown))}")
             self.role_control = RoleControlConfig(**self.role_control)
-        # bool is an int to isinstance, but `true` for a count or a time is a mistake, not 1.
-        if isinstance(self.max_request_attempts, bool) or not isinstance(self.max_request_attempts, int) \
-                or self.max_request_attempts < 1:
+        if not is_int(self.max_request_attempts) or self.max_request_attempts < 1:
             raise ValueError(f"max_request_attempts must be a positive integer, got {self.max_request_attempts!r}")
-        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, (int, float)) \
-                or not 0 <= self.stream_interval <= 1:
+        if not is_number(self.stream_interval) or not 0 <= self.stream_interval <= 1:
             raise ValueError(f"stream_interval must be between 0 and 1 second, got {self.stream_interval!r}")
         if not isinstance(self.replace_failed_instances, bool):
             raise ValueError(f"replace_failed_instances must be true or false, got {self.replace_failed_instances!r}")

@@ -7,6 +7,7 @@ field names are unique across sections so the flat flag namespace stays unambigu
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,6 +216,16 @@ def read_sections(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of sections ({', '.join(SECTIONS)}, ...)")
     return data
+
+
+def is_int(value: Any) -> bool:
+    """An integer, and not a bool: YAML's and JSON's `true` is not a count."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float, and not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _plain(value: Any) -> Any:

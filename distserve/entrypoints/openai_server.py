@@ -9,7 +9,6 @@ import dataclasses
 import errno
 import json
 import logging
-import math
 import ssl
 import time
 import uuid
@@ -20,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from jinja2 import TemplateError
 
+from distserve.core.config import is_int, is_number
 from distserve.core.errors import RequestError
 from distserve.core.outputs import RequestOutput
 from distserve.core.sampling_params import SamplingParams
@@ -68,16 +68,8 @@ class HTTPError(Exception):
 # -- request fields ------------------------------------------------------------------------------
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)  # JSON true is not a count
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-_INT = ("an integer", _is_int)
-_NUMBER = ("a finite number", _is_number)
+_INT = ("an integer", is_int)
+_NUMBER = ("a finite number", is_number)
 _BOOL = ("a boolean", lambda v: isinstance(v, bool))
 _STRING = ("a string", lambda v: isinstance(v, str))
 _OBJECT = ("an object", lambda v: isinstance(v, dict))
@@ -97,7 +89,7 @@ _SAMPLING_FIELDS = {
     # vLLM's extensions
     "top_k": _INT,
     "ignore_eos": _BOOL,
-    "stop_token_ids": ("a list of integers", lambda v: isinstance(v, list) and all(_is_int(t) for t in v)),
+    "stop_token_ids": ("a list of integers", lambda v: isinstance(v, list) and all(is_int(t) for t in v)),
     "skip_special_tokens": _BOOL,
     "include_stop_str_in_output": _BOOL,
     "return_token_ids": _BOOL,
@@ -192,9 +184,9 @@ def _completion_prompts(value: Any) -> list[str | list[int]]:
     if isinstance(value, str):
         return [value]
     if isinstance(value, list) and value:
-        if all(_is_int(t) for t in value):
+        if all(is_int(t) for t in value):
             return [value]
-        if _all(value, str) or all(isinstance(p, list) and all(_is_int(t) for t in p) for p in value):
+        if _all(value, str) or all(isinstance(p, list) and all(is_int(t) for t in p) for p in value):
             return value
     raise HTTPError(
         "'prompt' must be a string, a list of token ids, or a non-empty list of strings or of token-id lists",
