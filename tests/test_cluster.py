@@ -268,6 +268,12 @@ def test_stream_interval_is_checked(bad):
 
 
 @pytest.mark.parametrize("bad", [0, True, 1.5])
+def test_a_pool_s_instances_are_checked(bad):
+    with pytest.raises(ValueError, match="the prefill pool needs at least one instance"):
+        make_cluster_config(model="tiny-llama", prefill={"instances": bad}, decode={})
+
+
+@pytest.mark.parametrize("bad", [0, True, 1.5])
 def test_max_request_attempts_is_checked(bad):
     with pytest.raises(ValueError, match="max_request_attempts must be a positive integer"):
         make_cluster_config(model="tiny-llama", max_request_attempts=bad)

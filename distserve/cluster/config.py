@@ -56,7 +56,7 @@ class PoolConfig:
 
     def __post_init__(self) -> None:
         self.role = Role.parse(self.role)
-        if not isinstance(self.instances, int) or self.instances < 1:
+        if not is_int(self.instances) or self.instances < 1:
             raise ValueError(f"the {self.role} pool needs at least one instance, got {self.instances}")
         unknown = sorted(set(self.options) - set(FIELD_SECTION))
         if unknown:
