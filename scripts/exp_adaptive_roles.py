@@ -48,12 +48,12 @@ import sys
 import time
 from pathlib import Path
 
-CLASSES = {
-    # Long prompts, moderate outputs: every prefill stalls a colocated instance's decoding.
-    "long": {"prompt": (512, 768), "output": 64},
-    # Short prompts, long outputs: prefill is cheap, decode capacity and smooth steps count.
-    "short": {"prompt": (16, 64), "output": 128},
-}
+# Each class's prompt and output lengths (uniform between the bounds). Long prompts, moderate
+# outputs: every prefill stalls a colocated instance's decoding. Short prompts, long outputs:
+# prefill is cheap, decode capacity and smooth steps count.
+DEFAULT_CLASSES = "long:512-768:64,short:16-64:128"
+CLASS_NAMES = ("long", "short")
+LLAMA_26M = "llama-26m"
 CHUNK_TOKENS = 256
 DEPLOYMENTS = {
     "colocated": {"colocated": {"instances": 2}},
@@ -81,13 +81,35 @@ WORKLOADS = ("long", "short", "alternating")
 # The load: one process per probe -----------------------------------------------------------------
 
 
-async def _one(client, cls: str, prompt: list[int], slo: tuple[float, float], sent: float = 0.0) -> dict:
+def parse_classes(text: str) -> dict[str, dict[str, tuple[int, int]]]:
+    """``long:512-768:64,short:16-64:128`` -> {class: {"prompt": (low, high), "output": (low, high)}}."""
+
+    def span(item: str) -> tuple[int, int]:
+        low, _, high = item.partition("-")
+        return int(low), int(high or low)
+
+    classes = {}
+    for item in text.split(","):
+        name, prompt, output = item.split(":")
+        classes[name] = {"prompt": span(prompt), "output": span(output)}
+    if set(classes) != {"long", "short"}:
+        raise ValueError(f"the classes are long and short, not {', '.join(classes)}")
+    return classes
+
+
+def _request(rng: random.Random, lengths: dict) -> tuple[list[int], int]:
+    """A prompt of random tokens and an output length, drawn from a class's lengths."""
+    return [rng.randrange(3, 1000) for _ in range(rng.randint(*lengths["prompt"]))], rng.randint(*lengths["output"])
+
+
+async def _one(client, cls: str, request: tuple[list[int], int], slo: tuple[float, float], sent: float = 0.0) -> dict:
+    prompt, max_tokens = request
     start = time.perf_counter()
     times = []
     error = None
     try:
         async for chunk in client.generate(
-            prompt, max_tokens=CLASSES[cls]["output"], ignore_eos=True, temperature=0.0,
+            prompt, max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
             slo_ttft=slo[0], slo_tpot=slo[1],
         ):  # fmt: skip
             times += [time.perf_counter()] * len(chunk.token_ids)
@@ -104,6 +126,7 @@ async def _drive(args: argparse.Namespace) -> None:
     from distserve.entrypoints.client import AsyncClient
 
     slos = json.loads(args.slos)
+    classes = parse_classes(args.classes)
     rng = random.Random(args.seed)
     async with AsyncClient(args.server) as client:
         arrivals, t = [], rng.expovariate(args.rate)
@@ -113,9 +136,8 @@ async def _drive(args: argparse.Namespace) -> None:
         if args.sequential:  # one at a time, after one to warm the connection up
             records = []
             for _ in range(args.sequential + 1):
-                low, high = CLASSES[args.workload]["prompt"]
-                prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(low, high))]
-                records.append(await _one(client, args.workload, prompt, tuple(slos[args.workload])))
+                request = _request(rng, classes[args.workload])
+                records.append(await _one(client, args.workload, request, tuple(slos[args.workload])))
             Path(args.out).write_text(json.dumps(records[1:]))
             return
         layouts = {}
@@ -128,10 +150,9 @@ async def _drive(args: argparse.Namespace) -> None:
             if layouts and cls != current:
                 current = cls
                 tasks.append(asyncio.create_task(client.set_roles(layouts[cls])))
-            low, high = CLASSES[cls]["prompt"]
-            prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(low, high))]
+            request = _request(rng, classes[cls])
             await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
-            tasks.append(asyncio.create_task(_one(client, cls, prompt, tuple(slos[cls]), t)))
+            tasks.append(asyncio.create_task(_one(client, cls, request, tuple(slos[cls]), t)))
         records = [r for r in await asyncio.gather(*tasks) if isinstance(r, dict)]
     Path(args.out).write_text(json.dumps(records))
 
@@ -143,6 +164,7 @@ def probe(
     seconds: float,
     phase: float,
     slos: dict,
+    classes: str,
     out: Path,
     oracle: bool,
     seed: int = 0,
@@ -152,14 +174,14 @@ def probe(
     command = [
         sys.executable, __file__, "drive", "--server", address, "--workload", workload, "--rate", str(rate),
         "--seconds", str(seconds), "--phase", str(phase), "--slos", json.dumps(slos), "--out", str(out),
-        "--seed", str(seed), *(["--oracle"] if oracle else []),
+        "--classes", classes, "--seed", str(seed), *(["--oracle"] if oracle else []),
     ]  # fmt: skip
     started = time.time()
     subprocess.run(command, check=True)
     records = json.loads(out.read_text())
     result = {"rate": rate, "started": started, "ended": time.time(), "requests": len(records),
               "attainment": _share(records), "records": records}  # fmt: skip
-    for cls in CLASSES:
+    for cls in CLASS_NAMES:
         mine = [r for r in records if r["class"] == cls]
         if mine:
             result[cls] = {"attainment": _share(mine), "ttft_p50": _p50(mine, "ttft"), "tpot_p50": _p50(mine, "tpot")}
@@ -227,12 +249,12 @@ def pooled(probes: list[dict]) -> list[tuple[float, float]]:
 # The experiment ----------------------------------------------------------------------------------
 
 
-def calibrate(address: str, out: Path) -> dict[str, tuple[float, float]]:
+def calibrate(address: str, classes: str, out: Path) -> dict[str, tuple[float, float]]:
     """Each class's single-request latencies (median TTFT and TPOT of 10 requests, one at a time)."""
-    loose = {cls: (1e9, 1e9) for cls in CLASSES}
+    loose = {cls: (1e9, 1e9) for cls in CLASS_NAMES}
     unloaded = {}
-    for cls in CLASSES:
-        command = [sys.executable, __file__, "drive", "--server", address, "--workload", cls,
+    for cls in CLASS_NAMES:
+        command = [sys.executable, __file__, "drive", "--server", address, "--workload", cls, "--classes", classes,
                    "--sequential", "10", "--slos", json.dumps(loose), "--out", str(out)]  # fmt: skip
         subprocess.run(command, check=True)
         records = json.loads(out.read_text())
@@ -242,7 +264,7 @@ def calibrate(address: str, out: Path) -> dict[str, tuple[float, float]]:
 
 def class_scales(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
     """Each class's (TTFT, TPOT) scales: ``--ttft-scale``/``--tpot-scale``, or ``--class-scales``."""
-    scales = {cls: (args.ttft_scale, args.tpot_scale) for cls in CLASSES}
+    scales = {cls: (args.ttft_scale, args.tpot_scale) for cls in CLASS_NAMES}
     for item in filter(None, args.class_scales.split(",")):
         cls, ttft, tpot = item.split(":")
         scales[cls] = (float(ttft), float(tpot))
@@ -316,8 +338,8 @@ def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) ->
             def run_probe(
                 rate: float, duration: float = seconds, oracle: bool = False, seed: int = 0, workload: str = workload
             ) -> dict:
-                return probe(running.grpc_address, workload, rate, duration, args.phase_seconds, slos, scratch,
-                             oracle, seed)  # fmt: skip
+                return probe(running.grpc_address, workload, rate, duration, args.phase_seconds, slos, args.classes,
+                             scratch, oracle, seed)  # fmt: skip
 
             run_probe(args.rate_high / 4, warmup)  # the cluster's first requests of this workload
             probes: dict[str, list[dict]] = {name: [] for name in names}
@@ -355,38 +377,69 @@ def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-llama")
+    parser.add_argument(
+        "--model",
+        default="tiny-llama",
+        help=f"a model distserve loads, or {LLAMA_26M!r}: a 26M-parameter Llama shape, dummy weights",
+    )
+    parser.add_argument(
+        "--classes",
+        default=DEFAULT_CLASSES,
+        help="each class's prompt and output lengths, class:prompt-range:output-range",
+    )
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per instance")
     parser.add_argument("--ttft-scale", type=float, default=4.0)
     parser.add_argument("--tpot-scale", type=float, default=3.0)
-    parser.add_argument("--class-scales", default="",
-                        help="per-class SLO scales instead, e.g. long:2:10,short:4:3 (class:TTFT:TPOT)")
+    parser.add_argument(
+        "--class-scales", default="", help="per-class SLO scales instead, e.g. long:2:10,short:4:3 (class:TTFT:TPOT)"
+    )
     parser.add_argument("--target", type=float, default=0.9)
     parser.add_argument("--phase-seconds", type=float, default=10.0, help="the alternating workload's phase")
     parser.add_argument("--cycles", type=int, default=2, help="cycles (long, then short) per alternating probe")
     parser.add_argument("--probe-seconds", type=float, default=8.0, help="a single-class probe's length")
     parser.add_argument("--rate-high", type=float, default=48.0)
-    parser.add_argument("--warmup-seconds", type=float, default=10.0,
-                        help="load at a quarter of --rate-high before a single-class workload is measured "
-                             "(an alternating one: a cycle)")
+    parser.add_argument(
+        "--warmup-seconds",
+        type=float,
+        default=10.0,
+        help="load at a quarter of --rate-high before a single-class workload is measured "
+        "(an alternating one: a cycle)",
+    )
     parser.add_argument("--steps", type=int, default=5, help="bisection steps per goodput")
     parser.add_argument("--rates", default="", help="probe this grid of rates (comma-separated) instead of bisecting")
     parser.add_argument("--repeats", type=int, default=2, help="with --rates: probes per rate, other arrivals each")
     parser.add_argument("--slos-from", type=Path, help="take the SLOs from an earlier run's summary.json")
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
-    parser.add_argument("--finish-decoding-as-prefill", action="store_true",
-                        help="adaptive and oracle: an instance becoming prefill decodes what it held to the end")
+    parser.add_argument(
+        "--finish-decoding-as-prefill",
+        action="store_true",
+        help="adaptive and oracle: an instance becoming prefill decodes what it held to the end",
+    )
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
-    parser.add_argument("--one-cluster", action="store_true",
-                        help="with --rates: chunked, disaggregated, oracle and adaptive on one cluster, in turn")
-    parser.add_argument("--memory", type=float, default=300.0,
-                        help="seconds the adaptive controller trusts a layout's measured attainment for")
+    parser.add_argument(
+        "--one-cluster",
+        action="store_true",
+        help="with --rates: chunked, disaggregated, oracle and adaptive on one cluster, in turn",
+    )
+    parser.add_argument(
+        "--memory",
+        type=float,
+        default=300.0,
+        help="seconds the adaptive controller trusts a layout's measured attainment for",
+    )
     parser.add_argument("--out", type=Path, default=Path("results/adaptive-roles"))
     parser.add_argument("--report", action="store_true", help="only print and plot the summary.json in --out")
-    parser.add_argument("--rejudge", action="store_true",
-                        help="with --report: judge the static deployments' requests by the SLO scales given "
-                             "(of the run's single-request latencies) instead of the run's")
+    parser.add_argument(
+        "--rejudge",
+        action="store_true",
+        help="with --report: judge the static deployments' requests by the SLO scales given "
+        "(of the run's single-request latencies) instead of the run's",
+    )
     args = parser.parse_args()
+    try:
+        parse_classes(args.classes)
+    except ValueError as e:
+        parser.error(f"--classes {args.classes}: {e}")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report:
         summary = {"model": args.model, "target": args.target, **json.loads((args.out / "summary.json").read_text())}
@@ -403,9 +456,14 @@ def main() -> None:
     from distserve.cluster.api import make_cluster_config
     from distserve.entrypoints.server import BackgroundServer
     from distserve.entrypoints.server_config import ServerConfig
+    from distserve.model_executor.tiny_models import LLAMA_26M_SHAPE, write_llama_shape
+
+    model = {"model": args.model}
+    if args.model == LLAMA_26M:
+        model = {"model": str(write_llama_shape(args.out / "model", **LLAMA_26M_SHAPE)), "load_format": "dummy"}
 
     def server(pools: dict, **control) -> BackgroundServer:
-        config = make_cluster_config(model=args.model, num_kv_blocks=1024, cpu_threads=args.cpu_threads,
+        config = make_cluster_config(**model, num_kv_blocks=1024, cpu_threads=args.cpu_threads,
                                      **pools, **control)  # fmt: skip
         return BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0))
 
@@ -415,11 +473,13 @@ def main() -> None:
     try:
         if args.slos_from:
             earlier = json.loads(args.slos_from.read_text())
+            if earlier.get("classes", DEFAULT_CLASSES) != args.classes:
+                raise SystemExit(f"{args.slos_from} has SLOs for --classes {earlier.get('classes', DEFAULT_CLASSES)}")
             slos = {cls: tuple(v) for cls, v in earlier["slos"].items()}
             unloaded = earlier.get("unloaded")
         else:
             with server(DEPLOYMENTS["colocated"]) as calibration:
-                unloaded = calibrate(calibration.grpc_address, scratch)
+                unloaded = calibrate(calibration.grpc_address, args.classes, scratch)
             slos = scaled(unloaded, class_scales(args))
         print("SLOs (TTFT, TPOT) ms: " + ", ".join(f"{c} {t * 1e3:.1f}/{p * 1e3:.2f}" for c, (t, p) in slos.items()))
         control = {"slo_ttft": slos["long"][0], "slo_tpot": slos["long"][1], "memory": args.memory, **ROLE_CONTROL}
@@ -443,7 +503,7 @@ def main() -> None:
                         seed: int = 0,
                     ) -> dict:
                         return probe(running.grpc_address, workload, rate, seconds, args.phase_seconds, slos,
-                                     scratch, oracle, seed)  # fmt: skip
+                                     args.classes, scratch, oracle, seed)  # fmt: skip
 
                     # Adaptive roles settle into a steady workload's layout, and see each class of an
                     # alternating one (a cycle), before it is measured.
@@ -465,7 +525,8 @@ def main() -> None:
                     print(f"{workload:<12} {name:<14} goodput {best:.3g} req/s", flush=True)
     finally:
         ray.shutdown()
-    summary = {"model": args.model, "target": args.target, "slos": slos, "unloaded": unloaded, "results": results}
+    summary = {"model": args.model, "classes": args.classes, "target": args.target, "slos": slos,
+               "unloaded": unloaded, "results": results}  # fmt: skip
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     report(summary, args.out)
 
@@ -495,7 +556,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "drive":
         drive = argparse.ArgumentParser()
         drive.add_argument("drive")
-        for flag in ("--server", "--workload", "--slos", "--out"):
+        for flag in ("--server", "--workload", "--slos", "--out", "--classes"):
             drive.add_argument(flag, required=True)
         for flag, default in (("--rate", 1.0), ("--seconds", 10.0), ("--phase", 10.0)):
             drive.add_argument(flag, type=float, default=default)

@@ -36,7 +36,7 @@ from distserve.cluster.api import make_cluster_config
 from distserve.core.config import EngineConfig
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
-from distserve.model_executor.tiny_models import VOCAB_SIZE, write_llama_shape
+from distserve.model_executor.tiny_models import LLAMA_26M_SHAPE, write_llama_shape
 from placement import compare
 from placement.fitted import FittedLatency
 from placement.goodput import find_goodput
@@ -44,10 +44,6 @@ from placement.plots import plot_attainment_vs_rate
 from placement.timeline import RequestTimeline, read_jsonl
 from placement.workload import arrival_times, parse_length, synthetic_workload
 
-# A Llama shape with dummy weights (58M parameters), big enough that a forward pass costs far more
-# CPU than the serving path spends per token.
-SHAPE = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8,
-         "num_key_value_heads": 8, "vocab_size": VOCAB_SIZE}
 NUM_KV_BLOCKS = 1024
 BLOCK_SIZE = 16
 WORKLOADS = {  # (prompt lengths, output lengths)
@@ -110,9 +106,12 @@ def validate(address, out, name, workload, setup, fitted, args) -> dict:
         delays = compare.fit_delays(calibration)
         if not setup.colocated_instances:
             setup.transfer_fixed, setup.transfer_per_token = compare.fit_transfer(calibration)
-    print(f"{name}, {workload}: SLOs TTFT {ttft_slo * 1e3:.0f} ms, TPOT {tpot_slo * 1e3:.1f} ms; calibrated at "
-          f"{loaded:.2f} req/s: {contention}, {delays}, transfer {setup.transfer_fixed * 1e3:.1f} ms + "
-          f"{setup.transfer_per_token * 1e6:.1f} us/token", flush=True)
+    print(
+        f"{name}, {workload}: SLOs TTFT {ttft_slo * 1e3:.0f} ms, TPOT {tpot_slo * 1e3:.1f} ms; calibrated at "
+        f"{loaded:.2f} req/s: {contention}, {delays}, transfer {setup.transfer_fixed * 1e3:.1f} ms + "
+        f"{setup.transfer_per_token * 1e6:.1f} us/token",
+        flush=True,
+    )
     rows = []
     for target in TARGETS:
         rate, _ = find_goodput(lambda r: predicted(r, contention, delays), target, 0.05, 200.0, tolerance=0.01,
@@ -146,7 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    model = {"model": str(write_llama_shape(args.out / "model", **SHAPE)), "load_format": "dummy"}
+    model = {"model": str(write_llama_shape(args.out / "model", **LLAMA_26M_SHAPE)), "load_format": "dummy"}
     engine = EngineConfig.from_flat(**model, cpu_threads=1, block_size=BLOCK_SIZE)
     fitted: FittedLatency = run_profile(engine, max_prompt_len=512, max_context_len=640, max_batch_size=32, repeats=3)
     fitted.save(args.out / "profile.json")
@@ -172,7 +171,7 @@ def main() -> None:
     for key, value in results.items():
         series[f"{key}: real"] = [(r["rate"], r["real"]) for r in value["rows"]]
         series[f"{key}: simulated"] = [(r["rate"], r["simulated"]) for r in value["rows"]]
-    plot_attainment_vs_rate(series, None, args.out / "accuracy.png", "58M dummy Llama, one thread per instance")
+    plot_attainment_vs_rate(series, None, args.out / "accuracy.png", "26M dummy Llama, one thread per instance")
     (args.out / "summary.json").write_text(json.dumps(results, indent=2))
 
 

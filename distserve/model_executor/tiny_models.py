@@ -146,6 +146,12 @@ def make_tiny_model(name: str, out_dir: str | Path, **overrides) -> Path:
     return out
 
 
+# A Llama shape for dummy-weight benchmarks on CPU, big enough that a forward pass costs far more
+# than the serving path spends per token: 26M parameters, 25M of them in its 8 layers.
+LLAMA_26M_SHAPE = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8,
+                   "num_key_value_heads": 8, "vocab_size": VOCAB_SIZE}  # fmt: skip
+
+
 def write_llama_shape(out_dir: str | Path, **shape) -> Path:
     """A Llama-shaped model directory with config.json and the built-in tokenizer but no weights,
     to serve with ``--load-format dummy``. ``shape`` sets LlamaConfig fields (hidden_size, ...)."""
