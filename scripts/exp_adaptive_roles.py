@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -53,7 +54,7 @@ from pathlib import Path
 # prefill is cheap, decode capacity and smooth steps count.
 DEFAULT_CLASSES = "long:512-768:64,short:16-64:128"
 CLASS_NAMES = ("long", "short")
-LLAMA_26M = "llama-26m"
+LLAMA_58M = "llama-58m"
 CHUNK_TOKENS = 256
 DEPLOYMENTS = {
     "colocated": {"colocated": {"instances": 2}},
@@ -76,6 +77,7 @@ ONE_CLUSTER_LAYOUTS = {"chunked": ("colocated", "colocated"), "disaggregated": (
 ROLE_CONTROL = {"interval": 0.5, "window": 3.0, "min_requests": 8, "patience": 2, "min_dwell": 3.0,
                 "arrival_window": 1.0}  # fmt: skip
 WORKLOADS = ("long", "short", "alternating")
+_probe_count = itertools.count()  # each probe's prompts are its own
 
 
 # The load: one process per probe -----------------------------------------------------------------
@@ -97,9 +99,12 @@ def parse_classes(text: str) -> dict[str, dict[str, tuple[int, int]]]:
     return classes
 
 
-def _request(rng: random.Random, lengths: dict) -> tuple[list[int], int]:
-    """A prompt of random tokens and an output length, drawn from a class's lengths."""
-    return [rng.randrange(3, 1000) for _ in range(rng.randint(*lengths["prompt"]))], rng.randint(*lengths["output"])
+def _request(rng: random.Random, tokens: random.Random, lengths: dict) -> tuple[list[int], int]:
+    """A prompt and an output length drawn by ``rng`` from a class's lengths, the prompt's tokens by
+    ``tokens``: probes that share their arrivals and lengths then share no prompt, and none is
+    served from the prefix cache that an earlier probe filled."""
+    prompt_len, max_tokens = rng.randint(*lengths["prompt"]), rng.randint(*lengths["output"])
+    return [tokens.randrange(3, 1000) for _ in range(prompt_len)], max_tokens
 
 
 async def _one(client, cls: str, request: tuple[list[int], int], slo: tuple[float, float], sent: float = 0.0) -> dict:
@@ -127,7 +132,7 @@ async def _drive(args: argparse.Namespace) -> None:
 
     slos = json.loads(args.slos)
     classes = parse_classes(args.classes)
-    rng = random.Random(args.seed)
+    rng, tokens = random.Random(args.seed), random.Random(args.salt)
     async with AsyncClient(args.server) as client:
         arrivals, t = [], rng.expovariate(args.rate)
         while t < args.seconds:
@@ -136,7 +141,7 @@ async def _drive(args: argparse.Namespace) -> None:
         if args.sequential:  # one at a time, after one to warm the connection up
             records = []
             for _ in range(args.sequential + 1):
-                request = _request(rng, classes[args.workload])
+                request = _request(rng, tokens, classes[args.workload])
                 records.append(await _one(client, args.workload, request, tuple(slos[args.workload])))
             Path(args.out).write_text(json.dumps(records[1:]))
             return
@@ -150,7 +155,7 @@ async def _drive(args: argparse.Namespace) -> None:
             if layouts and cls != current:
                 current = cls
                 tasks.append(asyncio.create_task(client.set_roles(layouts[cls])))
-            request = _request(rng, classes[cls])
+            request = _request(rng, tokens, classes[cls])
             await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
             tasks.append(asyncio.create_task(_one(client, cls, request, tuple(slos[cls]), t)))
         records = [r for r in await asyncio.gather(*tasks) if isinstance(r, dict)]
@@ -169,12 +174,14 @@ def probe(
     oracle: bool,
     seed: int = 0,
 ) -> dict:
-    """One run of the load at ``rate`` (arrivals and prompts drawn from ``seed``): its attainment,
-    per class too, and each request's record (class, when it was sent, TTFT, TPOT, met)."""
+    """One run of the load at ``rate`` (arrivals and lengths drawn from ``seed``, prompts new to the
+    cluster): its attainment, per class too, and each request's record (class, when it was sent,
+    TTFT, TPOT, met)."""
     command = [
         sys.executable, __file__, "drive", "--server", address, "--workload", workload, "--rate", str(rate),
         "--seconds", str(seconds), "--phase", str(phase), "--slos", json.dumps(slos), "--out", str(out),
-        "--classes", classes, "--seed", str(seed), *(["--oracle"] if oracle else []),
+        "--classes", classes, "--seed", str(seed), "--salt", str(next(_probe_count)),
+        *(["--oracle"] if oracle else []),
     ]  # fmt: skip
     started = time.time()
     subprocess.run(command, check=True)
@@ -260,6 +267,17 @@ def calibrate(address: str, classes: str, out: Path) -> dict[str, tuple[float, f
         records = json.loads(out.read_text())
         unloaded[cls] = (_p50(records, "ttft"), _p50(records, "tpot"))
     return unloaded
+
+
+def role_control(text: str) -> dict[str, float]:
+    """``window=12,arrival_window=6`` -> the controller's settings it names (of ROLE_CONTROL's keys)."""
+    settings = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in ROLE_CONTROL:
+            raise ValueError(f"{key!r} is not one of {', '.join(ROLE_CONTROL)}")
+        settings[key] = type(ROLE_CONTROL[key])(value)
+    return settings
 
 
 def class_scales(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
@@ -380,7 +398,7 @@ def main() -> None:
     parser.add_argument(
         "--model",
         default="tiny-llama",
-        help=f"a model distserve loads, or {LLAMA_26M!r}: a 26M-parameter Llama shape, dummy weights",
+        help=f"a model distserve loads, or {LLAMA_58M!r}: the offline benchmark's 58M-parameter Llama, dummy weights",
     )
     parser.add_argument(
         "--classes",
@@ -422,6 +440,12 @@ def main() -> None:
         help="with --rates: chunked, disaggregated, oracle and adaptive on one cluster, in turn",
     )
     parser.add_argument(
+        "--role-control",
+        default="",
+        help="the adaptive controller's settings other than these defaults, e.g. window=12,arrival_window=6 "
+        f"(defaults: {','.join(f'{k}={v}' for k, v in ROLE_CONTROL.items())})",
+    )
+    parser.add_argument(
         "--memory",
         type=float,
         default=300.0,
@@ -436,10 +460,11 @@ def main() -> None:
         "(of the run's single-request latencies) instead of the run's",
     )
     args = parser.parse_args()
-    try:
-        parse_classes(args.classes)
-    except ValueError as e:
-        parser.error(f"--classes {args.classes}: {e}")
+    for flag, parse in (("classes", parse_classes), ("role_control", role_control)):
+        try:
+            parse(getattr(args, flag))
+        except ValueError as e:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: {e}")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report:
         summary = {"model": args.model, "target": args.target, **json.loads((args.out / "summary.json").read_text())}
@@ -456,11 +481,11 @@ def main() -> None:
     from distserve.cluster.api import make_cluster_config
     from distserve.entrypoints.server import BackgroundServer
     from distserve.entrypoints.server_config import ServerConfig
-    from distserve.model_executor.tiny_models import LLAMA_26M_SHAPE, write_llama_shape
+    from distserve.model_executor.tiny_models import BENCH_LLAMA_SHAPE, write_llama_shape
 
     model = {"model": args.model}
-    if args.model == LLAMA_26M:
-        model = {"model": str(write_llama_shape(args.out / "model", **LLAMA_26M_SHAPE)), "load_format": "dummy"}
+    if args.model == LLAMA_58M:
+        model = {"model": str(write_llama_shape(args.out / "model", **BENCH_LLAMA_SHAPE)), "load_format": "dummy"}
 
     def server(pools: dict, **control) -> BackgroundServer:
         config = make_cluster_config(**model, num_kv_blocks=1024, cpu_threads=args.cpu_threads,
@@ -482,7 +507,8 @@ def main() -> None:
                 unloaded = calibrate(calibration.grpc_address, args.classes, scratch)
             slos = scaled(unloaded, class_scales(args))
         print("SLOs (TTFT, TPOT) ms: " + ", ".join(f"{c} {t * 1e3:.1f}/{p * 1e3:.2f}" for c, (t, p) in slos.items()))
-        control = {"slo_ttft": slos["long"][0], "slo_tpot": slos["long"][1], "memory": args.memory, **ROLE_CONTROL}
+        control = {"slo_ttft": slos["long"][0], "slo_tpot": slos["long"][1], "memory": args.memory, **ROLE_CONTROL,
+                   **role_control(args.role_control)}  # fmt: skip
         if args.one_cluster:
             with server(DEPLOYMENTS["adaptive"], role_control={"mode": "fixed", **control}) as running:
                 results = one_cluster(args, running, slos, scratch)
@@ -526,7 +552,8 @@ def main() -> None:
     finally:
         ray.shutdown()
     summary = {"model": args.model, "classes": args.classes, "target": args.target, "slos": slos,
-               "unloaded": unloaded, "results": results}  # fmt: skip
+               "unloaded": unloaded, "role_control": {**ROLE_CONTROL, **role_control(args.role_control)},
+               "results": results}  # fmt: skip
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     report(summary, args.out)
 
@@ -561,6 +588,7 @@ if __name__ == "__main__":
         for flag, default in (("--rate", 1.0), ("--seconds", 10.0), ("--phase", 10.0)):
             drive.add_argument(flag, type=float, default=default)
         drive.add_argument("--seed", type=int, default=0)
+        drive.add_argument("--salt", type=int, default=0, help="draws the prompts' tokens")
         drive.add_argument("--sequential", type=int, default=0, help="send this many requests one at a time")
         drive.add_argument("--oracle", action="store_true", help="set ORACLE_LAYOUTS as each phase begins")
         options = drive.parse_args()

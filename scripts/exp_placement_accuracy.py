@@ -36,7 +36,7 @@ from distserve.cluster.api import make_cluster_config
 from distserve.core.config import EngineConfig
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
-from distserve.model_executor.tiny_models import LLAMA_26M_SHAPE, write_llama_shape
+from distserve.model_executor.tiny_models import BENCH_LLAMA_SHAPE, VOCAB_SIZE, write_llama_shape
 from placement import compare
 from placement.fitted import FittedLatency
 from placement.goodput import find_goodput
@@ -145,7 +145,8 @@ def main() -> None:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    model = {"model": str(write_llama_shape(args.out / "model", **LLAMA_26M_SHAPE)), "load_format": "dummy"}
+    model_dir = write_llama_shape(args.out / "model", **BENCH_LLAMA_SHAPE, vocab_size=VOCAB_SIZE)  # 26M parameters
+    model = {"model": str(model_dir), "load_format": "dummy"}
     engine = EngineConfig.from_flat(**model, cpu_threads=1, block_size=BLOCK_SIZE)
     fitted: FittedLatency = run_profile(engine, max_prompt_len=512, max_context_len=640, max_batch_size=32, repeats=3)
     fitted.save(args.out / "profile.json")
