@@ -379,6 +379,36 @@ def test_each_finished_request_is_remembered_once_under_the_layout_that_served_i
     assert controller.remembered(tuple(sorted((P, D))), Load(10.0, 1.0), start + 8) == Share(4, 6)
 
 
+def test_finished_requests_are_remembered_under_their_own_mix_at_the_window_s_rate():
+    config = RoleControlConfig("adaptive", slo_ttft=0.1, slo_tpot=0.01, window=10.0, min_requests=4)
+    controller = RoleController(None, config)
+    start = controller.last_change
+    pd = {"a": P, "b": D}
+    for i in range(6):  # long prompts, then short ones while the long ones are still in the window
+        controller.observe(FinishedRequest(start + i, 600, 60, finished=start + i + 1, ttft=0.05, tpot=0.005))
+    controller.record(pd, controller.window(start + 7), start + 7)
+    for i in range(6, 9):
+        controller.observe(FinishedRequest(start + i, 40, 128, finished=start + i + 1, ttft=0.05, tpot=0.005))
+    controller.record(pd, controller.window(start + 10), start + 10)
+    (long, short) = (o.load for o in controller.outcomes)
+    assert (long.tokens_ratio, short.tokens_ratio) == (pytest.approx(10.0), pytest.approx(40 / 128))
+    assert (short.rate, short.arrivals) == (1.0, 9)  # 9 requests arriving over 8 s: the window's
+
+
+def test_what_was_met_at_a_rate_just_under_a_noisy_measurement_counts_as_at_its_rate():
+    assert Load(10.0, 2.0, arrivals=16).lowest_rate == pytest.approx(1.5)  # a quarter: 1 / sqrt(16)
+    assert Load(10.0, 2.0, arrivals=400).lowest_rate == pytest.approx(1.9)
+    assert Load(10.0, 2.0).lowest_rate == 2.0  # a rate given, not measured
+    controller = RoleController(None, RoleControlConfig("adaptive", 0.1, 0.01, memory=60))
+    pd, cc = {"a": P, "b": D}, {"a": C, "b": C}
+    controller.remember(cc, Load(10.0, 1.6), met=36, num_requests=40, now=0.0)
+    controller.remember(pd, Load(10.0, 1.9), met=4, num_requests=10, now=1.0)
+    # 1.9 req/s from the last 16 arrivals may be 1.6: colocated met it there.
+    assert controller.recall(pd, Load(10.0, 1.9, arrivals=16), now=2.0)[0] == cc
+    # From 400 arrivals it may not: nothing is known of colocated at 1.9 req/s.
+    assert controller.recall(pd, Load(10.0, 1.9, arrivals=400), now=2.0) is None
+
+
 def test_requests_count_for_a_layout_once_the_work_and_the_queue_from_its_change_are_done():
     controller = RoleController(None, RoleControlConfig("adaptive", slo_ttft=0.1, slo_tpot=0.01, min_requests=1))
     controller.last_change, controller.settled_at, controller._previous_done_at = 100.0, None, None  # a change at t=100

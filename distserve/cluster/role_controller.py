@@ -166,13 +166,21 @@ class Load:
 
     tokens_ratio: float  # prompt tokens per requested output token, the geometric mean: how prefill-heavy
     rate: float  # requests per second
+    arrivals: int = 0  # how many arrivals the rate was measured from; 0: exact
 
     @classmethod
     def of(cls, requests: list[Arrival]) -> Load:
         """A typical request's ratio (a few of another kind in the window move it little) and the rate."""
         span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
         log_ratio = sum(math.log(r.prompt_len / max(1, r.max_tokens)) for r in requests) / len(requests)
-        return cls(math.exp(log_ratio), (len(requests) - 1) / span if span > 0 else math.inf)
+        return cls(math.exp(log_ratio), (len(requests) - 1) / span if span > 0 else math.inf, len(requests))
+
+    @property
+    def lowest_rate(self) -> float:
+        """The rate less one standard error of its measurement (about rate / sqrt(arrivals) for Poisson
+        arrivals): what was met at this rate or above may have been measured as low as this. A few
+        arrivals a second give a window of tens, whose rate is uncertain by a quarter."""
+        return self.rate * (1 - 1 / math.sqrt(self.arrivals)) if self.arrivals else self.rate
 
     def similar(self, other: Load, factor: float = LOAD_SIMILARITY) -> bool:
         return all(
@@ -300,7 +308,8 @@ class RoleController:
         self, layout: tuple[Role, ...], load: Load, now: float, heavier: bool = False, before: float = math.inf
     ) -> Share | None:
         """How the requests that ``layout`` served under loads similar to ``load`` did, within memory;
-        ``heavier``: only under loads at ``load``'s rate or above; only as recorded by ``before``."""
+        ``heavier``: only under loads at ``load``'s rate or above, to within that rate's measurement
+        (``Load.lowest_rate``); only as recorded by ``before``."""
         while self.outcomes and now - self.outcomes[0].when >= self.config.memory:
             self.outcomes.popleft()
         alike = [
@@ -308,7 +317,7 @@ class RoleController:
             for o in self.outcomes
             if o.layout == layout
             and o.load.similar(load)
-            and (not heavier or o.load.rate >= load.rate)
+            and (not heavier or o.load.rate >= load.lowest_rate)
             and o.when <= before
         ]
         if sum(o.num_requests for o in alike) < self.config.min_requests:
@@ -412,7 +421,7 @@ class RoleController:
         recent = [a for a in self.arrivals if a.arrival >= now - self.config.arrival_window]
         if len(recent) < self.config.min_requests:
             return None
-        return Load(Load.of(recent).tokens_ratio, Load.of(list(self.arrivals)).rate)
+        return Load(Load.of(recent).tokens_ratio, Load.of(list(self.arrivals)).rate, len(self.arrivals))
 
     def window(self, now: float) -> list[FinishedRequest]:
         """The requests that finished in the last ``window`` seconds and arrived once the current
@@ -435,13 +444,15 @@ class RoleController:
             self.settled_at = self._recorded_until = now
 
     def record(self, layout: dict[str, Role], window: list[FinishedRequest], now: float) -> None:
-        """Remember how the requests that finished since the last record did in ``layout``, under
-        the load of ``window``."""
+        """Remember how the requests that finished since the last record did in ``layout``: under
+        their own mix (the window's still holds the kind of requests that came before, while a
+        workload changes) at the rate of ``window``."""
         new = [r for r in window if r.finished > self._recorded_until]
         self._recorded_until = now
         if new and len(window) >= self.config.min_requests:
             met = round(attainment(new, self.config.slo_ttft, self.config.slo_tpot).both * len(new))
-            self.remember(layout, Load.of(window), met, len(new), now)
+            rate = Load.of(window)
+            self.remember(layout, Load(Load.of(new).tokens_ratio, rate.rate, rate.arrivals), met, len(new), now)
 
     def propose_now(
         self, layout: dict[str, Role], window: list[FinishedRequest], now: float
