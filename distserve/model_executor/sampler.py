@@ -31,6 +31,21 @@ class Sampler:
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
         logits = logits / temperature[:, None]
+        if any(p.top_k or p.top_p < 1.0 for p in params):
+            probs, ids = self._filtered(logits, params)
+        else:  # nothing to cut: no sort of the vocabulary (most of a decode step's sampling time)
+            probs, ids = logits.softmax(dim=-1), None
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
+        noise = torch.empty_like(probs)
+        for i, (p, step) in enumerate(zip(params, steps)):
+            noise[i].exponential_(generator=self._generator(p, step, device))
+        choice = (probs / noise).argmax(dim=-1)
+        return choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
+
+    @staticmethod
+    def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's probabilities after top-k and top-p, in descending order, and their token ids."""
+        device = logits.device
         sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
         # One sort serves both filters: top-k cuts by rank, top-p by cumulative probability.
         top_k = torch.tensor([p.top_k or logits.shape[-1] for p in params], device=device)
@@ -40,13 +55,7 @@ class Sampler:
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         cumulative = probs.cumsum(dim=-1)
         drop |= (cumulative - probs) >= top_p[:, None]  # keep the smallest prefix reaching top_p
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
-        noise = torch.empty_like(probs)
-        for i, (p, step) in enumerate(zip(params, steps)):
-            noise[i].exponential_(generator=self._generator(p, step, device))
-        choice = (probs / noise).argmax(dim=-1)
-        return sorted_ids.gather(1, choice[:, None]).squeeze(1)
+        return sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1), sorted_ids
 
     def _generator(self, params: SamplingParams, step: int, device: torch.device) -> torch.Generator | None:
         if params.seed is None:
