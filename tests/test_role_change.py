@@ -396,8 +396,9 @@ def test_finished_requests_are_remembered_under_their_own_mix_at_the_window_s_ra
 
 
 def test_what_was_met_at_a_rate_just_under_a_noisy_measurement_counts_as_at_its_rate():
-    assert Load(10.0, 2.0, arrivals=16).lowest_rate == pytest.approx(1.5)  # a quarter: 1 / sqrt(16)
-    assert Load(10.0, 2.0, arrivals=400).lowest_rate == pytest.approx(1.9)
+    assert Load(10.0, 2.0, arrivals=16).lowest_rate == pytest.approx(2.0 * (1 - 1.645 / 4))  # 1 / sqrt(16)
+    assert Load(10.0, 2.0, arrivals=400).lowest_rate == pytest.approx(2.0 * (1 - 1.645 / 20))
+    assert Load(10.0, 2.0, arrivals=2).lowest_rate == 0.0
     assert Load(10.0, 2.0).lowest_rate == 2.0  # a rate given, not measured
     controller = RoleController(None, RoleControlConfig("adaptive", 0.1, 0.01, memory=60))
     pd, cc = {"a": P, "b": D}, {"a": C, "b": C}
@@ -450,6 +451,34 @@ def test_load_is_the_token_ratio_and_rate_of_a_window():
     requests = [FinishedRequest(t, 600, 60, finished=t + 1, ttft=0.1, tpot=0.01) for t in (0.0, 0.5, 1.0)]
     slow = attainment(requests, slo_ttft=0.05, slo_tpot=0.02)
     assert (slow.ttft, slow.tpot, slow.both) == (0.0, 1.0, 0.0)
+
+
+def test_the_arriving_mix_is_of_the_last_few_arrivals_when_few_come_in_its_window():
+    config = RoleControlConfig("adaptive", 0.1, 0.01, window=10.0, arrival_window=2.0, min_requests=8)
+    controller = RoleController(None, config)
+    for i in range(7):  # long prompts at 1 req/s...
+        controller.observe_arrival(Arrival(100.0 + i, prompt_len=600, max_tokens=60))
+    assert controller.arriving(106.5) is None  # too few in the window to say the rate
+    for i in range(7, 11):  # ...then short ones: two in the last 2 s, the mix is of the last four
+        controller.observe_arrival(Arrival(100.0 + i, prompt_len=40, max_tokens=128))
+    load = controller.arriving(110.5)
+    assert load.tokens_ratio == pytest.approx(40 / 128) and (load.rate, load.arrivals) == (1.0, 10)
+
+
+def test_requests_of_one_length_but_other_slos_are_another_load():
+    # A summarisation class (TTFT tight, TPOT loose) and a chat class of the same lengths.
+    summaries = [Arrival(t, 600, 60, RequestSLO(ttft=1.5, tpot=0.2)) for t in (0.0, 0.5, 1.0)]
+    chats = [Arrival(t, 600, 60) for t in (0.0, 0.5, 1.0)]  # the cluster's SLOs: 3 s and 0.05 s
+    cluster_slo = RequestSLO(ttft=3.0, tpot=0.05)
+    summary, chat = Load.of(summaries, cluster_slo), Load.of(chats, cluster_slo)
+    assert (summary.slo_ratio, chat.slo_ratio) == (pytest.approx(8.0), 1.0)  # TPOT 8x looser against TTFT
+    assert summary.tokens_ratio == chat.tokens_ratio and not summary.similar(chat)
+    controller = RoleController(None, RoleControlConfig("adaptive", 3.0, 0.05, memory=60))
+    pd, cc = {"a": P, "b": D}, {"a": C, "b": C}
+    controller.remember(pd, chat.at_rate_of(Load(10.0, 2.0)), met=5, num_requests=20, now=0.0)
+    controller.remember(cc, chat.at_rate_of(Load(10.0, 2.0)), met=19, num_requests=20, now=1.0)
+    assert controller.recall(pd, chat.at_rate_of(Load(10.0, 2.0)), now=2.0)[0] == cc
+    assert controller.recall(pd, summary.at_rate_of(Load(10.0, 2.0)), now=2.0) is None  # not seen before
 
 
 def test_role_control_is_checked():

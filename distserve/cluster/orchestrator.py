@@ -105,7 +105,7 @@ class RequestState:
 
 def _arrival(state: RequestState) -> Arrival:
     """What the role controller knows of a request when it arrives."""
-    return Arrival(state.metrics.arrival_time, len(state.prompt_token_ids), state.params.max_tokens)
+    return Arrival(state.metrics.arrival_time, len(state.prompt_token_ids), state.params.max_tokens, state.slo)
 
 
 class Orchestrator:
@@ -348,7 +348,7 @@ class Orchestrator:
         m = state.metrics
         if m.token_times:
             self.controller.observe(FinishedRequest(**vars(_arrival(state)), finished=m.token_times[-1], ttft=m.ttft,
-                                                    tpot=m.tpot, slo=state.slo))  # fmt: skip
+                                                    tpot=m.tpot))  # fmt: skip
 
     async def _hand_over(self, state: RequestState, handover: Handover, sender: InstanceState) -> None:
         """Give a prefilled request to the decode instance with the most room; or a request that

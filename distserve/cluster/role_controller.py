@@ -18,8 +18,8 @@ missed (an overload, or the wrong layout for the load): the other of colocated a
 is tried.
 
 The controller remembers how the requests each layout served did (how many met both SLOs) under
-the load they came in: the typical ratio of prompt to requested output tokens and the request
-rate, both known when a request arrives. A change to a layout whose requests did no better under
+the load they came in: the typical ratio of prompt to requested output tokens, of TPOT to TTFT
+SLO, and the request rate, all known when a request arrives. A change to a layout whose requests did no better under
 a similar load within ``memory`` seconds than the current layout's (in the window, or as
 remembered) is not made, so a layout that is worse for this load is left after one try and not
 tried again for a window's dip, and an overload in which both miss does not flap. Nor does a
@@ -29,7 +29,7 @@ a dip; what a lower rate met says nothing of a rising one.
 
 Finished requests tell late: a request is judged only once it has all its tokens, and a window of
 them must fill after a change. So the controller also looks at the load arriving now (the mix of
-the last ``arrival_window`` seconds of arrivals): when the current layout's requests fell short
+the last ``arrival_window`` seconds of arrivals, or of the last ``MIX_ARRIVALS``): when the current layout's requests fell short
 of the target under a load like it and another layout's did clearly better under one at this
 rate or above, it moves there at once. A workload that switches between kinds of requests is then
 followed within about ``arrival_window`` once each kind has been seen. A layout just moved to is judged there by what
@@ -44,6 +44,7 @@ row (one from memory rests on every request remembered, and needs none), and a c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -67,6 +68,9 @@ LOAD_SIMILARITY = 1.5  # loads whose token ratios and rates are within this fact
 # misses for TPOT ones, and prompts in mixed steps are better served apart.
 DECODE_ROOM = 0.6
 NEAR_SLO = 0.9  # a quantile this close to its SLO is pressure on it, before a window misses
+# The arriving mix is of at least this many arrivals, however few came in ``arrival_window``: a
+# handful tell one kind of request from another (the rate, from the whole window, needs more).
+MIX_ARRIVALS = 4
 
 
 @dataclass
@@ -120,6 +124,7 @@ class Arrival:
     arrival: float  # wall-clock time
     prompt_len: int
     max_tokens: int  # the output it asks for: known on arrival, unlike the output's length
+    slo: RequestSLO = RequestSLO()
 
 
 @dataclass
@@ -127,7 +132,6 @@ class FinishedRequest(Arrival):
     finished: float = 0.0  # wall-clock time of its last token
     ttft: float = 0.0
     tpot: float | None = None  # None: a single token
-    slo: RequestSLO = RequestSLO()
 
 
 @dataclass
@@ -167,26 +171,50 @@ class Load:
     tokens_ratio: float  # prompt tokens per requested output token, the geometric mean: how prefill-heavy
     rate: float  # requests per second
     arrivals: int = 0  # how many arrivals the rate was measured from; 0: exact
+    # TPOT SLO over TTFT SLO, the geometric mean, relative to the cluster's (1: the cluster's SLOs):
+    # how much looser decoding's objective is against prefill's. Which layout wins turns on it
+    # (colocation with a tight TTFT and a loose TPOT): requests of one length but other SLOs are
+    # another load.
+    slo_ratio: float = 1.0
 
     @classmethod
-    def of(cls, requests: list[Arrival]) -> Load:
-        """A typical request's ratio (a few of another kind in the window move it little) and the rate."""
+    def of(cls, requests: list[Arrival], cluster_slo: RequestSLO = RequestSLO()) -> Load:
+        """A typical request's ratios (a few of another kind in the window move them little) and the
+        rate; a request without its own SLOs has the cluster's."""
         span = max(r.arrival for r in requests) - min(r.arrival for r in requests)
         log_ratio = sum(math.log(r.prompt_len / max(1, r.max_tokens)) for r in requests) / len(requests)
-        return cls(math.exp(log_ratio), (len(requests) - 1) / span if span > 0 else math.inf, len(requests))
+        log_slo_ratio = sum(math.log(_slo_ratio(r.slo, cluster_slo)) for r in requests) / len(requests)
+        rate = (len(requests) - 1) / span if span > 0 else math.inf
+        return cls(math.exp(log_ratio), rate, len(requests), math.exp(log_slo_ratio))
+
+    def at_rate_of(self, other: Load) -> Load:
+        """This mix at ``other``'s rate (a longer window's, less noisy)."""
+        return dataclasses.replace(self, rate=other.rate, arrivals=other.arrivals)
 
     @property
     def lowest_rate(self) -> float:
-        """The rate less one standard error of its measurement (about rate / sqrt(arrivals) for Poisson
-        arrivals): what was met at this rate or above may have been measured as low as this. A few
-        arrivals a second give a window of tens, whose rate is uncertain by a quarter."""
-        return self.rate * (1 - 1 / math.sqrt(self.arrivals)) if self.arrivals else self.rate
+        """The rate less its measurement's noise (one-sided 95%, the standard error about rate /
+        sqrt(arrivals) for Poisson arrivals): what was met at this rate or above may have been
+        measured as low as this. A few arrivals a second give a window of tens, whose rate is
+        uncertain by a quarter."""
+        return self.rate * max(0.0, 1 - 1.645 / math.sqrt(self.arrivals)) if self.arrivals else self.rate
 
     def similar(self, other: Load, factor: float = LOAD_SIMILARITY) -> bool:
         return all(
             max(a, b) <= factor * min(a, b)
-            for a, b in ((self.tokens_ratio, other.tokens_ratio), (self.rate, other.rate))
+            for a, b in (
+                (self.tokens_ratio, other.tokens_ratio),
+                (self.rate, other.rate),
+                (self.slo_ratio, other.slo_ratio),
+            )
         )
+
+
+def _slo_ratio(slo: RequestSLO, cluster: RequestSLO) -> float:
+    """A request's TPOT SLO over its TTFT SLO, relative to the cluster's."""
+    if not (cluster.ttft and cluster.tpot):
+        return 1.0
+    return ((slo.tpot or cluster.tpot) / (slo.ttft or cluster.ttft)) / (cluster.tpot / cluster.ttft)
 
 
 @dataclass(frozen=True)
@@ -285,6 +313,7 @@ class RoleController:
     def __init__(self, orchestrator: Orchestrator, config: RoleControlConfig) -> None:
         self.orchestrator = orchestrator
         self.config = config
+        self.cluster_slo = RequestSLO(config.slo_ttft, config.slo_tpot)  # a request's without its own
         self.arrivals: deque[Arrival] = deque()
         self.finished: deque[FinishedRequest] = deque()
         self.outcomes: deque[Outcome] = deque()
@@ -413,15 +442,17 @@ class RoleController:
         self.last_change, self.settled_at, self._previous_done_at = now, None, None
 
     def arriving(self, now: float) -> Load | None:
-        """The load coming in: the token ratio of the last ``arrival_window`` seconds of arrivals (a
-        change of the mix shows at once) at the rate of the last ``window`` seconds (a short window's
-        rate is too noisy to compare); None when too few came."""
+        """The load coming in: the mix of the last ``arrival_window`` seconds of arrivals, or of the
+        last ``MIX_ARRIVALS`` if fewer came (a change of the mix shows at once), at the rate of the
+        last ``window`` seconds (a short window's rate is too noisy to compare); None when fewer than
+        ``min_requests`` came in the window."""
         while self.arrivals and self.arrivals[0].arrival < now - max(self.config.window, self.config.arrival_window):
             self.arrivals.popleft()
-        recent = [a for a in self.arrivals if a.arrival >= now - self.config.arrival_window]
-        if len(recent) < self.config.min_requests:
+        if len(self.arrivals) < self.config.min_requests:
             return None
-        return Load(Load.of(recent).tokens_ratio, Load.of(list(self.arrivals)).rate, len(self.arrivals))
+        recent = [a for a in self.arrivals if a.arrival >= now - self.config.arrival_window]
+        mix = recent if len(recent) >= MIX_ARRIVALS else list(self.arrivals)[-MIX_ARRIVALS:]
+        return Load.of(mix, self.cluster_slo).at_rate_of(Load.of(list(self.arrivals)))
 
     def window(self, now: float) -> list[FinishedRequest]:
         """The requests that finished in the last ``window`` seconds and arrived once the current
@@ -451,8 +482,8 @@ class RoleController:
         self._recorded_until = now
         if new and len(window) >= self.config.min_requests:
             met = round(attainment(new, self.config.slo_ttft, self.config.slo_tpot).both * len(new))
-            rate = Load.of(window)
-            self.remember(layout, Load(Load.of(new).tokens_ratio, rate.rate, rate.arrivals), met, len(new), now)
+            load = Load.of(new, self.cluster_slo).at_rate_of(Load.of(window))
+            self.remember(layout, load, met, len(new), now)
 
     def propose_now(
         self, layout: dict[str, Role], window: list[FinishedRequest], now: float
@@ -471,7 +502,7 @@ class RoleController:
         if fresh or len(window) < self.config.min_requests:
             return None  # not yet a whole window since the layout settled, or too few requests
         seen = attainment(window, self.config.slo_ttft, self.config.slo_tpot, self.config.target)
-        proposal = self.consider(layout, seen, Load.of(window), now)
+        proposal = self.consider(layout, seen, Load.of(window, self.cluster_slo), now)
         return (*proposal, False) if proposal else None
 
     async def decide(self) -> None:
