@@ -29,12 +29,13 @@ a dip; what a lower rate met says nothing of a rising one.
 
 Finished requests tell late: a request is judged only once it has all its tokens, and a window of
 them must fill after a change. So the controller also looks at the load arriving now (the mix of
-the last ``arrival_window`` seconds of arrivals, or of the last ``MIX_ARRIVALS``): when the current layout's requests fell short
-of the target under a load like it and another layout's did clearly better under one at this
-rate or above, it moves there at once. A workload that switches between kinds of requests is then
-followed within about ``arrival_window`` once each kind has been seen. A layout just moved to is judged there by what
-it did before the change until a whole window has passed since it settled: its first requests
-wait behind the backlog of the layout before.
+the last ``arrival_window`` seconds of arrivals, or of the last ``MIX_ARRIVALS``): when the
+current layout's requests fell short of the target under a load like it and another layout's did
+clearly better under one at this rate or above, it moves there at once. A workload that switches
+between kinds of requests is then followed within a few arrivals of each switch, once each kind
+has been seen (and is still remembered). A layout just moved to is judged there by what it did
+before the change until a whole window has passed since it settled: its first requests wait
+behind the backlog of the layout before.
 
 Against flapping besides: a proposal from a window's attainment must come ``patience`` times in a
 row (one from memory rests on every request remembered, and needs none), and a change waits
