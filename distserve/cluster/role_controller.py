@@ -19,13 +19,13 @@ is tried.
 
 The controller remembers how the requests each layout served did (how many met both SLOs) under
 the load they came in: the typical ratio of prompt to requested output tokens, of TPOT to TTFT
-SLO, and the request rate, all known when a request arrives. A change to a layout whose requests did no better under
-a similar load within ``memory`` seconds than the current layout's (in the window, or as
-remembered) is not made, so a layout that is worse for this load is left after one try and not
-tried again for a window's dip, and an overload in which both miss does not flap. Nor does a
-window's miss move it from a layout whose requests met the target under a similar load at this
-rate or above as remembered: under bursty arrivals misses come in runs, and one window of them is
-a dip; what a lower rate met says nothing of a rising one.
+SLO, and the request rate, all known when a request arrives. A change to a layout whose requests
+did no better under a similar load within ``memory`` seconds than the current layout's (in the
+window, or as remembered) is not made, so a layout that is worse for this load is left after one
+try and not tried again for a window's dip, and an overload in which both miss does not flap. Nor
+does a window's miss move it from a layout whose requests met the target under a similar load at
+this rate or above as remembered: under bursty arrivals misses come in runs, and one window of
+them is a dip; what a lower rate met says nothing of a rising one.
 
 Finished requests tell late: a request is judged only once it has all its tokens, and a window of
 them must fill after a change. So the controller also looks at the load arriving now (the mix of
@@ -314,7 +314,6 @@ class RoleController:
     def __init__(self, orchestrator: Orchestrator, config: RoleControlConfig) -> None:
         self.orchestrator = orchestrator
         self.config = config
-        self.cluster_slo = RequestSLO(config.slo_ttft, config.slo_tpot)  # a request's without its own
         self.arrivals: deque[Arrival] = deque()
         self.finished: deque[FinishedRequest] = deque()
         self.outcomes: deque[Outcome] = deque()
@@ -330,6 +329,11 @@ class RoleController:
         # to tell a controller held by its memory from one that saw nothing to change.
         self.verdicts: Counter[str] = Counter()
         self.resume(time.time())  # counts from start-up: the first window fills first
+
+    @property
+    def cluster_slo(self) -> RequestSLO:
+        """The SLOs of a request that carries none of its own."""
+        return RequestSLO(self.config.slo_ttft, self.config.slo_tpot)
 
     def remember(self, layout: dict[str, Role], load: Load, met: int, num_requests: int, now: float) -> None:
         self.outcomes.append(Outcome(_layout_key(layout), load, met, num_requests, now))
