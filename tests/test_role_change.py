@@ -6,6 +6,7 @@ controller's decisions."""
 import asyncio
 import subprocess
 import sys
+import time
 import urllib.request
 
 import grpc
@@ -132,6 +133,41 @@ def test_the_adaptive_controller_colocates_a_cluster_whose_prefill_misses_ttft(r
     sent = prompts + prompts[:adaptive] + prompts[:4] + prompts
     assert len(sent) == len(outputs)
     for prompt, tokens in zip(sent, outputs):
+        assert tokens == reference_greedy(llama, prompt, 6)
+
+
+def test_arrivals_of_a_remembered_load_change_roles_without_waiting_for_a_tick(ray_cluster, llama):
+    # Memory says colocated serves these requests and 1 prefill + 1 decode does not. The controller's
+    # tick is a minute away: the arrivals themselves bring the change, once three have come.
+    control = {"mode": "adaptive", "slo_ttft": 10.0, "slo_tpot": 10.0, "interval": 60.0, "min_requests": 3,
+               "min_dwell": 0.0}  # fmt: skip
+    prompts = random_prompts([30] * 6, llama.config.vocab_size, seed=11)
+
+    async def main() -> tuple[list[list[int]], list, list[float]]:
+        async with AsyncCluster(model="tiny-llama", prefill={}, decode={}, role_control=control) as cluster:
+            controller = cluster.orchestrator.controller
+            load, before = Load(tokens_ratio=5.0, rate=4.0), controller.last_change - 1.0  # 30 tokens in, 6 out
+            controller.remember({"a": P, "b": D}, load, met=2, num_requests=20, now=before)
+            controller.remember({"a": C, "b": C}, load, met=20, num_requests=20, now=before)
+            tasks, sent = [], []
+            for prompt in prompts:  # 4 a second
+                tasks.append(asyncio.create_task(_final(cluster, prompt, 6)))
+                sent.append(time.time())
+                await asyncio.sleep(0.25)
+            outputs = await asyncio.gather(*tasks)
+            assert [i.role for i in await cluster.info()] == [C, C]
+            await wait_nothing_in_use_async(cluster)
+            return outputs, cluster.role_changes, sent
+
+    outputs, history, sent = asyncio.run(main())
+    assert {(r.old_role, r.new_role) for r in history} == {(P, C), (D, C)}
+    assert all(r.started < sent[2] + 5.0 for r in history)  # on the third arrival, not a minute on
+    assert all(
+        r.reason == "arriving load like one under which 10% of 20 requests met both SLOs in this layout"
+        " and 100% of 20 in colocated+colocated"
+        for r in history
+    )
+    for prompt, tokens in zip(prompts, outputs):
         assert tokens == reference_greedy(llama, prompt, 6)
 
 
@@ -459,7 +495,7 @@ def test_the_arriving_mix_is_of_the_last_few_arrivals_when_few_come_in_its_windo
     for i in range(7):  # long prompts at 1 req/s...
         controller.observe_arrival(Arrival(100.0 + i, prompt_len=600, max_tokens=60))
     assert controller.arriving(106.5) is None  # too few in the window to say the rate
-    for i in range(7, 11):  # ...then short ones: two in the last 2 s, the mix is of the last four
+    for i in range(7, 11):  # ...then short ones: two in the last 2 s, the mix is of the last three
         controller.observe_arrival(Arrival(100.0 + i, prompt_len=40, max_tokens=128))
     load = controller.arriving(110.5)
     assert load.tokens_ratio == pytest.approx(40 / 128) and (load.rate, load.arrivals) == (1.0, 10)

@@ -31,9 +31,10 @@ Finished requests tell late: a request is judged only once it has all its tokens
 them must fill after a change. So the controller also looks at the load arriving now (the mix of
 the last ``arrival_window`` seconds of arrivals, or of the last ``MIX_ARRIVALS``): when the
 current layout's requests fell short of the target under a load like it and another layout's did
-clearly better under one at this rate or above, it moves there at once. A workload that switches
-between kinds of requests is then followed within a few arrivals of each switch, once each kind
-has been seen (and is still remembered). A layout just moved to is judged there by what it did
+clearly better under one at this rate or above, it moves there at once. It looks on every arrival
+that moves the mix, not only every ``interval``: a workload that switches between kinds of
+requests is then followed on the few arrivals after each switch, once each kind has been seen
+(and is still remembered). A layout just moved to is judged there by what it did
 before the change until a whole window has passed since it settled: its first requests wait
 behind the backlog of the layout before.
 
@@ -70,8 +71,9 @@ LOAD_SIMILARITY = 1.5  # loads whose token ratios and rates are within this fact
 DECODE_ROOM = 0.6
 NEAR_SLO = 0.9  # a quantile this close to its SLO is pressure on it, before a window misses
 # The arriving mix is of at least this many arrivals, however few came in ``arrival_window``: a
-# handful tell one kind of request from another (the rate, from the whole window, needs more).
-MIX_ARRIVALS = 4
+# few tell one kind of request from another (the rate, from the whole window, needs more), and one
+# of another kind among them moves the mix off both kinds, so a lone stray moves nothing.
+MIX_ARRIVALS = 3
 
 
 @dataclass
@@ -325,6 +327,8 @@ class RoleController:
         self._recorded_until = 0.0
         self._proposal: dict[str, Role] | None = None
         self._repeats = 0
+        self._arrived: asyncio.Event | None = None  # set by an arrival while ``run`` waits
+        self._mix_looked_at: Load | None = None  # the arriving mix at the last look
         # Each judgement that proposed a change or kept the layout, by why: what an operator reads
         # to tell a controller held by its memory from one that saw nothing to change.
         self.verdicts: Counter[str] = Counter()
@@ -410,17 +414,30 @@ class RoleController:
     def observe_arrival(self, request: Arrival) -> None:
         if self.config.mode == "adaptive":
             self.arrivals.append(request)
+            if self._arrived is not None:
+                self._arrived.set()
 
     def observe(self, request: FinishedRequest) -> None:
         if self.config.mode == "adaptive":
             self.finished.append(request)
 
     async def run(self) -> None:
-        """Decide every ``interval`` while the mode is adaptive. An operator may take roles back
-        ("fixed") and hand them over again: the controller then starts afresh, memory kept."""
+        """Decide every ``interval`` while the mode is adaptive, and on arrivals in between (from
+        memory only). An operator may take roles back ("fixed") and hand them over again: the
+        controller then starts afresh, memory kept."""
         deciding = self.config.mode == "adaptive"  # from start-up, as constructed
+        loop = asyncio.get_running_loop()
+        self._arrived = asyncio.Event()
+        next_tick = loop.time() + self.config.interval
         while True:
-            await asyncio.sleep(self.config.interval)
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=max(0.0, next_tick - loop.time()))
+            except asyncio.TimeoutError:  # the tick (TimeoutError itself from Python 3.11)
+                pass
+            self._arrived.clear()
+            tick = loop.time() >= next_tick
+            if tick:
+                next_tick = loop.time() + self.config.interval
             if self.config.mode != "adaptive":
                 deciding = False
                 continue
@@ -429,7 +446,7 @@ class RoleController:
                     self.resume(time.time())
                     deciding = True
                 else:
-                    await self.decide()
+                    await self.decide(tick)
             except Exception:  # a bug here must not stop serving
                 logger.exception("role controller")
 
@@ -491,12 +508,18 @@ class RoleController:
             self.remember(layout, load, met, len(new), now)
 
     def propose_now(
-        self, layout: dict[str, Role], window: list[FinishedRequest], now: float
+        self, layout: dict[str, Role], window: list[FinishedRequest], now: float, tick: bool = True
     ) -> tuple[dict[str, Role], str, bool] | None:
-        """A change for the load arriving now, from memory; else one from the attainment of the
-        requests in ``window``. The flag: whether it is from memory, which needs no patience (it
-        rests on every request remembered, not on one window)."""
+        """A change for the load arriving now, from memory; else, on a ``tick``, one from the
+        attainment of the requests in ``window``. Between ticks (on an arrival) memory is looked at
+        only when the arriving mix has moved since the last look: a steady load has been looked at.
+        The flag: whether it is from memory, which needs no patience (it rests on every request
+        remembered, not on one window)."""
         arriving = self.arriving(now)
+        moved = arriving is not None and not (self._mix_looked_at and arriving.similar(self._mix_looked_at))
+        self._mix_looked_at = arriving or self._mix_looked_at
+        if not tick and not moved:
+            return None
         # A layout's first requests after a change wait behind the backlog of the one before, an
         # overload's most of all: until a whole window has passed since it settled, the current
         # layout is judged by what it did before the change, not by them.
@@ -504,13 +527,15 @@ class RoleController:
         if arriving and (recalled := self.recall(layout, arriving, now, self.last_change if fresh else math.inf)):
             self.verdicts["recalled"] += 1
             return *recalled, True
-        if fresh or len(window) < self.config.min_requests:
-            return None  # not yet a whole window since the layout settled, or too few requests
+        if not tick or fresh or len(window) < self.config.min_requests:
+            return None  # between ticks, not yet a whole window since the layout settled, or too few requests
         seen = attainment(window, self.config.slo_ttft, self.config.slo_tpot, self.config.target)
         proposal = self.consider(layout, seen, Load.of(window, self.cluster_slo), now)
         return (*proposal, False) if proposal else None
 
-    async def decide(self) -> None:
+    async def decide(self, tick: bool = True) -> None:
+        """Record what finished and change roles if a change is due; ``tick``: False on an arrival
+        between ticks, when only a change from memory is."""
         config, now = self.config, time.time()
         orchestrator = self.orchestrator
         live = sorted((s for s in orchestrator.instances if s.failure is None), key=lambda s: -s.load_tokens)
@@ -522,7 +547,9 @@ class RoleController:
         self.record(layout, window, now)
         if now - self.last_change < config.min_dwell:
             return
-        proposal = self.propose_now(layout, window, now)
+        proposal = self.propose_now(layout, window, now, tick)
+        if not tick and proposal is None:
+            return  # a window's proposal needs its ticks in a row: an arrival between them is not one
         if proposal is None or proposal[0] != self._proposal:
             self._proposal, self._repeats = (proposal[0] if proposal else None), 1
         else:
