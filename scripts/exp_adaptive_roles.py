@@ -257,12 +257,15 @@ def pooled(probes: list[dict]) -> list[tuple[float, float]]:
 
 
 def calibrate(address: str, classes: str, out: Path) -> dict[str, tuple[float, float]]:
-    """Each class's single-request latencies (median TTFT and TPOT of 10 requests, one at a time)."""
+    """Each class's single-request latencies (median TTFT and TPOT of 10 requests, one at a time), on
+    prompts of its own: classes of one length would otherwise share them, and the second be served
+    from the prefix cache."""
     loose = {cls: (1e9, 1e9) for cls in CLASS_NAMES}
     unloaded = {}
     for cls in CLASS_NAMES:
         command = [sys.executable, __file__, "drive", "--server", address, "--workload", cls, "--classes", classes,
-                   "--sequential", "10", "--slos", json.dumps(loose), "--out", str(out)]  # fmt: skip
+                   "--sequential", "10", "--slos", json.dumps(loose), "--out", str(out),
+                   "--salt", str(next(_probe_count))]  # fmt: skip
         subprocess.run(command, check=True)
         records = json.loads(out.read_text())
         unloaded[cls] = (_p50(records, "ttft"), _p50(records, "tpot"))

@@ -379,6 +379,20 @@ def test_the_controller_follows_the_arriving_load_to_the_layout_that_did_best_un
     assert controller.recall(pd, long, now=80.0) is None  # 73% against 77%: within the noise
 
 
+def test_a_layout_that_served_nothing_like_the_arriving_load_gives_way_to_one_that_surely_met_it():
+    controller = RoleController(None, RoleControlConfig("adaptive", 0.1, 0.01, memory=60))
+    pd, cc = {"a": P, "b": D}, {"a": C, "b": C}
+    load = Load(tokens_ratio=10.0, rate=2.0)
+    controller.remember(cc, load, met=20, num_requests=20, now=0.0)
+    assert controller.recall(pd, load, now=1.0) is None  # 20 of 20 met: not surely 90%
+    controller.remember(cc, load, met=20, num_requests=20, now=2.0)
+    roles, why = controller.recall(pd, load, now=3.0)
+    assert roles == cc
+    assert why == "arriving load like one under which none served in this layout and 100% of 40 in colocated+colocated"
+    assert controller.recall(pd, Load(10.0, 3.5), now=3.0) is None  # met at a lower rate only
+    assert Share(40, 40).surely_at_least(0.9) and not Share(39, 40).surely_at_least(0.9)
+
+
 def test_a_layout_just_moved_to_is_judged_by_what_it_did_before_the_change():
     controller = RoleController(None, RoleControlConfig("adaptive", 0.1, 0.01, window=3.0, min_requests=4))
     pd, cc = {"a": P, "b": D}, {"a": C, "b": C}
@@ -429,6 +443,26 @@ def test_finished_requests_are_remembered_under_their_own_mix_at_the_window_s_ra
     (long, short) = (o.load for o in controller.outcomes)
     assert (long.tokens_ratio, short.tokens_ratio) == (pytest.approx(10.0), pytest.approx(40 / 128))
     assert (short.rate, short.arrivals) == (1.0, 9)  # 9 requests arriving over 8 s: the window's
+
+
+def test_finished_requests_wait_for_a_window_that_says_its_rate_and_each_kind_is_remembered_apart():
+    config = RoleControlConfig("adaptive", slo_ttft=1.0, slo_tpot=0.1, window=10.0, min_requests=4)
+    controller = RoleController(None, config)
+    start = controller.last_change
+    pd = {"a": P, "b": D}
+    for i in range(3):  # summaries: TTFT tight, TPOT loose (the cluster's SLOs); all met
+        controller.observe(FinishedRequest(start + i, 600, 60, finished=start + i + 1, ttft=0.5, tpot=0.05))
+    controller.record(pd, controller.window(start + 4), start + 4)
+    assert not controller.outcomes  # three requests in the window: too few to say a rate, kept
+    for i in range(3, 6):  # chats of the same lengths, TPOT tight: one of three missed it
+        slo = RequestSLO(ttft=10.0, tpot=0.02)
+        tpot = 0.03 if i == 3 else 0.01
+        controller.observe(FinishedRequest(start + i, 600, 60, slo, finished=start + i + 1, ttft=5.0, tpot=tpot))
+    controller.record(pd, controller.window(start + 7), start + 7)
+    (summaries, chats) = controller.outcomes
+    assert (summaries.met, summaries.num_requests, chats.met, chats.num_requests) == (3, 3, 2, 3)
+    assert (summaries.load.slo_ratio, chats.load.slo_ratio) == (1.0, pytest.approx(0.02))
+    assert summaries.load.rate == chats.load.rate == 1.0  # the window's: 6 arrivals over 5 s
 
 
 def test_what_was_met_at_a_rate_just_under_a_noisy_measurement_counts_as_at_its_rate():

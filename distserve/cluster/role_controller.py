@@ -203,14 +203,30 @@ class Load:
         return self.rate * max(0.0, 1 - 1.645 / math.sqrt(self.arrivals)) if self.arrivals else self.rate
 
     def similar(self, other: Load, factor: float = LOAD_SIMILARITY) -> bool:
-        return all(
-            max(a, b) <= factor * min(a, b)
-            for a, b in (
-                (self.tokens_ratio, other.tokens_ratio),
-                (self.rate, other.rate),
-                (self.slo_ratio, other.slo_ratio),
-            )
-        )
+        return self.similar_mix(other, factor) and _within(self.rate, other.rate, factor)
+
+    def similar_mix(self, other: Load, factor: float = LOAD_SIMILARITY) -> bool:
+        """Of similar requests, at whatever rate."""
+        tokens = _within(self.tokens_ratio, other.tokens_ratio, factor)
+        return tokens and _within(self.slo_ratio, other.slo_ratio, factor)
+
+
+def _within(a: float, b: float, factor: float) -> bool:
+    return max(a, b) <= factor * min(a, b)
+
+
+def kinds(requests: list[FinishedRequest], cluster_slo: RequestSLO = RequestSLO()) -> list[list[FinishedRequest]]:
+    """``requests`` in groups of one kind (similar ratios of prompt to output tokens and of SLOs),
+    each request in the first group whose first request it is like."""
+    groups: list[tuple[Load, list[FinishedRequest]]] = []
+    for request in requests:
+        one = Load.of([request], cluster_slo)
+        group = next((members for first, members in groups if first.similar_mix(one)), None)
+        if group is None:
+            groups.append((one, [request]))
+        else:
+            group.append(request)
+    return [members for _, members in groups]
 
 
 def _slo_ratio(slo: RequestSLO, cluster: RequestSLO) -> float:
@@ -252,6 +268,12 @@ class Share:
     @property
     def adjusted(self) -> float:
         return (self.met + 2) / (self.num_requests + 4)
+
+    def surely_at_least(self, target: float) -> bool:
+        """At ``target`` or above beyond the sample's noise (one-sided 95%, Agresti-Coull as above):
+        40 of 40 met is surely 90%, 20 of 20 is not."""
+        noise = 1.645 * math.sqrt(self.adjusted * (1 - self.adjusted) / (self.num_requests + 4))
+        return self.adjusted - noise >= target
 
 
 def miss_margin(target: float, num_requests: int) -> float:
@@ -390,25 +412,29 @@ class RoleController:
     def recall(
         self, layout: dict[str, Role], arriving: Load, now: float, before: float = math.inf
     ) -> tuple[dict[str, Role], str] | None:
-        """The layout whose requests did best under loads like ``arriving`` (with why), when the
-        current layout's fell short of the target under them (as recorded by ``before``) and the
-        other's did clearly better at ``arriving``'s rate or above; else None. What another layout
+        """The layout whose requests did best under loads like ``arriving`` (with why), at
+        ``arriving``'s rate or above, when the current layout's fell short of the target under
+        them (as recorded by ``before``) and the other's did clearly better; or when the current
+        layout has served no load like it and the other surely met the target (a layout known to
+        hold the load is worth more than one not tried under it); else None. What another layout
         met at a lower rate says nothing of this one."""
         current = self.remembered(_layout_key(layout), arriving, now, before=before)
-        if current is None or current.value >= self.config.target:
+        if current is not None and current.value >= self.config.target:
             return None
         others = {o.layout for o in self.outcomes if o.layout != _layout_key(layout) and len(o.layout) == len(layout)}
         known = [(key, share) for key in others if (share := self.remembered(key, arriving, now, heavier=True))]
         if not known:
             return None
         key, best = max(known, key=lambda ks: ks[1].value)
-        if not best.clearly_above(current):
+        if not (best.clearly_above(current) if current else best.surely_at_least(self.config.target)):
             return None
         other = "+".join(r.name.lower() for r in key)
-        why = (
-            f"arriving load like one under which {current.value:.0%} of {current.num_requests} requests met both "
-            f"SLOs in this layout and {best.value:.0%} of {best.num_requests} in {other}"
+        seen = (
+            f"{current.value:.0%} of {current.num_requests} requests met both SLOs in this layout"
+            if current
+            else "none served in this layout"
         )
+        why = f"arriving load like one under which {seen} and {best.value:.0%} of {best.num_requests} in {other}"
         return _roles_for(key, list(layout)), why
 
     def observe_arrival(self, request: Arrival) -> None:
@@ -497,15 +523,18 @@ class RoleController:
             self.settled_at = self._recorded_until = now
 
     def record(self, layout: dict[str, Role], window: list[FinishedRequest], now: float) -> None:
-        """Remember how the requests that finished since the last record did in ``layout``: under
-        their own mix (the window's still holds the kind of requests that came before, while a
-        workload changes) at the rate of ``window``."""
+        """Remember how the requests that finished since the last record did in ``layout``: each
+        kind of them under its own mix (the window's still holds the kind of requests that came
+        before, while a workload changes, and a record may span the change) at the rate of
+        ``window``. Until the window holds enough requests to say its rate they wait, not lost."""
         new = [r for r in window if r.finished > self._recorded_until]
+        if not new or len(window) < self.config.min_requests:
+            return
         self._recorded_until = now
-        if new and len(window) >= self.config.min_requests:
-            met = round(attainment(new, self.config.slo_ttft, self.config.slo_tpot).both * len(new))
-            load = Load.of(new, self.cluster_slo).at_rate_of(Load.of(window))
-            self.remember(layout, load, met, len(new), now)
+        rate = Load.of(window)
+        for kind in kinds(new, self.cluster_slo):
+            met = round(attainment(kind, self.config.slo_ttft, self.config.slo_tpot).both * len(kind))
+            self.remember(layout, Load.of(kind, self.cluster_slo).at_rate_of(rate), met, len(kind), now)
 
     def propose_now(
         self, layout: dict[str, Role], window: list[FinishedRequest], now: float, tick: bool = True
