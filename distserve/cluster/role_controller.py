@@ -31,7 +31,8 @@ Finished requests tell late: a request is judged only once it has all its tokens
 them must fill after a change. So the controller also looks at the load arriving now (the mix of
 the last ``arrival_window`` seconds of arrivals, or of the last ``MIX_ARRIVALS``): when the
 current layout's requests fell short of the target under a load like it and another layout's did
-clearly better under one at this rate or above, it moves there at once. It looks on every arrival
+clearly better under one at this rate or above (or the current layout served none like it, and
+another surely met the target), it moves there at once. It looks on every arrival
 that moves the mix, not only every ``interval``: a workload that switches between kinds of
 requests is then followed on the few arrivals after each switch, once each kind has been seen
 (and is still remembered). A layout just moved to is judged there by what it did
