@@ -50,6 +50,7 @@ def test_the_planner_picks_exactly_the_tensor_parallel_sizes_the_engine_serves(n
         assert Parallelism(3, 1) in candidates
 
 
+@pytest.mark.slow  # 45-90 s: the planner's search, then a launch
 def test_the_readme_plan_passes_the_engines_checks(tmp_path, capsys):
     plan = tmp_path / "plan.yaml"
     # README.md's "Capacity planning" command.
@@ -75,6 +76,7 @@ def _small_gpu_hardware(path, model_dir) -> None:
     path.write_text(yaml.safe_dump(hardware))
 
 
+@pytest.mark.slow  # 45-90 s: the planner's search, then a launch
 def test_a_planner_written_tp3_plan_launches_and_serves_greedy_equal_to_transformers(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
