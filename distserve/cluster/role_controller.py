@@ -541,15 +541,9 @@ class RoleController:
         self, layout: dict[str, Role], window: list[FinishedRequest], now: float, tick: bool = True
     ) -> tuple[dict[str, Role], str, bool] | None:
         """A change for the load arriving now, from memory; else, on a ``tick``, one from the
-        attainment of the requests in ``window``. Between ticks (on an arrival) memory is looked at
-        only when the arriving mix has moved since the last look: a steady load has been looked at.
-        The flag: whether it is from memory, which needs no patience (it rests on every request
-        remembered, not on one window)."""
+        attainment of the requests in ``window``. The flag: whether it is from memory, which needs
+        no patience (it rests on every request remembered, not on one window)."""
         arriving = self.arriving(now)
-        moved = arriving is not None and not (self._mix_looked_at and arriving.similar(self._mix_looked_at))
-        self._mix_looked_at = arriving or self._mix_looked_at
-        if not tick and not moved:
-            return None
         # A layout's first requests after a change wait behind the backlog of the one before, an
         # overload's most of all: until a whole window has passed since it settled, the current
         # layout is judged by what it did before the change, not by them.
@@ -563,10 +557,20 @@ class RoleController:
         proposal = self.consider(layout, seen, Load.of(window, self.cluster_slo), now)
         return (*proposal, False) if proposal else None
 
+    def mix_moved(self, now: float) -> bool:
+        """Whether the arriving mix has moved since the last look (a steady load has been looked at)."""
+        arriving = self.arriving(now)
+        moved = arriving is not None and not (self._mix_looked_at and arriving.similar(self._mix_looked_at))
+        self._mix_looked_at = arriving or self._mix_looked_at
+        return moved
+
     async def decide(self, tick: bool = True) -> None:
         """Record what finished and change roles if a change is due; ``tick``: False on an arrival
-        between ticks, when only a change from memory is."""
+        between ticks, when only a change from memory is, and only if the arriving mix moved: a
+        steady load's arrivals return at once, with no settling or recording on their path."""
         config, now = self.config, time.time()
+        if not self.mix_moved(now) and not tick:
+            return
         orchestrator = self.orchestrator
         live = sorted((s for s in orchestrator.instances if s.failure is None), key=lambda s: -s.load_tokens)
         layout = {s.name: s.role for s in live}
