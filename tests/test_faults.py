@@ -116,7 +116,8 @@ def test_killed_instance_requests_rerun_to_the_same_output(ray_cluster, llama, s
     asyncio.run(_rerun_scenario(prompts, expected, role, reached, kill))
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
+# The decode case is a slow scenario: the prefill case runs the same fail-over path.
+@pytest.mark.parametrize("role", ["prefill", pytest.param("decode", marks=pytest.mark.slow)])
 def test_killed_worker_of_a_tensor_parallel_instance_fails_it_over(ray_cluster, llama, role):
     """One of the two workers of a TP=2 instance dies while requests decode: the instance fails as a
     whole (the other rank may be waiting for it in a collective), is replaced, and every request

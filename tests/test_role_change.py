@@ -28,6 +28,7 @@ from distserve.cluster.role_controller import (
     attainment,
     propose,
 )
+from distserve.cluster.routing import spread_prompts
 from distserve.core.errors import RequestError
 from distserve.core.role import Role
 from distserve.entrypoints.client import CallError, Client
@@ -90,6 +91,46 @@ def test_roles_change_under_load_in_every_direction(ray_cluster, llama):
     directions = {(r.old_role, r.new_role) for r in history}
     assert directions == {(P, C), (D, C), (C, P), (C, D), (P, D), (D, P)}
     assert all(r.seconds < 10 and r.reason == "operator" for r in history)
+
+
+def test_a_change_that_adds_an_instance_taking_prompts_spreads_the_queue_over_it(ray_cluster, llama):
+    """1 prefill + 1 decode with prompts queued at prefill becomes 2 colocated: some of the queued
+    prompts move to the former decode instance and are prefilled there. Outputs stay greedy-equal
+    and nothing stays in use."""
+    prompts = random_prompts([200] * 8, llama.config.vocab_size, seed=21)
+
+    async def run(cluster: AsyncCluster, prompt: list[int]):
+        async for output in cluster.generate(prompt, SamplingParams(max_tokens=8, temperature=0.0)):
+            last = output
+        return last
+
+    async def main() -> tuple[list[str], list[int], list]:
+        # One prompt at a time in chunks of 16 tokens: the others queue at prefill.
+        options = dict(model="tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=16)
+        async with AsyncCluster(prefill={"max_num_seqs": 1}, decode={}, **options) as cluster:
+            names = [i.name for i in await cluster.info()]
+            tasks = [asyncio.create_task(run(cluster, p)) for p in prompts]
+            await _until(cluster, lambda infos: infos[0].num_waiting >= 4)
+            queued = (await cluster.info())[0].num_waiting
+            await cluster.set_roles({name: C for name in names})
+            outputs = await asyncio.gather(*tasks)
+            await wait_nothing_in_use_async(cluster)
+            return names, queued, outputs
+
+    names, queued, outputs = asyncio.run(main())
+    prefilled = [o.metrics.prefill_instance for o in outputs]
+    assert prefilled.count(names[1]) >= 1, f"{queued} queued at the change, all prefilled where they were"
+    for prompt, output in zip(prompts, outputs):
+        assert output.output_token_ids == reference_greedy(llama, prompt, 8)
+
+
+def test_queued_prompts_are_spread_newest_first_until_the_queues_hold_about_as_many_tokens():
+    queues = {"p": [("a", 100), ("b", 100), ("c", 100), ("d", 100), ("e", 50)], "new": [], "x": [("f", 100)]}
+    assert spread_prompts(queues) == [("e", "p", "new"), ("d", "p", "new"), ("c", "p", "x")]
+    assert len(queues["p"]) == 5  # the caller's queues are left as they were
+    assert spread_prompts({"p": [("a", 100)], "new": []}) == []  # a lone prompt is served where it is
+    assert spread_prompts({"p": [("a", 100), ("b", 100)], "new": [("c", 100)]}) == []
+    assert spread_prompts({}) == []
 
 
 def test_the_adaptive_controller_colocates_a_cluster_whose_prefill_misses_ttft(ray_cluster, llama):

@@ -343,6 +343,28 @@ def test_a_role_change_adopts_hands_on_and_gives_back_what_it_must(llama):
     assert_engine_idle(other)
 
 
+def test_an_engine_gives_back_only_the_prompts_it_has_not_started(llama):
+    """``give_back`` requeues a queued prompt of the named run; one begun (its first chunk ran)
+    or of another run stays. What stays is served greedy-equal and nothing is left in use."""
+    engine = LLMEngine(EngineConfig.from_flat(model="tiny-llama", block_size=8, num_kv_blocks=64,
+                                              enable_chunked_prefill=True, max_num_batched_tokens=16))  # fmt: skip
+    prompts = random_prompts([40, 30, 20], llama.config.vocab_size, seed=13)
+    builders = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.0), f"r{i}")
+        builders[f"r{i}"] = OutputBuilder(f"r{i}", None, prompt)
+    assert engine.step() == []  # r0's first chunk: begun, no token yet
+    given = engine.give_back([("r0", 0), ("r1", 0), ("r2", 1)])
+    assert [(d.request_id, d.finished, d.finish_reason) for d in given] == [("r1", True, "requeue")]
+    finals = {}
+    while engine.requests:
+        for delta in engine.step():
+            finals[delta.request_id] = builders[delta.request_id].add(delta)
+    for i in (0, 2):
+        assert finals[f"r{i}"].output_token_ids == reference_greedy(llama, prompts[i], 8), f"r{i}"
+    assert_engine_idle(engine)
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_prefill_role_can_finish_the_decoding_it_held_as_colocated(llama, chunked):
     """With ``finish_decoding_as_prefill``, colocated -> prefill hands nothing on at the change:

@@ -128,6 +128,11 @@ class Instance:
             raise change.error
         return change.seconds
 
+    def give_back(self, runs: list[tuple[str, int]]) -> None:
+        """Give back those of these runs (request id, attempt) whose prompts have not started here:
+        each ends with ``finish_reason="requeue"`` and the orchestrator sends it on."""
+        self._send("give_back", runs)
+
     def abort_request(self, request_id: str, attempt: int | None = None) -> None:
         """Stop a request (``attempt``: only that run) and free its blocks; its last delta says
         ``finish_reason="abort"``."""
@@ -288,6 +293,8 @@ class Instance:
                 deltas.append(RequestDelta(payload.request_id, payload.attempt, [], "", False, None, 0, payload))
             elif kind == "role":
                 self._role_change = payload
+            elif kind == "give_back":
+                deltas += self.engine.give_back(payload)
             elif kind == "abort":
                 delta = self.engine.abort_request(*payload)
                 deltas += [delta] if delta is not None else []

@@ -33,7 +33,7 @@ from distserve.cluster.failover import Failover
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
 from distserve.cluster.role_controller import Arrival, FinishedRequest, RequestSLO, RoleController
-from distserve.cluster.routing import InstanceState, Router
+from distserve.cluster.routing import InstanceState, Router, spread_prompts
 from distserve.core.errors import InstanceFailure, RequestError
 from distserve.core.handover import Handover
 from distserve.core.outputs import OutputBuilder, RequestDelta, RequestMetrics, RequestOutput
@@ -62,6 +62,7 @@ class RequestState:
     prefill: InstanceState | None = None  # the instance that prefills it (or does both, colocated)
     decode: InstanceState | None = None
     source: InstanceState | None = None  # an instance holding its KV for the next decode instance
+    move_to: InstanceState | None = None  # where its prompt goes if given back to even out the queues
     finished: bool = False
     cancelled: bool = False
     attempt: int = 0  # the current run: 0, then one more per re-run
@@ -246,7 +247,9 @@ class Orchestrator:
     async def submit(self, state: RequestState) -> None:
         """Send the request's current run to a prefill (or colocated) instance, waiting for a
         replacement when none is healthy."""
-        entry = self.router.pick_prefill(await self.failover.healthy(self.entry_pool), state.prompt_token_ids)
+        pool = await self.failover.healthy(self.entry_pool)
+        entry = self.router.pick_prefill(pool, state.prompt_token_ids, state.move_to)
+        state.move_to = None
         self._assign(state, entry, "prefill")
         attempt = state.attempt
         try:
@@ -255,6 +258,28 @@ class Orchestrator:
             )
         except INSTANCE_GONE as e:  # the instance died under the call
             self.spawn(self.failover.rerun(state, attempt, InstanceFailure(f"instance {entry.name} failed: {e}")))
+
+    def spread_prompts(self) -> None:
+        """Even out the prompts waiting for their first token over the instances that take new ones:
+        after a role change adds such an instance, the queues at the others would still wait there
+        while it has room. An instance gives back only prompts it has not started."""
+        queues: dict[InstanceState, list[tuple[RequestState, int]]] = {entry: [] for entry in self.entry_pool()}
+        for state in self.requests.values():  # in order of arrival
+            if state.prefill in queues and state.decode is None and not state.run.output_token_ids:
+                queues[state.prefill].append((state, len(state.prompt_token_ids)))
+        runs: dict[InstanceState, list[tuple[str, int]]] = {}
+        for state, source, target in spread_prompts(queues):
+            state.move_to = target
+            runs.setdefault(source, []).append((state.request_id, state.attempt))
+        for source, given in runs.items():
+            logger.info("%s gives back %d queued prompts to even out the queues", source.name, len(given))
+            self.spawn(self._give_back(source, given))
+
+    async def _give_back(self, entry: InstanceState, runs: list[tuple[str, int]]) -> None:
+        try:
+            await entry.handle.give_back.remote(runs)
+        except INSTANCE_GONE as e:  # its requests are re-run by the failover
+            logger.warning("%s could not give back queued prompts: %s", entry.name, e)
 
     def _assign(self, state: RequestState, entry: InstanceState, phase: str) -> None:
         setattr(state, phase, entry)

@@ -7,7 +7,8 @@ become decode instances, then the others, and those that leave decode last, once
 leaving prefill can hand them anything. An instance that is changing gets no new work from the
 orchestrator; it finishes its current step, hands on or gives back what its new role cannot
 serve (``Instance.change_role``) and serves its new role from the next step, weights and cache
-kept. Each change is recorded with how long it took.
+kept. Once a set of changes is made, the prompts queued at the instances that take new prompts are
+spread over them all, newcomers included. Each change is recorded with how long it took.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class RoleChanger:
                 await self.orchestrator.failover.pools_changed()
                 if records:  # by an operator too: the controller lets the new layout settle
                     self.orchestrator.controller.layout_changed(time.time())
+                    self.orchestrator.spread_prompts()
             return records
 
     def _check(self, roles: dict[str, Role | str]) -> dict[InstanceState, Role]:

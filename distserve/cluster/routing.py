@@ -1,5 +1,6 @@
 """Which instance gets a request: prefill goes where the prompt's prefix is likely cached unless
-that instance is much busier, decode goes to the instance with the most room.
+that instance is much busier, decode goes to the instance with the most room. When instances that
+take prompts are added (a role change), the prompts queued at the others are spread over them all.
 
 Load is counted in tokens (prompt plus the most a request may generate) per KV token an
 instance can hold, so instances of different sizes fill alike.
@@ -8,7 +9,7 @@ instance can hold, so instances of different sizes fill alike.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.prefix_index import PrefixIndex
@@ -42,15 +43,19 @@ class Router:
     def __init__(self, block_size: int) -> None:
         self.prefix_index = PrefixIndex(block_size)
 
-    def pick_prefill(self, pool: list[InstanceState], prompt_token_ids: list[int]) -> InstanceState:
-        """The instance of ``pool`` that was sent the longest prefix of this prompt, unless it is much
-        busier than the least loaded one, which gets the request otherwise."""
+    def pick_prefill(
+        self, pool: list[InstanceState], prompt_token_ids: list[int], chosen: InstanceState | None = None
+    ) -> InstanceState:
+        """``chosen`` when it is in ``pool``; else the instance of ``pool`` that was sent the longest
+        prefix of this prompt, unless it is much busier than the least loaded one, which gets the
+        request otherwise."""
         least = self.least_loaded(pool)
         hashes = self.prefix_index.block_hashes(prompt_token_ids)
         matched = {s.name: self.prefix_index.matched_blocks(s.name, hashes) for s in pool}
         best = max(pool, key=lambda s: (matched[s.name], -s.load))
         hit = matched[best.name] > 0
         entry = best if hit and best.load <= least.load + PREFIX_LOAD_SLACK else least
+        entry = chosen if chosen in pool else entry
         self.prefix_index.add(entry.name, hashes)
         return entry
 
@@ -63,3 +68,30 @@ class Router:
         if not pool:
             raise InstanceFailure("no instance is available to serve the request")
         return min(pool, key=lambda s: s.load)
+
+
+Entry = TypeVar("Entry")
+Prompt = TypeVar("Prompt")
+
+
+def spread_prompts(queues: dict[Entry, list[tuple[Prompt, int]]]) -> list[tuple[Prompt, Entry, Entry]]:
+    """Which queued prompts to move, as (prompt, from, to), so that the instances' queues (each
+    oldest first, with every prompt's token count) hold about as many tokens: the newest prompt of
+    the longest queue goes to the shortest while that leaves both shorter than the longest was.
+    The oldest stay, as they would be served first where they are."""
+    tokens = {entry: sum(n for _, n in queue) for entry, queue in queues.items()}
+    queues = {entry: list(queue) for entry, queue in queues.items()}
+    moves = []
+    while queues:
+        longest = max(tokens, key=tokens.__getitem__)
+        shortest = min(tokens, key=tokens.__getitem__)
+        if not queues[longest]:
+            break
+        prompt, n = queues[longest][-1]
+        if tokens[shortest] + n >= tokens[longest]:
+            break
+        queues[longest].pop()
+        tokens[longest] -= n
+        tokens[shortest] += n
+        moves.append((prompt, longest, shortest))
+    return moves

@@ -238,6 +238,17 @@ class LLMEngine:
             return None
         return self.role.abort(seq, reason)
 
+    def give_back(self, runs: list[tuple[str, int]]) -> list[RequestDelta]:
+        """End with ``finish_reason="requeue"``, to run elsewhere, those of these runs (request id,
+        attempt) whose prompts wait here unstarted; the others stay."""
+        unstarted = {
+            seq.request_id: seq
+            for seq in self.role.scheduler.waiting_seqs()
+            if not seq.num_output_tokens and not seq.block_table
+        }
+        given = [seq for request_id, attempt in runs if (seq := unstarted.get(request_id)) and seq.attempt == attempt]
+        return [self.finish(seq, "requeue") for seq in given]
+
     def has_unfinished_requests(self) -> bool:
         return self.role.has_work()
 
