@@ -146,6 +146,7 @@ class Failover:
                 return
             orchestrator.add_instance(entry, replacing=failed)
             logger.info("%s replaces %s", entry.name, failed.name)
+            orchestrator.spread_prompts()  # the failed one's prompts went to the others meanwhile
         finally:
             self._replacing[failed.role] -= 1
             async with self._pool_changed:
