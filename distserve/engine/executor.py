@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 PLACEMENT_TIMEOUT_S = 120.0
 HEALTH_TIMEOUT_S = 30.0
+# After one worker's call fails, how long the others' get to end: a killed worker's peers fail in
+# their collectives at once, often before Ray reports the death that is the cause.
+FAILURE_SETTLE_S = 2.0
 WORKER_CONCURRENCY = 4  # a step, plus KV transfers and health pings beside it
 
 
@@ -147,13 +150,19 @@ class RayExecutor:
         except ray.exceptions.GetTimeoutError:
             self._fail(f"no answer from the workers within {timeout} s")
         except Exception:  # RayActorError (a process died) or RayTaskError (a worker raised)
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=FAILURE_SETTLE_S)
+            errors = {}
             for ref in ready:
                 try:
                     ray.get(ref)
                 except Exception as e:
-                    self._fail(f"worker rank {refs.index(ref)} failed: {e}")
-            raise
+                    errors[refs.index(ref)] = e
+            if not errors:
+                raise
+            # A worker whose process died is the cause; its peers' collectives failed for want of it.
+            dead = [rank for rank, e in errors.items() if isinstance(e, ray.exceptions.RayActorError)]
+            rank = min(dead or errors)
+            self._fail(f"worker rank {rank} failed: {errors[rank]}")
 
     def _fail(self, reason: str) -> None:
         logger.error("%s: %s", self.name, reason)
