@@ -431,6 +431,10 @@ def test_a_layout_that_served_nothing_like_the_arriving_load_gives_way_to_one_th
     assert roles == cc
     assert why == "arriving load like one under which none served in this layout and 100% of 40 in colocated+colocated"
     assert controller.recall(pd, Load(10.0, 3.5), now=3.0) is None  # met at a lower rate only
+    # Met at a rate far above the arriving one (a few seconds' rate dips at a change of workload).
+    assert controller.recall(pd, Load(10.0, 1.0, arrivals=8), now=3.0)[0] == cc
+    controller.remember(pd, Load(10.0, 1.0), met=5, num_requests=17, now=4.0)
+    assert controller.recall(pd, Load(10.0, 0.7, arrivals=8), now=5.0)[0] == cc
     assert Share(40, 40).surely_at_least(0.9) and not Share(39, 40).surely_at_least(0.9)
 
 

@@ -369,16 +369,16 @@ class RoleController:
         self, layout: tuple[Role, ...], load: Load, now: float, heavier: bool = False, before: float = math.inf
     ) -> Share | None:
         """How the requests that ``layout`` served under loads similar to ``load`` did, within memory;
-        ``heavier``: only under loads at ``load``'s rate or above, to within that rate's measurement
-        (``Load.lowest_rate``); only as recorded by ``before``."""
+        ``heavier``: only under loads of its mix at ``load``'s rate or above, to within that rate's
+        measurement (``Load.lowest_rate``), however far above (what held a heavier load holds
+        this one); only as recorded by ``before``."""
         while self.outcomes and now - self.outcomes[0].when >= self.config.memory:
             self.outcomes.popleft()
         alike = [
             o
             for o in self.outcomes
             if o.layout == layout
-            and o.load.similar(load)
-            and (not heavier or o.load.rate >= load.lowest_rate)
+            and (o.load.similar_mix(load) and o.load.rate >= load.lowest_rate if heavier else o.load.similar(load))
             and o.when <= before
         ]
         if sum(o.num_requests for o in alike) < self.config.min_requests:
