@@ -414,7 +414,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("clusters", _TWO_CLUSTERS.values(), ids=_TWO_CLUSTERS.keys())
+# The Cluster case is a slow scenario: the asyncio.run-on-threads case reuses Ray the same way.
+@pytest.mark.parametrize(
+    "clusters",
+    [
+        pytest.param(code, id=name, marks=[pytest.mark.slow] if name == "Cluster" else [])
+        for name, code in _TWO_CLUSTERS.items()
+    ],
+)
 def test_clusters_one_after_another_reuse_the_ray_they_start(clusters):
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     script = _SCRIPT_START + clusters + _SCRIPT_END

@@ -5,6 +5,7 @@ import asyncio
 import threading
 import time
 
+import pytest
 import torch
 from conftest import random_prompts, reference_greedy
 
@@ -98,6 +99,7 @@ def test_the_kv_cache_budget_sets_the_staging_buffers_aside(monkeypatch):
     assert determine_num_blocks(config, shape, gpu, 10**9) == 99
 
 
+@pytest.mark.slow  # test_faults replaces a prefill instance once; this repeats it, checking the peers each time
 def test_live_instances_keep_only_live_peers_when_prefill_is_replaced_repeatedly(ray_cluster, reference_model):
     """The prefill instance is killed three times, each after serving through its replacement: the
     decode instance's ranks and migrator then know only the live prefill instance, and the prefill
