@@ -355,6 +355,8 @@ class Orchestrator:
         if delta.finished and delta.finish_reason == "requeue":  # given back by a role change
             self.spawn(self.failover.rerun(state, delta.attempt, None))
             return
+        if delta.first:  # prefilled where it was: a plan to move its prompt is void
+            state.move_to = None
         now = time.time()
         # A re-run repeats tokens the request already has: time only the ones past them.
         num_tokens = len(state.run.output_token_ids) + len(delta.new_token_ids)

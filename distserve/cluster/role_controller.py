@@ -374,13 +374,13 @@ class RoleController:
         this one); only as recorded by ``before``."""
         while self.outcomes and now - self.outcomes[0].when >= self.config.memory:
             self.outcomes.popleft()
-        alike = [
-            o
-            for o in self.outcomes
-            if o.layout == layout
-            and (o.load.similar_mix(load) and o.load.rate >= load.lowest_rate if heavier else o.load.similar(load))
-            and o.when <= before
-        ]
+
+        def like(recorded: Load) -> bool:
+            if heavier:
+                return recorded.similar_mix(load) and recorded.rate >= load.lowest_rate
+            return recorded.similar(load)
+
+        alike = [o for o in self.outcomes if o.layout == layout and like(o.load) and o.when <= before]
         if sum(o.num_requests for o in alike) < self.config.min_requests:
             return None
         return Share(sum(o.met for o in alike), sum(o.num_requests for o in alike))

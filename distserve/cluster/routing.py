@@ -49,13 +49,15 @@ class Router:
         """``chosen`` when it is in ``pool``; else the instance of ``pool`` that was sent the longest
         prefix of this prompt, unless it is much busier than the least loaded one, which gets the
         request otherwise."""
-        least = self.least_loaded(pool)
         hashes = self.prefix_index.block_hashes(prompt_token_ids)
-        matched = {s.name: self.prefix_index.matched_blocks(s.name, hashes) for s in pool}
-        best = max(pool, key=lambda s: (matched[s.name], -s.load))
-        hit = matched[best.name] > 0
-        entry = best if hit and best.load <= least.load + PREFIX_LOAD_SLACK else least
-        entry = chosen if chosen in pool else entry
+        if chosen in pool:
+            entry = chosen
+        else:
+            least = self.least_loaded(pool)
+            matched = {s.name: self.prefix_index.matched_blocks(s.name, hashes) for s in pool}
+            best = max(pool, key=lambda s: (matched[s.name], -s.load))
+            hit = matched[best.name] > 0
+            entry = best if hit and best.load <= least.load + PREFIX_LOAD_SLACK else least
         self.prefix_index.add(entry.name, hashes)
         return entry
 
@@ -82,7 +84,7 @@ def spread_prompts(queues: dict[Entry, list[tuple[Prompt, int]]]) -> list[tuple[
     tokens = {entry: sum(n for _, n in queue) for entry, queue in queues.items()}
     queues = {entry: list(queue) for entry, queue in queues.items()}
     moves = []
-    while queues:
+    while tokens:
         longest = max(tokens, key=tokens.__getitem__)
         shortest = min(tokens, key=tokens.__getitem__)
         if not queues[longest]:
