@@ -103,7 +103,7 @@ FAMILIES = TINY_MODELS
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray cluster for the tests that run instances as actors, started once."""
-    import ray
+    ray = pytest.importorskip("ray")
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray

@@ -14,24 +14,61 @@ pytestmark = [
 LENGTHS = [1, 9, 33, 64, 120, 200, 17, 80]
 
 
-@pytest.mark.parametrize("attention_backend", ["sdpa", "compiled"])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_float32_greedy_equals_transformers_on_cuda(family, attention_backend, reference_model):
+def check_greedy_on_cuda(family: str, reference_model, lengths=LENGTHS, max_tokens: int = 24, **options) -> LLM:
+    """Greedy outputs of ``LLM(family, **options)`` on CUDA in float32 equal transformers'."""
     model = reference_model(family).to("cuda")
-    llm = LLM(
-        family, device="cuda", dtype="float32", block_size=8, num_kv_blocks=40, attention_backend=attention_backend
+    try:
+        llm = LLM(family, device="cuda", dtype="float32", block_size=8, num_kv_blocks=60, **options)
+        prompts = random_prompts(lengths, model.config.vocab_size)
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        for prompt, out in zip(prompts, outputs):
+            assert out.output_token_ids == reference_greedy(model, prompt, max_tokens)
+        assert_engine_idle(llm.engine)
+    finally:
+        model.to("cpu")
+    return llm
+
+
+def decode_graphs(llm: LLM):
+    return llm.engine.executor.worker.decode_graphs
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"attention_backend": "sdpa"},
+        {"attention_backend": "compiled"},
+        {"attention_backend": "triton", "enforce_eager": True},
+        {"attention_backend": "triton"},
+    ],
+    ids=["sdpa", "compiled", "triton-eager", "triton-graphs"],
+)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_greedy_equals_transformers_on_cuda(family, options, reference_model):
+    llm = check_greedy_on_cuda(family, reference_model, **options)
+    assert (decode_graphs(llm) is not None) == (options == {"attention_backend": "triton"})
+
+
+def test_decode_graphs_pad_batches_between_captured_sizes(reference_model):
+    """11 sequences run as the 16-row graph, then fewer as they finish: padding rows write only
+    the scratch block, so outputs stay greedy-equal."""
+    llm = check_greedy_on_cuda(
+        "tiny-llama", reference_model, lengths=[3, 70, 12, 5, 33, 90, 1, 17, 48, 26, 8], max_num_seqs=24
     )
-    prompts = random_prompts(LENGTHS, model.config.vocab_size)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
-    for prompt, out in zip(prompts, outputs):
-        assert out.output_token_ids == reference_greedy(model, prompt, 24)
-    assert_engine_idle(llm.engine)
-    model.to("cpu")
+    assert decode_graphs(llm).sizes == [1, 2, 4, 8, 16, 24]
+
+
+def test_chunked_prefill_with_the_triton_decode_on_cuda(reference_model):
+    """Decode tokens and prompt chunks in one step: the decode rows through the Triton kernel."""
+    options = {"enable_chunked_prefill": True, "max_num_batched_tokens": 16, "attention_backend": "triton"}
+    check_greedy_on_cuda("tiny-llama", reference_model, **options)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bfloat16_serves_and_frees_every_block(family):
-    llm = LLM(family, device="cuda", dtype="bfloat16")
+    llm = LLM(family, device="cuda")  # auto: bfloat16, the Triton kernel, decode graphs
+    assert llm.engine.executor.worker.dtype == torch.bfloat16
+    assert decode_graphs(llm) is not None
     prompts = random_prompts(LENGTHS, 1024)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
     assert all(len(o.output_token_ids) == 16 for o in outputs)

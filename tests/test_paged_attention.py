@@ -19,6 +19,7 @@ from distserve.model_executor.attention import (
     resolve_attention_backend,
 )
 from distserve.model_executor.cpu_kernel import KernelUnavailable, paged_attention_cpu
+from distserve.model_executor.triton_attention import triton_available
 
 BLOCK_SIZE, NUM_BLOCKS, DIM = 16, 64, 32
 LENGTHS = [1, 16, 17, 100, 250]
@@ -97,14 +98,16 @@ def test_cpp_prompt_chunks_after_a_cached_prefix_equal_causal_sdpa(heads, kv_hea
         torch.testing.assert_close(out[start : start + count], expected.transpose(0, 1), atol=1e-5, rtol=1e-5)
 
 
-def test_auto_backend_is_cpp_for_float32_on_cpu_compiled_for_other_dtypes_and_sdpa_on_cuda():
+def test_auto_backend_is_cpp_for_float32_on_cpu_compiled_for_other_dtypes_and_triton_on_cuda():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_attention_backend("auto", cpu, torch.float32) == "cpp"
     assert resolve_attention_backend("auto", cpu, torch.bfloat16) == "compiled"
-    assert resolve_attention_backend("auto", cuda, torch.float32) == "sdpa"
+    assert resolve_attention_backend("auto", cuda, torch.float32) == ("triton" if triton_available() else "sdpa")
     assert resolve_attention_backend("sdpa", cpu, torch.float32) == "sdpa"
     with pytest.raises(ValueError, match="'cpp' runs on CPU in float32"):
         resolve_attention_backend("cpp", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="'triton' runs on CUDA"):
+        resolve_attention_backend("triton", cpu, torch.float32)
 
 
 @pytest.fixture

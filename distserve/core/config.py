@@ -19,7 +19,7 @@ from distserve.core.role import ROLES, Role
 LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "cpp", "compiled", "sdpa")
+ATTENTION_BACKENDS = ("auto", "cpp", "compiled", "triton", "sdpa")
 POLICIES = ("fcfs", "sjf", "priority")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
@@ -35,7 +35,11 @@ class ModelConfig:
     model: str = option("tiny-llama", "local Hugging Face model directory, built-in tiny model or preset name")
     tokenizer: str | None = option(None, "tokenizer directory (default: the model's own)")
     load_format: str = option("auto", "'auto' loads safetensors weights, 'dummy' random weights", LOAD_FORMATS)
-    dtype: str = option("auto", "weight and KV dtype ('auto': float32 on CPU, the config's on CUDA)", DTYPES)
+    dtype: str = option(
+        "auto",
+        "weight and KV dtype ('auto': float32 on CPU; on CUDA the config's float16 or bfloat16, else bfloat16)",
+        DTYPES,
+    )
     device: str = option("auto", "'auto' picks cuda when available", DEVICES)
     seed: int = option(0, "seed for dummy weights and unseeded sampling")
     max_model_len: int | None = option(None, "context length limit (default: the model's)")
@@ -43,10 +47,14 @@ class ModelConfig:
         "auto",
         "paged attention: 'cpp' reads K/V in place in the blocks, for decode and prompts (a C++ kernel "
         "for CPU and float32, built once per machine in about a second), 'compiled' for decode "
-        "(torch.compile, built in 1-5 s at start-up), 'sdpa' runs SDPA over K/V copied out of them; "
-        "'auto' is cpp on CPU in float32 when a C++ compiler is found, compiled on CPU in other dtypes, "
-        "else sdpa",
+        "(torch.compile, built in 1-5 s at start-up), 'triton' for decode on CUDA (a Triton kernel "
+        "that CUDA graphs can capture), 'sdpa' runs SDPA over K/V copied out of them; 'auto' is cpp "
+        "on CPU in float32 when a C++ compiler is found, compiled on CPU in other dtypes, triton on "
+        "CUDA when Triton is installed, else sdpa",
         ATTENTION_BACKENDS,
+    )
+    enforce_eager: bool = option(
+        False, "run decode steps eagerly on CUDA, not replayed as CUDA graphs (which need the triton backend)"
     )
 
     def __post_init__(self) -> None:

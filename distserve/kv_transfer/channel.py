@@ -1,30 +1,50 @@
 """One rank's end of the KV transfers between instances: pair communicators and send/recv of
 token slots.
 
-A pair of ranks talks over a two-rank communicator of its own (gloo on CPU, NCCL between GPUs),
-made on demand from the source rank's rendezvous store and independent of both instances' own
-groups, so either instance can be replaced without touching the other. A channel is named
-``"{source instance}.{rank}>{destination instance}.{rank}"``; when an instance is gone, its
-peers drop every channel that names it (``drop_peer``), so replacements leave nothing behind.
+A pair of ranks talks over a channel of its own, made on demand from the source rank's
+rendezvous store and independent of both instances' own groups, so either instance can be
+replaced without touching the other. A channel is named ``"{source instance}.{rank}>{destination
+instance}.{rank}"``; when an instance is gone, its peers drop every channel that names it
+(``drop_peer``), so replacements leave nothing behind.
+
+How a channel moves the KV: on CPU, a two-rank gloo group. Between CUDA ranks, CUDA IPC when
+both are on one machine: the source publishes a handle to its whole KV cache, the destination
+opens it on its own device and copies the slots it pulls straight from the source's memory, GPU
+to GPU (through NVLink or PCIe peer access when the source's GPU is another one). That is the
+fastest way within a node, and the only one when both instances share one GPU: NCCL refuses two
+ranks on the same device. A two-rank NCCL group serves CUDA ranks on different machines, and
+those whose handle cannot be opened (no peer access between the GPUs, another container's
+shared memory). The two ends agree on the choice through the store when they connect.
 
 A transfer names the token slots on each side, so blocks are addressed whole but only the
-tokens that hold KV are sent: the bytes moved are exactly layers x 2 x tokens x heads x
-head_dim x dtype size. It goes through two staging buffers of a fixed size per rank, a chunk of
-at most ``STAGING_TOKENS`` tokens of one layer each, which the KV cache's memory budget sets
-aside (``staging_bytes``).
+tokens that hold KV are moved: the bytes are exactly layers x 2 x tokens x heads x head_dim x
+dtype size. Over a group it goes through two staging buffers of a fixed size per rank, a chunk
+of at most ``STAGING_TOKENS`` tokens of one layer each, which the KV cache's memory budget sets
+aside (``staging_bytes``); over IPC a copy takes at most one such chunk of temporary memory.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import math
+import os
+import pickle
+import socket
 import threading
-from collections.abc import Iterator
+import uuid
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from distserve.kv_transfer.plan import KVLayout
 from distserve.parallel.process_group import COLLECTIVE_TIMEOUT, create_store
+
+logger = logging.getLogger(__name__)
 
 # Tokens of one layer's K and V per staged chunk: big enough that a send is far longer than its
 # call overhead, small enough that two chunks are a rounding error beside the KV cache.
@@ -43,6 +63,30 @@ def channel_peers(channel: str) -> tuple[str, str]:
     return source.rpartition(".")[0], destination.rpartition(".")[0]
 
 
+def machine_key() -> str:
+    """Names this machine and this boot of it: CUDA IPC handles open only where they were made."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = ""
+    return f"{socket.gethostname()}/{boot_id}"
+
+
+@dataclass
+class IpcPeer:
+    """A channel over CUDA IPC. The destination's end holds the source's whole KV cache, opened on
+    its own device, and the part of the model it holds; the source's end holds nothing (None)."""
+
+    tensor: torch.Tensor | None
+    layout: KVLayout | None
+
+
+# The CUDA caches of this process's sources by token: CUDA cannot open an IPC handle in the
+# process that made it, so a destination in the same process reads the tensor itself.
+_CACHES_IN_PROCESS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+
+
 class KVTransfer:
     """One rank's end of its KV communicators: hosts a rendezvous store (as a source), joins
     pair communicators, and sends or receives the KV of given token slots.
@@ -56,10 +100,12 @@ class KVTransfer:
         self.device = kv_tensor.device
         self.chunk_tokens = chunk_tokens
         self._store: dist.TCPStore | None = None
-        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._groups: dict[str, dist.ProcessGroup | IpcPeer] = {}
         self._groups_lock = threading.Lock()  # guards _groups: joins and drops come from any thread
         self._transfer_lock = threading.Lock()  # one transfer at a time through the staging buffers
         self._buffers: list[torch.Tensor] = []
+        self._token = uuid.uuid4().hex  # names this cache to a destination in the same process
+        self._copy_stream: torch.cuda.Stream | None = None  # IPC pulls: beside the steps' stream
 
     def describe(self) -> KVLayout:
         return self.layout
@@ -79,12 +125,94 @@ class KVTransfer:
             store = dist.TCPStore(*address, 2, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         prefixed = dist.PrefixStore(f"kv/{channel}", store)
         rank = 0 if is_source else 1
+        group: dist.ProcessGroup | IpcPeer | None
         if self.device.type == "cuda":
-            group = dist.ProcessGroupNCCL(prefixed, rank, 2)
+            if is_source:
+                # A wait on a store object holds it from every other thread until it ends: the
+                # source's handshake waits over a connection of its own, not the rank's shared one.
+                own = dist.TCPStore(*address, 2, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+                group = self._ipc_source(dist.PrefixStore(f"kv/{channel}", own))
+            else:
+                group = self._ipc_destination(prefixed)
+            if group is None:
+                group = dist.ProcessGroupNCCL(prefixed, rank, 2)
         else:
             group = dist.ProcessGroupGloo(prefixed, rank, 2, COLLECTIVE_TIMEOUT)
         with self._groups_lock:
             self._groups[channel] = group
+
+    # The IPC handshake, keys under the channel's prefix: the source sets "ipc/source" (machine,
+    # process, token, layout); the destination answers "ipc/reply": "nccl" (another machine),
+    # "local" (same process: it takes the tensor itself) or "handle"; to "handle" the source sets
+    # "ipc/handle" (its cache, reduced for IPC) and the destination sets "ipc/mode" to "ipc" if it
+    # opened it, else "nccl". The source deletes the keys once it has its answer, so a channel
+    # connected again under the same name starts afresh.
+    _IPC_KEYS = ("ipc/source", "ipc/reply", "ipc/handle", "ipc/mode")
+
+    def _ipc_source(self, store: dist.Store) -> IpcPeer | None:
+        """The source's half of the handshake: an IPC channel, or None for NCCL."""
+        _CACHES_IN_PROCESS[self._token] = self.kv_tensor
+        source = {"machine": machine_key(), "pid": os.getpid(), "token": self._token, "layout": self.layout}
+        try:
+            store.set("ipc/source", pickle.dumps(source))
+            reply = store.get("ipc/reply").decode()
+            if reply == "handle":
+                # Reduced per destination: each one releases its own reference when it drops the channel.
+                store.set("ipc/handle", pickle.dumps(reduce_tensor(self.kv_tensor)))
+                reply = store.get("ipc/mode").decode()
+        finally:
+            for key in self._IPC_KEYS:
+                store.delete_key(key)
+        return None if reply == "nccl" else IpcPeer(None, None)
+
+    def _ipc_destination(self, store: dist.Store) -> IpcPeer | None:
+        """The destination's half of the handshake: the source's cache opened, or None for NCCL."""
+        source = pickle.loads(store.get("ipc/source"))
+        if source["machine"] != machine_key():
+            store.set("ipc/reply", "nccl")
+            return None
+        # The same pid with a token unknown here is another container's process: it takes the handle.
+        if source["pid"] == os.getpid() and (tensor := _CACHES_IN_PROCESS.get(source["token"])) is not None:
+            local = tensor.device == self.device  # on another device of this process NCCL serves
+            store.set("ipc/reply", "local" if local else "nccl")
+            return IpcPeer(tensor, source["layout"]) if local else None
+        store.set("ipc/reply", "handle")
+        handle = store.get("ipc/handle")
+        try:
+            tensor = self._open(*pickle.loads(handle))
+        except Exception:  # no peer access between the GPUs, another container's shared memory
+            logger.warning("could not open the source's KV cache over CUDA IPC: using NCCL", exc_info=True)
+            tensor = None
+        store.set("ipc/mode", "nccl" if tensor is None else "ipc")
+        return None if tensor is None else IpcPeer(tensor, source["layout"])
+
+    def _open(self, rebuild: Callable[..., torch.Tensor], args: tuple) -> torch.Tensor:
+        """The source's cache from its reduced handle, opened on this rank's device.
+
+        The handle carries the source's device index, which means another GPU or none at all in
+        this process when the two see different devices (each Ray actor sees only its own). CUDA
+        maps the memory into the device it is opened on, reaching the source's GPU by peer access
+        if it is another, so it is opened on this rank's device and the copies run here."""
+        if rebuild is not rebuild_cuda_tensor:
+            raise ValueError(f"not a CUDA tensor handle: {rebuild}")
+        bound = inspect.signature(rebuild).bind(*args)
+        bound.arguments["storage_device"] = self.device.index
+        # Opening waits for the source's event on the current stream: make it the one the copies use.
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream()):
+            return rebuild(*bound.args, **bound.kwargs)
+
+    def _stream(self) -> torch.cuda.Stream:
+        """The stream of IPC copies: a decode step on the default stream neither waits for them nor
+        they for it (the blocks they fill are no step's yet)."""
+        with self._groups_lock:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(self.device)
+            return self._copy_stream
+
+    def transport(self, channel: str) -> str:
+        """How ``channel`` moves the KV: "ipc", "nccl" or "gloo"."""
+        group = self._group(channel)
+        return "ipc" if isinstance(group, IpcPeer) else "nccl" if self.device.type == "cuda" else "gloo"
 
     def drop_peer(self, instance: str) -> list[str]:
         """Forget every channel to or from ``instance`` (it is gone); the channels dropped."""
@@ -92,7 +220,9 @@ class KVTransfer:
             dropped = [c for c in self._groups if instance in channel_peers(c)]
             groups = [self._groups.pop(c) for c in dropped]
         for group in groups:
-            if hasattr(group, "abort"):  # NCCL holds device resources until its communicator is aborted
+            # NCCL holds device resources until its communicator is aborted; an IPC peer's mapping
+            # goes with the last reference to its tensor.
+            if hasattr(group, "abort"):
                 group.abort()
         return dropped
 
@@ -102,17 +232,31 @@ class KVTransfer:
             channels = sorted(self._groups)
         return {"channels": channels, "staging_bytes": sum(b.numel() * b.element_size() for b in self._buffers)}
 
-    def _group(self, channel: str) -> dist.ProcessGroup:
+    def _group(self, channel: str) -> dist.ProcessGroup | IpcPeer:
         with self._groups_lock:
             return self._groups[channel]
 
     def send_probe(self, channel: str, num_bytes: int) -> int:
         """Send one contiguous tensor of ``num_bytes``: the raw speed of the pair's link."""
-        self._group(channel).send([torch.empty(num_bytes, dtype=torch.uint8, device=self.device)], 1, 0).wait()
+        group = self._group(channel)
+        if not isinstance(group, IpcPeer):  # over IPC the destination reads
+            group.send([torch.empty(num_bytes, dtype=torch.uint8, device=self.device)], 1, 0).wait()
         return num_bytes
 
     def recv_probe(self, channel: str, num_bytes: int) -> int:
-        self._group(channel).recv([torch.empty(num_bytes, dtype=torch.uint8, device=self.device)], 0, 0).wait()
+        group = self._group(channel)
+        if not isinstance(group, IpcPeer):
+            group.recv([torch.empty(num_bytes, dtype=torch.uint8, device=self.device)], 0, 0).wait()
+            return num_bytes
+        # One contiguous copy out of the source's cache (again from its start past its end).
+        source = group.tensor.view(-1).view(torch.uint8)
+        stream = self._stream()
+        with torch.cuda.stream(stream):
+            buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+            for start in range(0, num_bytes, source.numel()):
+                piece = buffer[start : start + source.numel()]
+                piece.copy_(source[: piece.numel()])
+        stream.synchronize()
         return num_bytes
 
     def _staging(self, index: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -139,9 +283,12 @@ class KVTransfer:
         """Send the K and V of ``slots`` for ``layers`` x ``heads``; returns the bytes sent.
 
         A chunk at a time through the two staging buffers: gathering one chunk overlaps sending
-        the previous one.
+        the previous one. Over IPC the destination reads them itself; the bytes are the same.
         """
         group = self._group(channel)
+        if isinstance(group, IpcPeer):
+            head_dim = self.kv_tensor.shape[4]
+            return len(layers) * 2 * len(slots) * len(heads) * head_dim * self.kv_tensor.element_size()
         pending = []
         num_bytes = 0
         with self._transfer_lock:
@@ -156,12 +303,19 @@ class KVTransfer:
                 work.wait()
         return num_bytes
 
-    def recv(self, channel: str, slots: list[int], layers: range, heads: range) -> int:
+    def recv(
+        self, channel: str, slots: list[int], layers: range, heads: range, src_slots: list[int] | None = None
+    ) -> int:
         """Receive into ``slots`` what the source sends for ``layers`` x ``heads``; returns the bytes.
 
-        The next chunk's receive is posted before this one is copied into the cache.
+        The next chunk's receive is posted before this one is copied into the cache. Over IPC it
+        copies the source's ``src_slots`` (which only an IPC channel needs) itself.
         """
         group = self._group(channel)
+        if isinstance(group, IpcPeer):
+            if src_slots is None or len(src_slots) != len(slots):
+                raise ValueError("an IPC channel needs the source's slots, as many as the destination's")
+            return self._pull(group, src_slots, slots, layers, heads)
         pieces = list(self._pieces(slots, layers, heads))
         num_bytes = 0
         with self._transfer_lock:
@@ -173,4 +327,28 @@ class KVTransfer:
                 num_bytes += buffers[i].numel() * buffers[i].element_size()
                 if i + 2 < len(pieces):
                     works.append(group.recv([buffers[i + 2]], 0, i + 2))
+        return num_bytes
+
+    def _pull(self, peer: IpcPeer, src_slots: list[int], slots: list[int], layers: range, heads: range) -> int:
+        """Copy the source's ``src_slots`` into ``slots``, GPU to GPU, a chunk of one layer at a
+        time (the temporary memory of one staging buffer); back once the copies are done, since
+        the source may reuse its blocks as soon as the pull is reported."""
+        assert peer.tensor is not None and peer.layout is not None  # a destination's end
+        num_bytes = 0
+        stream = self._stream()
+        first_layer, first_head = self.layout.layers.start, self.layout.kv_heads.start
+        heads_here = slice(heads.start - first_head, heads.stop - first_head)
+        heads_there = slice(heads.start - peer.layout.kv_heads.start, heads.stop - peer.layout.kv_heads.start)
+        with self._transfer_lock, torch.cuda.stream(stream):
+            index = torch.tensor(slots, dtype=torch.long, device=self.device)
+            src_index = torch.tensor(src_slots, dtype=torch.long, device=self.device)
+            for layer in layers:
+                view = self.kv_tensor[layer - first_layer, :, :, heads_here]
+                src = peer.tensor[layer - peer.layout.layers.start, :, :, heads_there]
+                for start in range(0, len(slots), self.chunk_tokens):
+                    chunk = slice(start, start + self.chunk_tokens)
+                    data = src.index_select(1, src_index[chunk])
+                    view.index_copy_(1, index[chunk], data)
+                    num_bytes += data.numel() * data.element_size()
+        stream.synchronize()
         return num_bytes

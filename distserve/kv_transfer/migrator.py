@@ -159,7 +159,10 @@ class Migrator:
             for part in round_:
                 channel = self._channel(handover.prefill_instance, sources, part)
                 sends.append(sources[part.src].call("send", channel, src_slots, part.layers, part.kv_heads))
-                recvs.append(self.endpoints[part.dst].call("recv", channel, dst_slots, part.layers, part.kv_heads))
+                # The source's slots too: over CUDA IPC the destination reads them itself.
+                recvs.append(
+                    self.endpoints[part.dst].call("recv", channel, dst_slots, part.layers, part.kv_heads, src_slots)
+                )
             num_bytes += sum(ray.get(recvs))
             ray.get(sends)
         # The prefill instance frees its blocks, unless it did so at its hold deadline already, in

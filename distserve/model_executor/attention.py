@@ -5,14 +5,17 @@ Each attention layer first writes the batch's new K/V into its cache slots, then
 batch's metadata reaches the layers through a per-forward context, because transformers calls
 the attention function with the model's own arguments only.
 
-Three implementations, chosen by ``attention_backend``:
+Four implementations, chosen by ``attention_backend``:
 
 - ``cpp`` (the default on CPU in float32): a hand-written C++ kernel (``cpu_kernel.py``) reads
   K/V where they sit through the block tables, for every query row of the batch (decode tokens,
   prompts, prompt chunks after a cached prefix) in one call per layer.
 - ``compiled``: decode reads K/V in place in a kernel ``torch.compile`` builds once per model when
   the engine starts (any dtype); prefill as ``sdpa``.
-- ``sdpa`` (the reference, and the choice off CPU): decode copies each sequence's blocks into a
+- ``triton`` (the default on CUDA): decode reads K/V in place in a Triton kernel
+  (``triton_attention.py``) that takes its context lengths from device tensors, so a decode step
+  can be captured as a CUDA graph (``cuda_graph.py``); prefill as ``sdpa``.
+- ``sdpa`` (the reference): decode copies each sequence's blocks into a
   padded buffer and runs one SDPA over the batch; a prompt chunk after a cached prefix gathers its
   blocks and runs SDPA with a causal mask, one sequence at a time.
 
@@ -114,7 +117,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
     prefill_seqs: list[PrefillSeqMeta] | None = None
     num_decode_tokens: int = 0  # in a prefill batch: decode tokens packed before the prompts' tokens
-    decode_block_tables: torch.Tensor | None = None  # [batch, max_blocks], padded with block 0 (sdpa)
+    decode_block_tables: torch.Tensor | None = None  # [batch, max_blocks], padded (sdpa, triton)
     decode_mask: torch.Tensor | None = None  # [batch, 1, 1, max_blocks * block_size] valid positions (sdpa)
     decode_positions: torch.Tensor | None = None  # [batch] position of each query token
     decode_plan: DecodePlan | None = None  # the compiled kernel's view of the decode context (compiled)
@@ -155,7 +158,7 @@ class ForwardContext:
     metadata: AttentionMetadata
     kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer index -> (k, v) of [slots, kv_heads, head_dim]
     buffers: GatherBuffers
-    attention_backend: str = "sdpa"  # a resolved attention backend: cpp, compiled or sdpa
+    attention_backend: str = "sdpa"  # a resolved attention backend: cpp, compiled, triton or sdpa
 
 
 _context: ForwardContext | None = None
@@ -237,6 +240,18 @@ def _prefill_attention(q, k, v, k_cache, v_cache, scaling, sliding_window, gqa, 
 def _decode_attention(q, k_cache, v_cache, scaling, sliding_window, gqa) -> torch.Tensor:
     """One query token per sequence over its cached context. Returns ``[batch, heads, dim]``."""
     meta = _context.metadata
+    if _context.attention_backend == "triton":
+        from distserve.model_executor.triton_attention import paged_decode_triton
+
+        scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+        positions = meta.decode_positions
+        if sliding_window is None:
+            oldest = torch.zeros_like(positions)
+        else:
+            oldest = (positions - (sliding_window - 1)).clamp_min(0)
+        q = q.transpose(0, 1)  # [batch, heads, dim], read in place through its strides
+        tables = meta.decode_block_tables
+        return paged_decode_triton(q, k_cache, v_cache, tables, positions, oldest, meta.block_size, scale)
     if _context.attention_backend == "compiled":
         scale = q.shape[-1] ** -0.5 if scaling is None else scaling
         positions = meta.decode_positions
@@ -307,10 +322,19 @@ def paged_decode(
 _compiled_paged_decode = torch.compile(paged_decode)
 
 
-def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> str:
     """``auto``: on CPU the C++ kernel for float32 (1.5x the compiled kernel's speed alone, and
     no compile at start-up) when it builds, else the compiled kernel when inductor finds the C++
-    compiler it needs; SDPA elsewhere. ``cpp`` where it cannot run is an error."""
+    compiler it needs; on CUDA the Triton kernel when Triton is installed and the head size is a
+    power of two; SDPA elsewhere. ``cpp`` or ``triton`` where it cannot run is an error."""
+    if backend == "triton":
+        from distserve.model_executor.triton_attention import triton_available
+
+        if device.type != "cuda" or not triton_available():
+            raise ValueError(f"attention_backend 'triton' runs on CUDA with Triton installed, not on {device.type}")
+        if head_dim & (head_dim - 1):
+            raise ValueError(f"attention_backend 'triton' needs a power-of-two head size, not {head_dim}")
+        return backend
     if backend == "cpp":
         if device.type != "cpu" or dtype != torch.float32:
             raise ValueError(f"attention_backend 'cpp' runs on CPU in float32, not {device.type} in {dtype}")
@@ -318,6 +342,10 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
         return backend
     if backend != "auto":
         return backend
+    if device.type == "cuda":
+        from distserve.model_executor.triton_attention import triton_available
+
+        return "triton" if triton_available() and not head_dim & (head_dim - 1) else "sdpa"
     if device.type != "cpu":
         return "sdpa"
     if dtype == torch.float32 and kernel_available():

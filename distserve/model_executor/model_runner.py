@@ -88,7 +88,7 @@ class ModelRunner:
         attention_backend: str = "sdpa",
     ) -> None:
         self.model = model
-        self.attention_backend = attention_backend  # resolved: cpp, compiled or sdpa
+        self.attention_backend = attention_backend  # resolved: cpp, compiled, triton or sdpa
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.stage = stage
@@ -167,8 +167,8 @@ class ModelRunner:
 
     def prepare_decode(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, None]:
         """One new token per sequence, attending over its context through its block table: as
-        (sequence, block) pairs for the compiled kernel, as padded tables and a mask for SDPA (the
-        C++ kernel's rows: ``paged_queries``)."""
+        (sequence, block) pairs for the compiled kernel, as padded tables for the Triton kernel,
+        as padded tables and a mask for SDPA (the C++ kernel's rows: ``paged_queries``)."""
         bs = self.block_size
         positions = [seq.start for seq in seqs]
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
@@ -178,6 +178,9 @@ class ModelRunner:
         )
         if self.attention_backend == "compiled":
             meta.decode_plan = DecodePlan.build([seq.block_table for seq in seqs], positions, bs, self.device)
+        elif self.attention_backend == "triton":
+            tables = padded_block_tables([seq.block_table for seq in seqs])
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int32, device=self.device)
         elif self.attention_backend == "sdpa":
             meta.decode_block_tables = self._tensor(padded_block_tables([seq.block_table for seq in seqs]))
             grid = torch.arange(meta.decode_block_tables.shape[1] * bs, device=self.device)

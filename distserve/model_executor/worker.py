@@ -19,6 +19,7 @@ from distserve.core.step_metrics import StepTimer
 from distserve.kv_transfer.channel import KVTransfer
 from distserve.kv_transfer.plan import rank_layout
 from distserve.model_executor.attention import resolve_attention_backend
+from distserve.model_executor.cuda_graph import DecodeGraphs
 from distserve.model_executor.kv_cache import KVCache, KVCacheShape, determine_num_blocks
 from distserve.model_executor.model_loader import load_model, resolve_device, resolve_dtype, resolve_model
 from distserve.model_executor.model_runner import BatchInput, ModelRunner
@@ -89,6 +90,7 @@ class Worker:
         shape = resolved.shape
         self.kv_layout = rank_layout(shape.num_layers, shape.num_kv_heads, self.rank)
         self.layers = self.kv_layout.layers
+        self.max_model_len = resolved.max_model_len
         self.hidden_size = shape.hidden_size
         self.kv_shape = KVCacheShape(
             len(self.layers),
@@ -106,10 +108,33 @@ class Worker:
         )
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache = KVCache(self.kv_shape, num_blocks, self.device, self.layers)
-        backend = resolve_attention_backend(self.config.model.attention_backend, self.device, self.dtype)
-        self.model_runner = ModelRunner(self.model, self.kv_cache, self.config.cache.block_size, self.stage, backend)
+        backend = resolve_attention_backend(
+            self.config.model.attention_backend, self.device, self.dtype, self.kv_shape.head_dim
+        )
+        # CUDA graphs replay a whole step on one rank; a group's collectives are not captured.
+        use_graphs = (
+            self.device.type == "cuda"
+            and backend == "triton"
+            and not self.config.model.enforce_eager
+            and self.rank.world_size == 1
+        )
+        # With graphs, one block past the scheduler's takes the padding rows' K/V.
+        self.kv_cache = KVCache(self.kv_shape, num_blocks + (1 if use_graphs else 0), self.device, self.layers)
+        block_size = self.config.cache.block_size
+        self.model_runner = ModelRunner(self.model, self.kv_cache, block_size, self.stage, backend)
         self.kv_transfer = KVTransfer(self.kv_cache.tensor, self.kv_layout)
+        self.decode_graphs = None
+        if use_graphs:
+            runner = self.model_runner
+            self.decode_graphs = DecodeGraphs(
+                lambda ids, positions, meta: runner.forward(ids, positions, meta, None),
+                self.device,
+                max_batch=self.config.scheduler.max_num_seqs,
+                max_blocks=-(-self.max_model_len // block_size) + 1,
+                block_size=block_size,
+                scratch_block=num_blocks,
+            )
+            self.decode_graphs.capture()
 
     def kv(self, method: str, *args):
         """A KV transfer call (``KVTransfer.<method>``); it runs beside the steps, on another thread."""
@@ -118,6 +143,24 @@ class Worker:
     def execute_model(self, batch: BatchInput) -> ModelOutput | None:
         """Run this rank's part of one step; the driver rank returns the sampled tokens."""
         timer = StepTimer()
+        graphs = self.decode_graphs
+        if graphs is not None and not batch.is_prefill and graphs.fits(len(batch.seqs)):
+            out = graphs.run(batch.seqs)
+        else:
+            out = self._forward(batch, timer)
+        if out is None or not self.rank.is_driver:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # so the forward's time is not booked to sampling
+        timer.lap("forward")
+        sampling = batch.sampling_seqs
+        tokens = self.sampler(out, [s.sampling_params for s in sampling], [s.output_index for s in sampling])
+        timer.lap("sample")
+        return ModelOutput(tokens, timer.seconds)
+
+    def _forward(self, batch: BatchInput, timer: StepTimer) -> torch.Tensor | None:
+        """Run the batch eagerly: the logits on the last stage, None on an earlier one (its
+        hidden states are sent to the next)."""
         runner = self.model_runner
         input_ids, positions, meta, logit_rows = runner.prepare(batch)
         timer.lap("prepare")
@@ -129,15 +172,7 @@ class Worker:
         if not self.rank.is_last_stage:
             dist.send(out.contiguous(), dst=self.rank.peer_in_stage(self.rank.pp_rank + 1))
             return None
-        if not self.rank.is_driver:
-            return None
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # so the forward's time is not booked to sampling
-        timer.lap("forward")
-        sampling = batch.sampling_seqs
-        tokens = self.sampler(out, [s.sampling_params for s in sampling], [s.output_index for s in sampling])
-        timer.lap("sample")
-        return ModelOutput(tokens, timer.seconds)
+        return out
 
     def ping(self) -> int:
         return os.getpid()

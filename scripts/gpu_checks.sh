@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU checks in one go: the GPU tests (float32 exactness against transformers, bfloat16
+# serving, decode graphs, KV over CUDA IPC), then the GPU benchmarks. Each step has a time limit
+# and a log of its own in OUTDIR, and a failing step does not stop the next.
+#
+#   bash scripts/gpu_checks.sh [OUTDIR]
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-gpu-results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python=${PYTHON:-python3}
+
+step() {  # step NAME SECONDS COMMAND...: run it with a limit, log to OUTDIR/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "$name: exit $rc in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+}
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    $python -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__, 'triton', triton.__version__)"
+} >"$out/env.txt" 2>&1
+# TESTS_K selects tests (pytest -k), BENCH_ARGS adds bench_gpu.py options: for a short run.
+step tests "${TESTS_LIMIT:-300}" $python -m pytest -m gpu -p no:cacheprovider -q -rs --durations=15 \
+    ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu.py tests/test_kv_ipc.py
+# shellcheck disable=SC2086
+step bench_gpu "${BENCH_LIMIT:-240}" $python scripts/bench_gpu.py --json "$out/bench_gpu.json" ${BENCH_ARGS:-}
+step bench_kv_ipc "${IPC_LIMIT:-90}" $python scripts/bench_kv_ipc.py --json "$out/bench_kv_ipc.json"
+cat "$out/summary.txt"

@@ -1,0 +1,142 @@
+"""The Triton paged decode kernel against plain attention over each sequence's K/V gathered out of
+its blocks: batches of one and more, grouped query heads, block sizes below, above and not a power
+of two, contexts from one token to several tiles, sliding windows, float32 and bfloat16.
+
+Without a GPU the kernel runs in Triton's interpreter; without Triton the module is skipped."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+INTERPRET = not torch.cuda.is_available()
+if INTERPRET:
+    # Triton reads this when it jits a function, its own standard library (tl.sum, tl.max) included
+    # as triton.language is imported. Not on a GPU: there the kernel runs for real, and the other
+    # tests' compiled kernels with it.
+    if "triton.language" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip(
+            "triton was imported (by torch.compile in an earlier test module) before TRITON_INTERPRET=1 "
+            "could be set: run this module in a process of its own",
+            allow_module_level=True,
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from distserve.model_executor.attention import NO_WINDOW  # noqa: E402
+from distserve.model_executor.triton_attention import paged_decode_triton, triton_available  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_scalars(monkeypatch):
+    """Triton 3.6's interpreter makes a Python int of a scalar (the context loop's bounds) with
+    int() of a one-element array, which NumPy 2.4 refuses (triton-lang/triton#9171): read it with
+    .item() instead, as the upstream fix does. Harmless where the interpreter has the fix."""
+    if not INTERPRET:
+        return
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:
+        return
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
+
+
+def _reference(q, k_cache, v_cache, tables, positions, oldest, block_size, scale):
+    """Per sequence: its visible tokens' slots from its block table, softmax(q k * scale) v in float64."""
+    q, k_cache, v_cache = (t.cpu().double() for t in (q, k_cache, v_cache))
+    tables = tables.cpu()
+    batch, heads, dim = q.shape
+    group = heads // k_cache.shape[1]
+    out = torch.empty(batch, heads, dim, dtype=torch.float64)
+    for i in range(batch):
+        tok = torch.arange(max(int(oldest[i]), 0), int(positions[i]) + 1)
+        slots = tables[i, tok // block_size].long() * block_size + tok % block_size
+        k = k_cache[slots].repeat_interleave(group, dim=1)  # [ctx, heads, dim]
+        v = v_cache[slots].repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,thd->ht", q[i] * scale, k), dim=-1)
+        out[i] = torch.einsum("ht,thd->hd", weights, v)
+    return out
+
+
+def _case(lengths, heads, kv_heads, block_size, dim=16, window=None, dtype=torch.float32, table_dtype=torch.int32):
+    """Random K/V in a cache whose blocks are handed out shuffled; tables padded with a random block."""
+    gen = torch.Generator().manual_seed(len(lengths) * 1000 + heads * 10 + kv_heads + block_size)
+    per_seq = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(per_seq) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(per_seq) + 1  # at least one padding entry for every sequence
+    tables = torch.empty(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = torch.tensor(order[:n])
+        tables[i, n:] = torch.randint(num_blocks, (width - n,), generator=gen)
+        order = order[n:]
+    slots = num_blocks * block_size
+    k_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
+    positions = torch.tensor(lengths) - 1
+    oldest = positions - (NO_WINDOW if window is None else window - 1)
+    args = (q, k_cache, v_cache, tables.to(table_dtype), positions, oldest)
+    return tuple(t.to(DEVICE) for t in args)
+
+
+def _check(args, block_size, atol, rtol=0.0):
+    scale = args[0].shape[-1] ** -0.5
+    out = paged_decode_triton(*args, block_size, scale)
+    assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    expected = _reference(*args, block_size, scale)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=atol, rtol=rtol)
+
+
+def test_available():
+    assert triton_available()
+
+
+@pytest.mark.parametrize("block_size", [16, 8, 5, 80])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 4), (8, 2)])
+def test_decode_matches_reference(block_size, heads, kv_heads):
+    lengths = [1, 17, 300, block_size, block_size + 1, 64, 65]
+    _check(_case(lengths, heads, kv_heads, block_size), block_size, atol=1e-4)
+
+
+@pytest.mark.parametrize("lengths", [[1], [300], [2, 129]])
+def test_batch_sizes(lengths):
+    _check(_case(lengths, 4, 1, 16, dim=32, table_dtype=torch.int64), 16, atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [1, 7, 37, 100])
+def test_sliding_window(window):
+    # Windows shorter than some contexts and longer than others; 37 and 100 leave whole tiles and
+    # blocks out of the longest.
+    lengths = [1, 5, 40, 150, 300]
+    _check(_case(lengths, 8, 2, 5, window=window), 5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision(dtype):
+    # Inputs rounded alike for both; what remains is the output's rounding to 8 (or 11) bits.
+    _check(_case([1, 33, 250], 8, 2, 16, dim=32, dtype=dtype), 16, atol=2e-2, rtol=2e-2)
+
+
+def test_strided_query():
+    # Queries as attention.py holds them, [heads, batch, dim] seen transposed: read in place.
+    q, *rest = _case([3, 70, 140], 8, 4, 8)
+    q_t = q.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not q_t.is_contiguous()
+    _check((q_t, *rest), 8, atol=1e-4)
+
+
+def test_head_dim_must_be_a_power_of_two():
+    args = _case([4], 2, 1, 16, dim=24)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        paged_decode_triton(*args, 16, 1.0)
