@@ -28,7 +28,8 @@ from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.engine.executor import cluster_device
 from distserve.engine.llm_engine import LLMEngine
-from distserve.kv_transfer.migrator import KVEndpoint, MigrationRecord, Migrator
+from distserve.kv_transfer.migrator import MigrationRecord, Migrator
+from distserve.kv_transfer.plan import KVEndpoint
 from distserve.model_executor.model_loader import resolve_model
 from distserve.parallel.ranks import check_parallel_config
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from distserve.core.config import EngineConfig
 from distserve.core.errors import InstanceFailure
-from distserve.kv_transfer.migrator import KVEndpoint
+from distserve.kv_transfer.plan import KVEndpoint
 from distserve.model_executor.model_runner import BatchInput
 from distserve.model_executor.worker import ModelOutput, Worker
 

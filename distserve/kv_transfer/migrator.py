@@ -21,21 +21,9 @@ import ray
 
 from distserve.core.handover import Handover
 from distserve.kv_transfer.channel import channel_peers
-from distserve.kv_transfer.plan import KVLayout, TransferPart, plan_transfer, token_slots, transfer_rounds
+from distserve.kv_transfer.plan import KVEndpoint, TransferPart, plan_transfer, token_slots, transfer_rounds
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class KVEndpoint:
-    """A rank reachable for KV transfers: its Worker actor, or the Instance actor that runs its only
-    rank in process. Both answer ``kv(method, *args)``."""
-
-    handle: Any
-    layout: KVLayout
-
-    def call(self, method: str, *args):
-        return self.handle.kv.remote(method, *args)
 
 
 @dataclass

@@ -9,6 +9,7 @@ any TP and PP degrees can hand KV over.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from distserve.parallel.ranks import ParallelRank, stage_layers
 
@@ -85,3 +86,15 @@ def transfer_rounds(plan: list[TransferPart]) -> list[list[TransferPart]]:
 def token_slots(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
     """The cache slots of the first ``num_tokens`` tokens of a sequence with this block table."""
     return [block_table[i // block_size] * block_size + i % block_size for i in range(num_tokens)]
+
+
+@dataclass
+class KVEndpoint:
+    """A rank reachable for KV transfers: its Worker actor, or the Instance actor that runs its only
+    rank in process. Both answer ``kv(method, *args)``."""
+
+    handle: Any
+    layout: KVLayout
+
+    def call(self, method: str, *args):
+        return self.handle.kv.remote(method, *args)
