@@ -10,9 +10,10 @@ from a data sheet:
 - matrix-product peak: 8192 x 8192 x 8192 bf16 products.
 
 A decode step must read every weight once (the embedding table aside: only the batch's rows)
-and every sequence's K/V, so its floor is those bytes over the copy bandwidth; the report gives
-each batch size's step time as a share of that floor. A prefill step's useful work is 2 FLOPs
-per weight per token plus the causal attention products.
+and every sequence's K/V, so its floor is those bytes over the copy bandwidth (read plus
+written: the memory's whole traffic); the report gives each batch size's step time as a share
+of that floor. A step's time is the engine's whole step, scheduling and sampling included. A
+prefill step's useful work is 2 FLOPs per weight per token plus the causal attention products.
 
 Run (about 2 minutes on an H100):
 
@@ -117,7 +118,9 @@ def decode_sweep(engine: LLMEngine, args: argparse.Namespace, bandwidth: float, 
         steps = [r for r in list(engine.stats.records)[skip:] if not r.is_prefill and r.batch_size == batch]
         step_s = statistics.median(r.total for r in steps[2:])  # the first steps may still be filling
         kv_bytes = batch * (args.context + args.decode_steps // 2) * kv_per_token
-        floor_s = (weight_bytes + kv_bytes) / (bandwidth / 2)  # bandwidth counts read + write
+        # The copy's bytes read plus written per second is what the memory moves; a step that
+        # only reads moves its bytes at that rate at best.
+        floor_s = (weight_bytes + kv_bytes) / bandwidth
         rows.append(
             {
                 "batch": batch,
