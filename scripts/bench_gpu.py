@@ -34,6 +34,7 @@ import torch
 
 from distserve import SamplingParams
 from distserve.core.config import EngineConfig
+from distserve.core.step_metrics import PHASES
 from distserve.engine.llm_engine import LLMEngine
 
 MODEL = "llama-3-8b"
@@ -116,7 +117,8 @@ def decode_sweep(engine: LLMEngine, args: argparse.Namespace, bandwidth: float, 
         skip = len(engine.stats.records)
         run(engine, random_prompts(rng, [args.context] * batch, vocab), [args.decode_steps] * batch)
         steps = [r for r in list(engine.stats.records)[skip:] if not r.is_prefill and r.batch_size == batch]
-        step_s = statistics.median(r.total for r in steps[2:])  # the first steps may still be filling
+        steps = steps[2:]  # the first steps may still be filling
+        step_s = statistics.median(r.total for r in steps)
         kv_bytes = batch * (args.context + args.decode_steps // 2) * kv_per_token
         # The copy's bytes read plus written per second is what the memory moves; a step that
         # only reads moves its bytes at that rate at best.
@@ -128,9 +130,27 @@ def decode_sweep(engine: LLMEngine, args: argparse.Namespace, bandwidth: float, 
                 "floor_ms": floor_s * 1e3,
                 "of_roofline": floor_s / step_s,
                 "tokens_per_s": batch / step_s,
+                # Host phases beside the forward: the GPU idles through them.
+                "phases_ms": {p: statistics.median(r.seconds.get(p, 0.0) for r in steps) * 1e3 for p in PHASES},
             }
         )
     return rows
+
+
+def kernel_table(prof: torch.profiler.profile) -> str:
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+
+
+def profile_prefill(engine: LLMEngine, args: argparse.Namespace, vocab: int) -> str:
+    """The CUDA kernels of one prefill step of ``--max-batched-tokens`` prompt tokens."""
+    rng = random.Random(4)
+    for prompt in random_prompts(rng, [args.prefill_len] * (args.max_batched_tokens // args.prefill_len), vocab):
+        engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return kernel_table(prof)
 
 
 def profile_decode(engine: LLMEngine, batch: int, context: int, vocab: int, steps: int = 5) -> str:
@@ -148,7 +168,7 @@ def profile_decode(engine: LLMEngine, batch: int, context: int, vocab: int, step
             engine.step()
     while engine.has_unfinished_requests():
         engine.step()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
+    return kernel_table(prof)
 
 
 def prefill_rate(engine: LLMEngine, args: argparse.Namespace, vocab: int) -> dict:
@@ -225,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         entry["decode"] = decode_sweep(engine, args, bandwidth, vocab)
         print(f"  {'batch':>5} {'step ms':>8} {'floor ms':>9} {'of roofline':>11} {'tok/s':>8}")
         for row in entry["decode"]:
+            phases = " ".join(f"{p} {ms:.2f}" for p, ms in row["phases_ms"].items() if ms >= 0.01)
             print(f"  {row['batch']:>5} {row['step_ms']:8.2f} {row['floor_ms']:9.2f} {row['of_roofline']:11.1%} "
-                  f"{row['tokens_per_s']:8.0f}")  # fmt: skip
+                  f"{row['tokens_per_s']:8.0f}   ms: {phases}")  # fmt: skip
         entry["prefill"] = prefill_rate(engine, args, vocab)
         pf = entry["prefill"]
         print(f"  prefill: {pf['tokens']} tokens per step in {pf['step_ms']:.1f} ms, {pf['tflops']:.0f} TFLOP/s "
@@ -234,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile_batch and mode == "eager":  # eagerly, each kernel is seen under its own name
             print(f"  CUDA kernels of 5 decode steps at batch {args.profile_batch} ({mode}):")
             print(profile_decode(engine, args.profile_batch, args.context, vocab))
+            print(f"  CUDA kernels of one prefill step of {args.max_batched_tokens} tokens:")
+            print(profile_prefill(engine, args, vocab))
         entry["offline"] = offline(engine, args, vocab)
         off = entry["offline"]
         print(f"  offline: {off['requests']} requests in {off['wall_s']:.1f} s, "
