@@ -328,11 +328,11 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
     compiler it needs; on CUDA the Triton kernel when Triton is installed and the head size is a
     power of two; SDPA elsewhere. ``cpp`` or ``triton`` where it cannot run is an error."""
     if backend == "triton":
-        from distserve.model_executor.triton_attention import triton_available
+        from distserve.model_executor.triton_attention import supports_head_dim, triton_available
 
         if device.type != "cuda" or not triton_available():
             raise ValueError(f"attention_backend 'triton' runs on CUDA with Triton installed, not on {device.type}")
-        if head_dim & (head_dim - 1):
+        if not supports_head_dim(head_dim):
             raise ValueError(f"attention_backend 'triton' needs a power-of-two head size, not {head_dim}")
         return backend
     if backend == "cpp":
@@ -343,9 +343,9 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
     if backend != "auto":
         return backend
     if device.type == "cuda":
-        from distserve.model_executor.triton_attention import triton_available
+        from distserve.model_executor.triton_attention import supports_head_dim, triton_available
 
-        return "triton" if triton_available() and not head_dim & (head_dim - 1) else "sdpa"
+        return "triton" if triton_available() and supports_head_dim(head_dim) else "sdpa"
     if device.type != "cpu":
         return "sdpa"
     if dtype == torch.float32 and kernel_available():

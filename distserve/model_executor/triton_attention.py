@@ -38,6 +38,11 @@ def triton_available() -> bool:
     return triton is not None
 
 
+def supports_head_dim(dim: int) -> bool:
+    """The kernel's head size is a ``tl.arange`` length: a power of two."""
+    return dim > 0 and not dim & (dim - 1)
+
+
 if triton is not None:
 
     def _paged_decode_kernel(
@@ -165,7 +170,7 @@ def paged_decode_triton(
         raise RuntimeError("paged_decode_triton needs Triton, which is not installed")
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    if dim & (dim - 1) or dim == 0:
+    if not supports_head_dim(dim):
         raise ValueError(f"the Triton decode kernel needs a power-of-two head_dim, not {dim}")
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not group evenly over {kv_heads} KV heads")
