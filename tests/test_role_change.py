@@ -438,6 +438,22 @@ def test_a_layout_that_served_nothing_like_the_arriving_load_gives_way_to_one_th
     assert Share(40, 40).surely_at_least(0.9) and not Share(39, 40).surely_at_least(0.9)
 
 
+def test_a_layout_that_fell_short_under_a_lighter_load_gives_way_when_none_was_seen_at_this_rate():
+    controller = RoleController(None, RoleControlConfig("adaptive", 0.1, 0.01, memory=60))
+    pd, cc = {"a": P, "b": D}, {"a": C, "b": C}
+    controller.remember(cc, Load(10.0, 1.2), met=38, num_requests=40, now=0.0)
+    controller.remember(pd, Load(10.0, 0.7), met=15, num_requests=24, now=1.0)  # 62% at 0.7 req/s
+    arriving = Load(10.0, 1.2, arrivals=10)  # nothing of prefill + decode at a rate like it
+    roles, why = controller.recall(pd, arriving, now=2.0)
+    assert roles == cc
+    assert why.startswith("arriving load like one under which 62% of 24 requests met both SLOs in this layout")
+    # What it met under a lighter load says nothing of this one, and one just above the arriving
+    # rate's noise is not lighter.
+    assert controller.recall(pd, Load(10.0, 0.3, arrivals=10), now=2.0) is None
+    controller.remember(pd, Load(10.0, 0.7), met=80, num_requests=80, now=3.0)
+    assert controller.recall(pd, arriving, now=4.0) is None  # 95 of 104 met under 0.7: not short
+
+
 def test_a_layout_just_moved_to_is_judged_by_what_it_did_before_the_change():
     controller = RoleController(None, RoleControlConfig("adaptive", 0.1, 0.01, window=3.0, min_requests=4))
     pd, cc = {"a": P, "b": D}, {"a": C, "b": C}
@@ -571,9 +587,15 @@ def test_load_is_the_token_ratio_and_rate_of_a_window():
 def test_the_arriving_mix_is_of_the_last_few_arrivals_when_few_come_in_its_window():
     config = RoleControlConfig("adaptive", 0.1, 0.01, window=10.0, arrival_window=2.0, min_requests=8)
     controller = RoleController(None, config)
-    for i in range(7):  # long prompts at 1 req/s...
+    for i in range(2):  # long prompts at 1 req/s, after a quiet spell...
         controller.observe_arrival(Arrival(100.0 + i, prompt_len=600, max_tokens=60))
-    assert controller.arriving(106.5) is None  # too few in the window to say the rate
+    assert controller.arriving(101.5) is None  # too few to say what kind of load is coming
+    controller.observe_arrival(Arrival(102.0, prompt_len=600, max_tokens=60))
+    early = controller.arriving(102.5)  # three say it, at a rate as noisy as three arrivals make it
+    assert early.tokens_ratio == pytest.approx(10.0) and (early.rate, early.arrivals) == (1.0, 3)
+    assert early.highest_rate > 1.9 and early.lowest_rate < 0.1
+    for i in range(3, 7):
+        controller.observe_arrival(Arrival(100.0 + i, prompt_len=600, max_tokens=60))
     for i in range(7, 11):  # ...then short ones: two in the last 2 s, the mix is of the last three
         controller.observe_arrival(Arrival(100.0 + i, prompt_len=40, max_tokens=128))
     load = controller.arriving(110.5)

@@ -201,7 +201,17 @@ class Load:
         sqrt(arrivals) for Poisson arrivals): what was met at this rate or above may have been
         measured as low as this. A few arrivals a second give a window of tens, whose rate is
         uncertain by a quarter."""
-        return self.rate * max(0.0, 1 - 1.645 / math.sqrt(self.arrivals)) if self.arrivals else self.rate
+        return self.rate * max(0.0, 1 - self._noise)
+
+    @property
+    def highest_rate(self) -> float:
+        """The rate plus its measurement's noise: what fell short at this rate or below may have
+        been measured as high as this."""
+        return self.rate * (1 + self._noise)
+
+    @property
+    def _noise(self) -> float:
+        return 1.645 / math.sqrt(self.arrivals) if self.arrivals else 0.0
 
     def similar(self, other: Load, factor: float = LOAD_SIMILARITY) -> bool:
         return self.similar_mix(other, factor) and _within(self.rate, other.rate, factor)
@@ -366,18 +376,27 @@ class RoleController:
         self.outcomes.append(Outcome(_layout_key(layout), load, met, num_requests, now))
 
     def remembered(
-        self, layout: tuple[Role, ...], load: Load, now: float, heavier: bool = False, before: float = math.inf
+        self,
+        layout: tuple[Role, ...],
+        load: Load,
+        now: float,
+        heavier: bool = False,
+        before: float = math.inf,
+        lighter: bool = False,
     ) -> Share | None:
         """How the requests that ``layout`` served under loads similar to ``load`` did, within memory;
         ``heavier``: only under loads of its mix at ``load``'s rate or above, to within that rate's
         measurement (``Load.lowest_rate``), however far above (what held a heavier load holds
-        this one); only as recorded by ``before``."""
+        this one); ``lighter``: at its rate or below, to within ``Load.highest_rate`` (what fell
+        short under a lighter load falls short under this one); only as recorded by ``before``."""
         while self.outcomes and now - self.outcomes[0].when >= self.config.memory:
             self.outcomes.popleft()
 
         def like(recorded: Load) -> bool:
             if heavier:
                 return recorded.similar_mix(load) and recorded.rate >= load.lowest_rate
+            if lighter:
+                return recorded.similar_mix(load) and recorded.rate <= load.highest_rate
             return recorded.similar(load)
 
         alike = [o for o in self.outcomes if o.layout == layout and like(o.load) and o.when <= before]
@@ -420,6 +439,9 @@ class RoleController:
         hold the load is worth more than one not tried under it); else None. What another layout
         met at a lower rate says nothing of this one."""
         current = self.remembered(_layout_key(layout), arriving, now, before=before)
+        if current is None:  # none at a similar rate (a short window's rate is noisy): a shortfall at a lower one
+            lower = self.remembered(_layout_key(layout), arriving, now, before=before, lighter=True)
+            current = lower if lower and lower.value < self.config.target else None
         if current is not None and current.value >= self.config.target:
             return None
         others = {o.layout for o in self.outcomes if o.layout != _layout_key(layout) and len(o.layout) == len(layout)}
@@ -493,11 +515,14 @@ class RoleController:
     def arriving(self, now: float) -> Load | None:
         """The load coming in: the mix of the last ``arrival_window`` seconds of arrivals, or of the
         last ``MIX_ARRIVALS`` if fewer came (a change of the mix shows at once), at the rate of the
-        last ``window`` seconds (a short window's rate is too noisy to compare); None when fewer than
-        ``min_requests`` came in the window."""
+        last ``window`` seconds (a short window's rate is too noisy to compare), which carries how
+        many arrivals it was measured from; None when fewer than ``MIX_ARRIVALS`` came in the
+        window. After a quiet spell the first few arrivals say what kind of load is coming, seconds
+        before a window's worth of them says its rate well: what memory holds of that kind at
+        rates within the noise is enough to act on."""
         while self.arrivals and self.arrivals[0].arrival < now - max(self.config.window, self.config.arrival_window):
             self.arrivals.popleft()
-        if len(self.arrivals) < self.config.min_requests:
+        if len(self.arrivals) < MIX_ARRIVALS:
             return None
         recent = [a for a in self.arrivals if a.arrival >= now - self.config.arrival_window]
         mix = recent if len(recent) >= MIX_ARRIVALS else list(self.arrivals)[-MIX_ARRIVALS:]
