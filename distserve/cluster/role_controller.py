@@ -30,8 +30,9 @@ them is a dip; what a lower rate met says nothing of a rising one.
 Finished requests tell late: a request is judged only once it has all its tokens, and a window of
 them must fill after a change. So the controller also looks at the load arriving now (the mix of
 the last ``arrival_window`` seconds of arrivals, or of the last ``MIX_ARRIVALS``): when the
-current layout's requests fell short of the target under a load like it and another layout's did
-clearly better under one at this rate or above (or the current layout served none like it, and
+current layout's requests fell short of the target under a load like it (or, none recorded at a
+rate like it, under a lighter one) and another layout's did clearly better under one at this
+rate or above (or the current layout served none like it, and
 another surely met the target), it moves there at once. It looks on every arrival
 that moves the mix, not only every ``interval``: a workload that switches between kinds of
 requests is then followed on the few arrivals after each switch, once each kind has been seen
@@ -54,7 +55,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from distserve.core.role import Role
 
@@ -380,22 +381,22 @@ class RoleController:
         layout: tuple[Role, ...],
         load: Load,
         now: float,
-        heavier: bool = False,
+        rates: Literal["similar", "heavier", "lighter"] = "similar",
         before: float = math.inf,
-        lighter: bool = False,
     ) -> Share | None:
         """How the requests that ``layout`` served under loads similar to ``load`` did, within memory;
-        ``heavier``: only under loads of its mix at ``load``'s rate or above, to within that rate's
-        measurement (``Load.lowest_rate``), however far above (what held a heavier load holds
-        this one); ``lighter``: at its rate or below, to within ``Load.highest_rate`` (what fell
-        short under a lighter load falls short under this one); only as recorded by ``before``."""
+        ``rates="heavier"``: under loads of its mix at ``load``'s rate or above, to within that
+        rate's measurement (``Load.lowest_rate``), however far above (what held a heavier load
+        holds this one); ``"lighter"``: at its rate or below, to within ``Load.highest_rate``
+        (what fell short under a lighter load falls short under this one); only as recorded by
+        ``before``."""
         while self.outcomes and now - self.outcomes[0].when >= self.config.memory:
             self.outcomes.popleft()
 
         def like(recorded: Load) -> bool:
-            if heavier:
+            if rates == "heavier":
                 return recorded.similar_mix(load) and recorded.rate >= load.lowest_rate
-            if lighter:
+            if rates == "lighter":
                 return recorded.similar_mix(load) and recorded.rate <= load.highest_rate
             return recorded.similar(load)
 
@@ -417,7 +418,7 @@ class RoleController:
         if proposal is None:
             return None
         # Met under this load or a heavier one: a rising rate is not held by what a lower one met.
-        held = self.remembered(_layout_key(layout), load, now, heavier=True)
+        held = self.remembered(_layout_key(layout), load, now, rates="heavier")
         if held and held.value >= self.config.target:
             self.verdicts["held by memory"] += 1
             return None
@@ -440,12 +441,12 @@ class RoleController:
         met at a lower rate says nothing of this one."""
         current = self.remembered(_layout_key(layout), arriving, now, before=before)
         if current is None:  # none at a similar rate (a short window's rate is noisy): a shortfall at a lower one
-            lower = self.remembered(_layout_key(layout), arriving, now, before=before, lighter=True)
+            lower = self.remembered(_layout_key(layout), arriving, now, rates="lighter", before=before)
             current = lower if lower and lower.value < self.config.target else None
         if current is not None and current.value >= self.config.target:
             return None
         others = {o.layout for o in self.outcomes if o.layout != _layout_key(layout) and len(o.layout) == len(layout)}
-        known = [(key, share) for key in others if (share := self.remembered(key, arriving, now, heavier=True))]
+        known = [(key, share) for key in others if (share := self.remembered(key, arriving, now, rates="heavier"))]
         if not known:
             return None
         key, best = max(known, key=lambda ks: ks[1].value)
