@@ -409,6 +409,11 @@ def main() -> None:
         help="each class's prompt and output lengths, class:prompt-range:output-range",
     )
     parser.add_argument("--cpu-threads", type=int, default=1, help="torch threads per instance")
+    parser.add_argument(
+        "--policy",
+        default="fcfs",
+        help="every instance's prefill queue order (deadline: earliest TTFT deadline first, by each class's SLO)",
+    )
     parser.add_argument("--ttft-scale", type=float, default=4.0)
     parser.add_argument("--tpot-scale", type=float, default=3.0)
     parser.add_argument(
@@ -492,7 +497,7 @@ def main() -> None:
 
     def server(pools: dict, **control) -> BackgroundServer:
         config = make_cluster_config(**model, num_kv_blocks=1024, cpu_threads=args.cpu_threads,
-                                     **pools, **control)  # fmt: skip
+                                     policy=args.policy, **pools, **control)  # fmt: skip
         return BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0))
 
     ray.init(include_dashboard=False, log_to_driver=False)
@@ -554,7 +559,7 @@ def main() -> None:
                     print(f"{workload:<12} {name:<14} goodput {best:.3g} req/s", flush=True)
     finally:
         ray.shutdown()
-    summary = {"model": args.model, "classes": args.classes, "target": args.target, "slos": slos,
+    summary = {"model": args.model, "classes": args.classes, "policy": args.policy, "target": args.target, "slos": slos,
                "unloaded": unloaded, "role_control": {**ROLE_CONTROL, **role_control(args.role_control)},
                "results": results}  # fmt: skip
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -8,7 +8,7 @@ import time
 
 import psutil
 import pytest
-from conftest import in_use, random_prompts, reference_greedy, wait_nothing_in_use
+from conftest import in_use, random_prompts, reference_greedy, wait_nothing_in_use, wait_nothing_in_use_async
 
 from distserve import LLM, AsyncCluster, Cluster, SamplingParams
 from distserve.cluster.api import make_cluster_config
@@ -433,3 +433,51 @@ def test_clusters_one_after_another_reuse_the_ray_they_start(clusters):
     while any(map(_alive, ray_pids)):  # Ray's atexit hook stops them with the process
         assert time.monotonic() < deadline, f"Ray processes outlived the script: {list(filter(_alive, ray_pids))}"
         time.sleep(0.2)
+
+
+@pytest.mark.parametrize(
+    "policy, order", [("deadline", ["tight", "cluster", "loose"]), ("fcfs", ["loose", "cluster", "tight"])]
+)
+def test_the_orchestrator_gives_each_run_its_ttft_deadline(ray_cluster, llama, policy, order):
+    """Three prompts wait for the blocks a long request holds (each needs more than are free): one
+    with a loose TTFT SLO of its own, one with none (the cluster's, tighter), one with a tight one,
+    arriving in that order. The deadline policy prefills them by arrival plus SLO, fcfs by arrival;
+    outputs stay greedy."""
+    from distserve.cluster.role_controller import RequestSLO
+
+    # 100 blocks of 8 tokens: the long request's 600 + 200 tokens fill them all; the others need 26.
+    long_prompt, *prompts = random_prompts([600, 208, 208, 208], 1024, seed=11)
+    slos = {"loose": RequestSLO(ttft=60.0), "cluster": None, "tight": RequestSLO(ttft=5.0)}
+
+    async def main():
+        cluster = await AsyncCluster.start(
+            model="tiny-llama", block_size=8, num_kv_blocks=100, max_num_batched_tokens=256, policy=policy,
+            colocated={}, role_control={"slo_ttft": 30.0, "slo_tpot": 1.0}, stream_interval=0,
+        )  # fmt: skip
+
+        async def run(prompt, n, slo=None, started=None):
+            async for output in cluster.generate(prompt, _greedy(n), slo=slo):
+                if started is not None:
+                    started.set()
+                last = output
+            return last
+
+        try:
+            started = asyncio.Event()
+            blocker = asyncio.create_task(run(long_prompt, 200, started=started))
+            await started.wait()  # decoding: what it holds grows to every block until it ends
+            waiting = []
+            for prompt, slo in zip(prompts, slos.values()):
+                waiting.append(asyncio.create_task(run(prompt, 4, slo)))
+                await asyncio.sleep(0.05)
+            long_out, *outs = await asyncio.gather(blocker, *waiting)
+            assert long_out.metrics.token_times[-1] < min(o.metrics.token_times[0] for o in outs)  # they waited
+            for prompt, out in zip(prompts, outs):
+                assert out.output_token_ids == reference_greedy(llama, prompt, 4)
+            first_tokens = sorted(zip(slos, outs), key=lambda named: named[1].metrics.token_times[0])
+            assert [name for name, _ in first_tokens] == order
+            await wait_nothing_in_use_async(cluster)
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(main())

@@ -1,6 +1,7 @@
-"""Prefill policies (FCFS order, SJF with aging, priority) and the token budget."""
+"""Prefill policies (FCFS order, SJF with aging, priority, TTFT deadline) and the token budget."""
 
 import pytest
+from conftest import assert_engine_idle
 
 from distserve.core.config import SchedulerConfig
 from distserve.core.sampling_params import SamplingParams
@@ -13,8 +14,8 @@ def _scheduler(**options) -> WaitingQueue:
     return WaitingQueue(SchedulerConfig(**options), BlockManager(4096, 16, enable_prefix_caching=False))
 
 
-def _seq(n: int, priority: int = 0) -> Sequence:
-    return Sequence(list(range(1, n + 1)), SamplingParams(), priority=priority)
+def _seq(n: int, priority: int = 0, ttft_deadline: float | None = None) -> Sequence:
+    return Sequence(list(range(1, n + 1)), SamplingParams(), priority=priority, ttft_deadline=ttft_deadline)
 
 
 def _run_step(sched: WaitingQueue) -> list[Sequence]:
@@ -54,6 +55,26 @@ def test_priority_policy_orders_by_priority_then_arrival():
     while len(sched):
         order += _run_step(sched)
     assert order == [seqs[1], seqs[3], seqs[2], seqs[0]]
+
+
+def test_deadline_policy_orders_by_deadline_then_those_without_in_arrival_order():
+    sched = _scheduler(policy="deadline", max_num_batched_tokens=10)
+    seqs = [_seq(5, ttft_deadline=d) for d in (None, 108.0, None, 102.0, 105.0)]
+    for s in seqs:
+        sched.add(s)
+    order = []
+    while len(sched):
+        order += _run_step(sched)
+    assert order == [seqs[3], seqs[4], seqs[1], seqs[0], seqs[2]]
+
+
+def test_deadline_policy_admits_chunks_by_deadline():
+    """Chunked prefill: of the prompts waiting, the one due first gets the step's budget first."""
+    sched = _scheduler(policy="deadline", max_num_batched_tokens=64)
+    loose, tight = _seq(40, ttft_deadline=20.0), _seq(40, ttft_deadline=12.0)
+    sched.add(loose)
+    sched.add(tight)
+    assert [(s, n) for s, n in sched.admit(max_seqs=8, budget=48)] == [(tight, 40), (loose, 8)]
 
 
 def _steps_until_long_prompt_runs(aging: float, limit: int = 60) -> int | None:
@@ -117,3 +138,28 @@ def test_long_request_finishes_under_a_stream_of_short_ones(aging, finishes):
         assert finished_at is not None and finished_at <= (200 - 8) // 32 + 2
     else:
         assert finished_at is None
+
+
+def test_a_prompt_due_first_gets_its_first_token_first_through_the_engine():
+    """Prompts of loose and tight TTFT SLOs queued together (one prompt a prefill step): the engine
+    prefills in deadline order, whatever the arrival order; fcfs in arrival order."""
+    from distserve.core.config import EngineConfig
+    from distserve.engine.llm_engine import LLMEngine
+
+    def first_tokens(policy: str) -> list[str]:
+        engine = LLMEngine(EngineConfig.from_flat(model="tiny-llama", policy=policy, max_num_batched_tokens=16))
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        arrivals = (("loose", 50.0), ("none", None), ("tight", 10.0), ("middle", 30.0))
+        for i, (name, deadline) in enumerate(arrivals):  # other prompts: no prefix-cache hits
+            prompt = list(range(3 + 20 * i, 19 + 20 * i))
+            engine.add_sequence(engine.make_sequence(prompt, params, name, ttft_deadline=deadline))
+        order: list[str] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id not in order:
+                    order.append(out.request_id)
+        assert_engine_idle(engine)
+        return order
+
+    assert first_tokens("deadline") == ["tight", "middle", "loose", "none"]
+    assert first_tokens("fcfs") == ["loose", "none", "tight", "middle"]

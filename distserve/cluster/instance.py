@@ -102,9 +102,11 @@ class Instance:
         request_id: str | None = None,
         priority: int = 0,
         attempt: int = 0,
+        ttft_deadline: float | None = None,
     ) -> str:
-        """Validate and queue a request; raises RequestError for a bad one, InstanceFailure when down."""
-        seq = self.engine.make_sequence(prompt, params, request_id, priority, attempt)
+        """Validate and queue a request; raises RequestError for a bad one, InstanceFailure when down.
+        ``ttft_deadline``: the wall-clock time its first token is due by (the ``deadline`` policy)."""
+        seq = self.engine.make_sequence(prompt, params, request_id, priority, attempt, ttft_deadline)
         self._claim(seq.request_id, attempt)
         self._send("add", seq)
         return seq.request_id

@@ -254,10 +254,17 @@ class Orchestrator:
         attempt = state.attempt
         try:
             await entry.handle.add_request.remote(
-                state.prompt_token_ids, state.params, state.request_id, state.priority, attempt
-            )
+                state.prompt_token_ids, state.params, state.request_id, state.priority, attempt,
+                self.ttft_deadline(state),
+            )  # fmt: skip
         except INSTANCE_GONE as e:  # the instance died under the call
             self.spawn(self.failover.rerun(state, attempt, InstanceFailure(f"instance {entry.name} failed: {e}")))
+
+    def ttft_deadline(self, state: RequestState) -> float | None:
+        """When the request's first token is due: its arrival plus its TTFT SLO, or the cluster's
+        (``role_control.slo_ttft``); None without either. A re-run keeps the first run's."""
+        slo = state.slo.ttft or self.controller.cluster_slo.ttft
+        return state.metrics.arrival_time + slo if slo else None
 
     def spread_prompts(self) -> None:
         """Even out the prompts waiting for their first token over the instances that take new ones:

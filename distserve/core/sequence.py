@@ -35,6 +35,7 @@ class Sequence:
         priority: int = 0,
         arrival_time: float | None = None,
         attempt: int = 0,
+        ttft_deadline: float | None = None,
     ) -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
@@ -45,6 +46,9 @@ class Sequence:
         self.sampling_params = sampling_params
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # Wall-clock time by which its first token is due (arrival at the cluster plus its TTFT
+        # SLO), None: no SLO; the ``deadline`` policy orders prompts by it.
+        self.ttft_deadline = ttft_deadline
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.block_table: list[int] = []

@@ -24,6 +24,7 @@ class InputProcessor:
         request_id: str | None = None,
         priority: int = 0,
         attempt: int = 0,
+        ttft_deadline: float | None = None,
     ) -> Sequence:
         """Validate a request and build its sequence; raises RequestError saying what to fix."""
         if not isinstance(params, SamplingParams):
@@ -48,4 +49,7 @@ class InputProcessor:
                 f"the request may grow to {longest} tokens, more than the KV cache's "
                 f"{self.num_kv_blocks * self.block_size}: lower max_tokens or give the cache more blocks"
             )
-        return Sequence(token_ids, params, request_id=request_id, prompt=text, priority=priority, attempt=attempt)
+        return Sequence(
+            token_ids, params, request_id=request_id, prompt=text, priority=priority, attempt=attempt,
+            ttft_deadline=ttft_deadline,
+        )

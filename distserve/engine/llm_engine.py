@@ -151,9 +151,10 @@ class LLMEngine:
         request_id: str | None = None,
         priority: int = 0,
         attempt: int = 0,
+        ttft_deadline: float | None = None,
     ) -> Sequence:
         """Validate a request and build its sequence; raises RequestError saying what to fix."""
-        return self.input_processor.process(prompt, params, request_id, priority, attempt)
+        return self.input_processor.process(prompt, params, request_id, priority, attempt, ttft_deadline)
 
     def register(self, seq: Sequence) -> None:
         """Track ``seq`` and start its detokenization (past any output it already has). A later run

@@ -2,12 +2,15 @@
 
 Policies: ``fcfs`` (arrival order), ``sjf`` (fewest tokens first, with aging: each prefill step
 a prompt waits makes it count ``sjf_aging_tokens`` shorter, so long prompts cannot starve) and
-``priority`` (lowest ``priority`` value first, then arrival). Preempted sequences come back
-through ``resume`` and go before all others: they already waited once.
+``priority`` (lowest ``priority`` value first, then arrival) and ``deadline`` (earliest TTFT
+deadline first: a request's arrival plus its TTFT SLO, so that a request with a tight one is not
+queued behind earlier ones with loose ones; those without a deadline after, in arrival order).
+Preempted sequences come back through ``resume`` and go before all others: they already waited once.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 
@@ -22,6 +25,8 @@ def policy_key(config: SchedulerConfig) -> Callable[[Sequence], tuple]:
         return lambda s: (s.num_tokens - aging * s.prefill_steps_waited, s.arrival_time, s.seq_id)
     if config.policy == "priority":
         return lambda s: (s.priority, s.arrival_time, s.seq_id)
+    if config.policy == "deadline":
+        return lambda s: (math.inf if s.ttft_deadline is None else s.ttft_deadline, s.arrival_time, s.seq_id)
     return lambda s: (s.arrival_time, s.seq_id)
 
 
