@@ -572,6 +572,23 @@ def test_a_window_proposes_a_change_only_once_it_is_whole_after_the_layout_settl
     assert roles == {"a": D, "b": P} and not from_memory
 
 
+def test_a_light_load_s_window_reaches_back_to_the_fewest_requests_a_decision_rests_on():
+    config = RoleControlConfig("adaptive", slo_ttft=0.1, slo_tpot=0.01, window=10.0, min_requests=8)
+    controller = RoleController(None, config)
+    controller.settled_at = settled = 1000.0
+    pd = {"a": P, "b": D}
+    for i in range(12):  # one every 2 s: five in any 10 s; every prompt missed its TTFT, TPOT held
+        arrival = settled + 2 * i
+        controller.observe(FinishedRequest(arrival, 600, 60, finished=arrival + 1, ttft=0.5, tpot=0.002))
+    now = settled + 24.0
+    window = controller.window(now)
+    assert [r.arrival - settled for r in window] == [2 * i for i in range(4, 12)]  # the last 8, over 15 s
+    roles, _, _ = controller.propose_now(pd, window, now)
+    assert roles == {"a": C, "b": C}  # too little prefill: colocating
+    assert Load.of(window).rate == pytest.approx(0.5)
+    assert controller.window(settled + 33.5) == []  # none finished in the last 10 s: a load gone quiet
+
+
 def test_load_is_the_token_ratio_and_rate_of_a_window():
     load = Load.of([Arrival(t, prompt_len=600, max_tokens=60) for t in (0.0, 0.5, 1.0)])
     assert (load.tokens_ratio, load.rate) == (pytest.approx(10.0), 2.0)

@@ -2,7 +2,8 @@
 colocated and disaggregated (prefill + decode) layouts from the latency SLOs' live attainment.
 
 Every ``interval`` seconds it looks at the requests that finished in the last ``window`` seconds
-and arrived once the layout had settled, each judged by its own SLOs (a request may carry them)
+(or the last ``min_requests``, under a load too light to fill a window) and arrived once the
+layout had settled, each judged by its own SLOs (a request may carry them)
 or the cluster's. A layout has settled once the work from before its change is done and the
 queue that formed meanwhile has been prefilled: requests that arrive earlier wait behind the
 change, not the layout. Until a whole window has passed since, only memory (below) moves it. An
@@ -86,7 +87,7 @@ class RoleControlConfig:
     target: float = 0.9  # the share of requests each SLO must hold for
     interval: float = 2.0  # seconds between decisions
     window: float = 10.0  # seconds of finished requests a decision looks at
-    min_requests: int = 8  # fewer finished requests in the window: no decision
+    min_requests: int = 8  # a window holds at least this many finished requests (reaching back), else no decision
     patience: int = 2  # decisions in a row that must propose the same layout
     min_dwell: float = 10.0  # seconds after a change before the next
     memory: float = 120.0  # seconds a layout's measured attainment is trusted for a similar load
@@ -530,11 +531,15 @@ class RoleController:
         return Load.of(mix, self.cluster_slo).at_rate_of(Load.of(list(self.arrivals)))
 
     def window(self, now: float) -> list[FinishedRequest]:
-        """The requests that finished in the last ``window`` seconds and arrived once the current
-        layout had settled (none before)."""
-        while self.finished and self.finished[0].finished < now - self.config.window:
+        """The requests that finished in the last ``window`` seconds, or the last ``min_requests`` if
+        fewer did, that arrived once the current layout had settled (none before). A light load's
+        window reaches back until it holds enough to judge (at half a request a second, ten seconds
+        hold five), as long as one finished in the last ``window`` seconds: a load gone quiet is not
+        judged again on what came before."""
+        config = self.config
+        while len(self.finished) > config.min_requests and self.finished[0].finished < now - config.window:
             self.finished.popleft()
-        if self.settled_at is None:
+        if self.settled_at is None or not self.finished or self.finished[-1].finished < now - config.window:
             return []
         return [r for r in self.finished if r.arrival >= self.settled_at]
 

@@ -1,7 +1,7 @@
 """Prefill scheduling: batch waiting prompts under a token budget, in the order of a policy.
 
 Policies: ``fcfs`` (arrival order), ``sjf`` (fewest tokens first, with aging: each prefill step
-a prompt waits makes it count ``sjf_aging_tokens`` shorter, so long prompts cannot starve) and
+a prompt waits makes it count ``sjf_aging_tokens`` shorter, so long prompts cannot starve),
 ``priority`` (lowest ``priority`` value first, then arrival) and ``deadline`` (earliest TTFT
 deadline first: a request's arrival plus its TTFT SLO, so that a request with a tight one is not
 queued behind earlier ones with loose ones; those without a deadline after, in arrival order).
