@@ -26,7 +26,11 @@ if INTERPRET:
 pytest.importorskip("triton")
 
 from distserve.model_executor.attention import NO_WINDOW  # noqa: E402
-from distserve.model_executor.triton_attention import paged_decode_triton, triton_available  # noqa: E402
+from distserve.model_executor.triton_attention import (  # noqa: E402
+    paged_decode_triton,
+    split_shape,
+    triton_available,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -90,9 +94,9 @@ def _case(lengths, heads, kv_heads, block_size, dim=16, window=None, dtype=torch
     return tuple(t.to(DEVICE) for t in args)
 
 
-def _check(args, block_size, atol, rtol=0.0):
+def _check(args, block_size, atol, rtol=0.0, partition=None):
     scale = args[0].shape[-1] ** -0.5
-    out = paged_decode_triton(*args, block_size, scale)
+    out = paged_decode_triton(*args, block_size, scale, partition=partition)
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
     expected = _reference(*args, block_size, scale)
     torch.testing.assert_close(out.cpu().double(), expected, atol=atol, rtol=rtol)
@@ -120,6 +124,28 @@ def test_sliding_window(window):
     # blocks out of the longest.
     lengths = [1, 5, 40, 150, 300]
     _check(_case(lengths, 8, 2, 5, window=window), 5, atol=1e-4)
+
+
+@pytest.mark.parametrize("partition", [0, 64, 128])
+@pytest.mark.parametrize("window", [None, 37, 100])
+def test_partitions(partition, window):
+    # Unsplit, and split in partitions of one tile and of two (dim 16: 64-token tiles), each
+    # combined: contexts inside one partition, across several, ending on a partition's edge, and
+    # windows that leave whole partitions out; a padding row with no visible token gives zeros.
+    lengths = [1, 64, 65, 128, 129, 300]
+    args = _case(lengths, 8, 2, 16, window=window)
+    _check(args, 16, atol=1e-4, partition=partition)
+    q, k_cache, v_cache, tables, positions, oldest = args
+    empty = paged_decode_triton(q, k_cache, v_cache, tables, positions, positions + 1, 16, 1.0, partition=partition)
+    assert torch.equal(empty, torch.zeros_like(empty))
+
+
+def test_split_shape():
+    assert split_shape(4096, 16) == (256, 16)
+    assert split_shape(100, 16) == (256, 1)
+    assert split_shape(4096, 16, partition=0) == (4096, 1)
+    assert split_shape(4096, 64, partition=100) == (128, 32)  # whole tiles
+    assert split_shape(1 << 20, 16) == (16384, 64)  # at most 64 partitions
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -31,6 +31,10 @@ _MAX_TILE = 64
 _MIN_TILE = 16
 _ELEMENTS_PER_WARP = 8192
 _MAX_WARPS = 4
+# Tokens of one sequence's context that one program reads, and the most partitions a context is
+# split in (a wider table gets longer partitions).
+_PARTITION = 256
+_MAX_SPLITS = 64
 
 
 def triton_available() -> bool:
@@ -50,6 +54,8 @@ if triton is not None:
         k_ptr,
         v_ptr,
         out_ptr,
+        max_ptr,
+        sum_ptr,
         tables_ptr,
         positions_ptr,
         oldest_ptr,
@@ -68,20 +74,39 @@ if triton is not None:
         stride_od,
         stride_tb,
         stride_tw,
+        num_heads,
+        num_splits,
+        partition,  # not a constexpr: tables of every width share one compiled kernel
         BLOCK_SIZE: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         DIM: tl.constexpr,
         TILE: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
-        """One program per (sequence, KV head): all query heads of the KV head's group at once, so
-        each K/V row is read once for the group."""
+        """One program per (sequence, KV head, partition of the context): all query heads of the KV
+        head's group at once, so each K/V row is read once for the group.
+
+        Unsplit (one partition) it writes the output. Split, it writes its partition's running
+        maximum and sum (``[batch, heads, splits]``) and unnormalised values (``out_ptr``,
+        ``[batch, heads, splits, dim]``, float32) for ``_combine_kernel``; a program whose partition
+        holds no visible token writes nothing, and the combine reads nothing of it."""
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
+        split = tl.program_id(2)
         member = tl.arange(0, GROUP_PAD)
         head_ok = member < GROUP  # the group padded to a power of two for tl.arange
         heads = kv_head * GROUP + member
         dims = tl.arange(0, DIM)
+
+        position = tl.load(positions_ptr + seq).to(tl.int64)
+        oldest = tl.maximum(tl.load(oldest_ptr + seq).to(tl.int64), 0)
+        # This program's share of oldest..position: its partition's tokens.
+        first = tl.maximum(oldest, split * partition)
+        last = tl.minimum(position, split * partition + (partition - 1))
+        if SPLIT:
+            if first > last:
+                return
 
         # Scores in base 2 (exp2 is the hardware's): fold log2(e) into the scale once.
         q = tl.load(
@@ -90,18 +115,15 @@ if triton is not None:
             other=0.0,
         ).to(tl.float32) * (scale * 1.4426950408889634)
 
-        position = tl.load(positions_ptr + seq).to(tl.int64)
-        oldest = tl.maximum(tl.load(oldest_ptr + seq).to(tl.int64), 0)
-
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running maximum score
         total = tl.zeros([GROUP_PAD], tl.float32)  # running sum of exp(score - m)
         acc = tl.zeros([GROUP_PAD, DIM], tl.float32)  # running weighted sum of values
 
         # The bounds come from the device, so the launch is the same whatever the batch's contexts.
-        # Start at the tile holding ``oldest``: a sliding window skips the tiles before it.
-        for start in range(oldest // TILE * TILE, position + 1, TILE):
+        # Start at the tile holding ``first``: a sliding window skips the tiles before it.
+        for start in range(first // TILE * TILE, last + 1, TILE):
             tok = start + tl.arange(0, TILE)
-            visible = (tok >= oldest) & (tok <= position)
+            visible = (tok >= first) & (tok <= last)
             # Gathered per token: blocks of any size, smaller or larger than the tile, and the
             # table is never read past the sequence's position (its padding may be anything).
             block = tl.load(tables_ptr + seq * stride_tb + (tok // BLOCK_SIZE) * stride_tw, mask=visible, other=0)
@@ -130,19 +152,62 @@ if triton is not None:
             acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
             m = m_new
 
-        # No visible token at all (oldest > position, e.g. a padding row): zeros rather than NaN.
-        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-        tl.store(
-            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :] * stride_od,
-            out.to(out_ptr.dtype.element_ty),
-            mask=head_ok[:, None],
-        )
+        if SPLIT:
+            row = (seq * num_heads + heads) * num_splits + split
+            tl.store(max_ptr + row, m, mask=head_ok)
+            tl.store(sum_ptr + row, total, mask=head_ok)
+            tl.store(out_ptr + row[:, None] * DIM + dims[None, :], acc, mask=head_ok[:, None])
+        else:
+            # No visible token at all (oldest > position, e.g. a padding row): zeros, not NaN.
+            out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+            tl.store(
+                out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :] * stride_od,
+                out.to(out_ptr.dtype.element_ty),
+                mask=head_ok[:, None],
+            )
+
+    def _combine_kernel(
+        partial_ptr,
+        max_ptr,
+        sum_ptr,
+        out_ptr,
+        positions_ptr,
+        oldest_ptr,
+        stride_ob,
+        stride_oh,
+        stride_od,
+        num_heads,
+        num_splits,
+        partition,
+        DIM: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+    ):
+        """One program per (sequence, query head): the partitions' results weighted by how their
+        maxima stand to the overall one, reading only the partitions that held visible tokens."""
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        position = tl.load(positions_ptr + seq).to(tl.int64)
+        oldest = tl.maximum(tl.load(oldest_ptr + seq).to(tl.int64), 0)
+        split = tl.arange(0, SPLITS_PAD)
+        # The same test as the partition's program: oldest..position meets its tokens.
+        written = (split < num_splits) & (split * partition <= position) & (split * partition + partition > oldest)
+        written = written & (oldest <= position)
+        row = (seq * num_heads + head) * num_splits + split
+        m = tl.load(max_ptr + row, mask=written, other=float("-inf"))
+        overall = tl.max(m, axis=0)
+        overall = tl.where(overall == float("-inf"), 0.0, overall)
+        weight = tl.where(written, tl.exp2(m - overall), 0.0)
+        total = tl.sum(weight * tl.load(sum_ptr + row, mask=written, other=0.0), axis=0)
+        dims = tl.arange(0, DIM)
+        acc = tl.load(partial_ptr + row[:, None] * DIM + dims[None, :], mask=written[:, None], other=0.0)
+        out = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims * stride_od, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
-def _kernel():
+def _kernels():
     # Jitted on first use rather than at import: triton.jit reads TRITON_INTERPRET when it runs.
-    return triton.jit(_paged_decode_kernel)
+    return triton.jit(_paged_decode_kernel), triton.jit(_combine_kernel)
 
 
 def _launch_shape(group_pad: int, dim: int) -> tuple[int, int]:
@@ -150,6 +215,19 @@ def _launch_shape(group_pad: int, dim: int) -> tuple[int, int]:
     tile = max(_MIN_TILE, min(_MAX_TILE, _TILE_ELEMENTS // dim))
     warps = min(_MAX_WARPS, max(1, group_pad * tile * dim // _ELEMENTS_PER_WARP))
     return tile, warps
+
+
+def split_shape(width_tokens: int, tile: int, partition: int | None = None) -> tuple[int, int]:
+    """(tokens per partition, partitions) for block tables ``width_tokens`` wide.
+
+    The split follows the tables' width, known on the host, never the contexts, which only the
+    device knows: a captured graph serves every context its tables can hold, and a partition past
+    a sequence's position costs a program that returns at once. ``partition`` 0 means unsplit."""
+    if partition == 0:
+        return width_tokens, 1
+    size = max(partition or _PARTITION, -(-width_tokens // _MAX_SPLITS))
+    size = -(-size // tile) * tile
+    return size, -(-width_tokens // size)
 
 
 def paged_decode_triton(
@@ -161,11 +239,16 @@ def paged_decode_triton(
     oldest: torch.Tensor,
     block_size: int,
     scale: float,
+    partition: int | None = None,
 ) -> torch.Tensor:
     """q ``[batch, heads, dim]`` over each sequence's context from ``oldest`` to ``positions``
     ``[batch]`` (inclusive), K/V ``[slots, kv_heads, dim]`` read in place through ``block_tables``
     ``[batch, width]``. Query head ``h`` reads KV head ``h // (heads // kv_heads)``. Returns
-    ``[batch, heads, dim]`` in q's dtype."""
+    ``[batch, heads, dim]`` in q's dtype.
+
+    Each context is split in partitions of ``partition`` tokens (the default when None, unsplit
+    when 0) read by programs of their own and combined by a second kernel, so a batch of few
+    sequences still puts the whole GPU to reading K/V."""
     if triton is None:
         raise RuntimeError("paged_decode_triton needs Triton, which is not installed")
     batch, heads, dim = q.shape
@@ -177,12 +260,22 @@ def paged_decode_triton(
     group = heads // kv_heads
     group_pad = triton.next_power_of_2(group)
     tile, warps = _launch_shape(group_pad, dim)
+    size, splits = split_shape(block_tables.shape[1] * block_size, tile, partition)
     out = torch.empty((batch, heads, dim), dtype=q.dtype, device=q.device)
-    _kernel()[(batch, kv_heads)](
+    if splits == 1:
+        partial = maxima = sums = out  # not read: the kernel writes the output itself
+    else:
+        partial = torch.empty((batch, heads, splits, dim), dtype=torch.float32, device=q.device)
+        maxima = torch.empty((batch, heads, splits), dtype=torch.float32, device=q.device)
+        sums = torch.empty_like(maxima)
+    decode, combine = _kernels()
+    decode[(batch, kv_heads, splits)](
         q,
         k_cache,
         v_cache,
-        out,
+        out if splits == 1 else partial,
+        maxima,
+        sums,
         block_tables,
         positions,
         oldest,
@@ -192,11 +285,31 @@ def paged_decode_triton(
         *v_cache.stride(),
         *out.stride(),
         *block_tables.stride(),
+        heads,
+        splits,
+        size,
         BLOCK_SIZE=block_size,
         GROUP=group,
         GROUP_PAD=group_pad,
         DIM=dim,
         TILE=tile,
+        SPLIT=splits > 1,
         num_warps=warps,
     )
+    if splits > 1:
+        combine[(batch, heads)](
+            partial,
+            maxima,
+            sums,
+            out,
+            positions,
+            oldest,
+            *out.stride(),
+            heads,
+            splits,
+            size,
+            DIM=dim,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+            num_warps=max(1, min(4, triton.next_power_of_2(splits) * dim // 1024)),
+        )
     return out
