@@ -29,6 +29,8 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -36,8 +38,10 @@ from distserve import SamplingParams
 from distserve.core.config import EngineConfig
 from distserve.core.step_metrics import PHASES
 from distserve.engine.llm_engine import LLMEngine
+from distserve.model_executor import triton_attention
 
 MODEL = "llama-3-8b"
+DEFAULT_PARTITION = triton_attention._PARTITION
 
 
 def copy_bandwidth(num_bytes: int = 4 * 2**30, repeats: int = 10) -> float:
@@ -137,6 +141,60 @@ def decode_sweep(engine: LLMEngine, args: argparse.Namespace, bandwidth: float, 
     return rows
 
 
+def attention_sweep(args: argparse.Namespace, bandwidth: float) -> list[dict]:
+    """The Triton decode kernel alone at the model's attention shape (32 query heads over 8 KV
+    heads of 128, bfloat16, blocks of 16): K/V read per second against the copy bandwidth, for
+    each batch size, context and partition (0: unsplit), with tables as wide as the contexts
+    (eager steps) and as wide as the model's 8192 tokens (what a captured graph's tables are)."""
+    from distserve.model_executor.triton_attention import paged_decode_triton
+
+    heads, kv_heads, dim, block = 32, 8, 128, 16
+    rows = []
+    for context in args.sweep_contexts:
+        most = max(args.batch_sizes)
+        blocks = most * context // block
+        k_cache = torch.randn(blocks * block, kv_heads, dim, dtype=torch.bfloat16, device="cuda")
+        v_cache = torch.randn_like(k_cache)
+        for batch in args.batch_sizes:
+            order = torch.randperm(blocks, device="cuda")[: batch * context // block].to(torch.int32)
+            q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device="cuda")
+            positions = torch.full((batch,), context - 1, dtype=torch.long, device="cuda")
+            oldest = torch.zeros_like(positions)
+            kv_bytes = 2 * batch * context * kv_heads * dim * 2
+            for width in sorted({context // block, 8192 // block}):
+                tables = torch.zeros(batch, width, dtype=torch.int32, device="cuda")
+                tables[:, : context // block] = order.view(batch, -1)
+                call = partial(paged_decode_triton, q, k_cache, v_cache, tables, positions, oldest, block, 0.1)
+                for partition in args.sweep_partitions:
+                    seconds = cuda_seconds(partial(call, partition=partition))
+                    rows.append(
+                        {
+                            "context": context,
+                            "batch": batch,
+                            "table_tokens": width * block,
+                            "partition": partition,
+                            "us": seconds * 1e6,
+                            "GBps": kv_bytes / seconds / 1e9,
+                            "of_copy": kv_bytes / seconds / bandwidth,
+                        }
+                    )
+    return rows
+
+
+def cuda_seconds(call: Callable[[], object], repeats: int = 20) -> float:
+    """Median seconds of ``call`` on the GPU (CUDA events), after a warm-up that compiles it."""
+    call()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def kernel_table(prof: torch.profiler.profile) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=60)
 
@@ -207,7 +265,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(128, 1024), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(64, 512), metavar=("MIN", "MAX"))
-    p.add_argument("--modes", default="graphs,eager", help="decode as CUDA graphs, eagerly, or both in turn")
+    p.add_argument(
+        "--modes",
+        default="graphs,unsplit,eager",
+        help="decode as CUDA graphs, as graphs with the attention unsplit (one program per sequence and KV head), "
+        "eagerly: any of them in turn",
+    )
+    p.add_argument("--sweep-contexts", type=int, nargs="*", default=[512, 2048], help="attention kernel sweep")
+    p.add_argument("--sweep-partitions", type=int, nargs="*", default=[0, 64, 128, 256, 512])
     p.add_argument("--profile-batch", type=int, default=64, help="profile decode steps at this batch size (0: no)")
     p.add_argument("--json", help="write the figures to this file")
     return p.parse_args(argv)
@@ -228,7 +293,17 @@ def main(argv: list[str] | None = None) -> int:
         "modes": {},
     }
     print(f"{report['device']}: copy {bandwidth / 1e9:.0f} GB/s (read+write), bf16 matmul {peak / 1e12:.0f} TFLOP/s")
+    if args.sweep_contexts:
+        report["attention"] = attention_sweep(args, bandwidth)
+        torch.cuda.empty_cache()
+        print("\nTriton decode attention alone (K/V read per second, of the copy bandwidth):")
+        print(f"  {'context':>7} {'batch':>5} {'table':>6} {'partition':>9} {'us':>8} {'GB/s':>7} {'of copy':>7}")
+        for r in report["attention"]:
+            print(f"  {r['context']:>7} {r['batch']:>5} {r['table_tokens']:>6} {r['partition']:>9} {r['us']:8.1f} "
+                  f"{r['GBps']:7.0f} {r['of_copy']:7.1%}")  # fmt: skip
     for mode in args.modes.split(","):
+        # Unsplit: the default partition past any table's width (a knob of this benchmark alone).
+        triton_attention._PARTITION = 1 << 30 if mode == "unsplit" else DEFAULT_PARTITION
         engine, build_s = build_engine(args, enforce_eager=mode == "eager")
         worker = engine.executor.worker
         vocab = worker.model.config.vocab_size
@@ -266,9 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
         torch.cuda.empty_cache()
     modes = report["modes"]
-    if {"graphs", "eager"} <= modes.keys():
-        ratio = modes["graphs"]["offline"]["output_tokens_per_s"] / modes["eager"]["offline"]["output_tokens_per_s"]
-        print(f"\ngraphs / eager offline throughput: {ratio:.2f}x")
+    for other in ("unsplit", "eager"):
+        if {"graphs", other} <= modes.keys():
+            tok_s = modes["graphs"]["offline"]["output_tokens_per_s"] / modes[other]["offline"]["output_tokens_per_s"]
+            print(f"\ngraphs / {other} offline throughput: {tok_s:.2f}x")
+            for g, o in zip(modes["graphs"]["decode"], modes[other]["decode"]):
+                print(f"  batch {g['batch']}: decode step {o['step_ms']:.2f} -> {g['step_ms']:.2f} ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -4,9 +4,11 @@ Two spawned processes each hold one rank's KV cache of a Llama-3-8B shape (32 la
 of 128, bfloat16, blocks of 16 tokens): a prefill rank and a decode rank, joined by a KV channel,
 which picks CUDA IPC. For each token count the decode rank pulls that many tokens from scattered
 blocks of the prefill rank's cache into scattered blocks of its own, as the migrator asks it
-(``recv`` with both sides' slots, timed on the decode rank until its copies are done), and then
-copies the same bytes in one contiguous piece out of the prefill rank's cache through the same
-mapping (``recv_probe``): the raw speed. Medians of the repeats, after one warm-up each.
+(``recv`` with both sides' slots, timed on the decode rank until its copies are done: one Triton
+gather-scatter over every layer), then the same through torch's per-layer gather and scatter (the
+fallback without Triton), and then copies the same bytes in one contiguous piece out of the
+prefill rank's cache through the same mapping (``recv_probe``): the raw speed. Medians of the
+repeats, after one warm-up each.
 
     python scripts/bench_kv_ipc.py [--tokens 512,2048,8192] [--repeats 10] [--json kv_ipc.json]
 """
@@ -32,6 +34,7 @@ import torch.multiprocessing as mp
 
 from distserve.kv_transfer.channel import STAGING_TOKENS, KVTransfer
 from distserve.kv_transfer.plan import KVLayout, token_slots
+from distserve.kv_transfer.slot_copy import copy_slots
 
 CHANNEL = "bench-prefill.0>bench-decode.0"
 
@@ -88,6 +91,17 @@ def median_seconds(call: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def torch_pull(transfer: KVTransfer, dst_slots: list[int], src_slots: list[int]) -> None:
+    """The pull of ``recv`` with torch's per-layer copy in place of the kernel: every layer and head."""
+    src_cache = transfer._group(CHANNEL).tensor
+    stream = transfer._stream()
+    with torch.cuda.stream(stream):
+        index = torch.tensor(dst_slots, dtype=torch.long, device=transfer.device)
+        src_index = torch.tensor(src_slots, dtype=torch.long, device=transfer.device)
+        copy_slots(transfer.kv_tensor, index, src_cache, src_index, transfer.chunk_tokens, kernel=False)
+    stream.synchronize()
+
+
 def destination(args: argparse.Namespace, addresses: Queue, results: Queue) -> None:
     """The decode rank: connects, then for each token count pulls from scattered blocks and copies
     the same bytes contiguously; puts its figures (or its error) on ``results``."""
@@ -111,8 +125,10 @@ def destination(args: argparse.Namespace, addresses: Queue, results: Queue) -> N
                 if not torch.equal(transfer.kv_tensor[layer][:, dst_slots], src_cache[layer][:, src_slots]):
                     raise RuntimeError(f"layer {layer} of a {tokens}-token pull differs from the source")
             pull = median_seconds(partial(transfer.recv, CHANNEL, dst_slots, layers, heads, src_slots), args.repeats)
+            fallback = median_seconds(partial(torch_pull, transfer, dst_slots, src_slots), args.repeats)
             raw = median_seconds(partial(transfer.recv_probe, CHANNEL, num_bytes), args.repeats)
-            rows.append({"tokens": tokens, "bytes": num_bytes, "ipc_seconds": pull, "raw_seconds": raw})
+            row = {"tokens": tokens, "bytes": num_bytes, "ipc_seconds": pull, "torch_seconds": fallback}
+            rows.append(row | {"raw_seconds": raw})
         results.put({"device": torch.cuda.get_device_name(0), "rows": rows})
     except BaseException:
         results.put({"error": f"the decode rank failed:\n{traceback.format_exc()}"})
@@ -151,14 +167,14 @@ def main() -> None:
         f"\n{answer['device']}: {args.num_layers} layers, {args.num_kv_heads} KV heads of {args.head_dim}, "
         f"{args.dtype}, blocks of {args.block_size}; two processes, one GPU; medians of {args.repeats}\n"
     )
-    print("| tokens | KV MiB | IPC pull ms | GB/s | raw copy ms | raw GB/s | pull / raw speed |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tokens | KV MiB | IPC pull ms | GB/s | torch per-layer ms | raw copy ms | raw GB/s | pull / raw speed |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in answer["rows"]:
         pull, raw, num_bytes = row["ipc_seconds"], row["raw_seconds"], row["bytes"]
         row.update(ipc_gb_per_s=num_bytes / pull / 1e9, raw_gb_per_s=num_bytes / raw / 1e9, ratio=raw / pull)
         print(
             f"| {row['tokens']} | {num_bytes / 2**20:.1f} | {pull * 1e3:.2f} | {row['ipc_gb_per_s']:.1f} "
-            f"| {raw * 1e3:.2f} | {row['raw_gb_per_s']:.1f} | {row['ratio']:.2f} |"
+            f"| {row['torch_seconds'] * 1e3:.2f} | {raw * 1e3:.2f} | {row['raw_gb_per_s']:.1f} | {row['ratio']:.2f} |"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks in one go: the GPU tests (float32 exactness against transformers, bfloat16
-# serving, decode graphs, KV over CUDA IPC), then the GPU benchmarks. Each step has a time limit
+# The GPU checks in one go: the Triton kernels against their references, the GPU tests (float32
+# exactness against transformers, bfloat16 serving, decode graphs, KV over CUDA IPC), then the GPU
+# benchmarks. Each step has a time limit
 # and a log of its own in OUTDIR, and a failing step does not stop the next.
 #
 #   bash scripts/gpu_checks.sh [OUTDIR]
@@ -25,6 +26,8 @@ step() {  # step NAME SECONDS COMMAND...: run it with a limit, log to OUTDIR/NAM
     $python -c "import torch, transformers, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, 'triton', triton.__version__)"
 } >"$out/env.txt" 2>&1
+step kernels "${KERNELS_LIMIT:-120}" $python -m pytest -p no:cacheprovider -q -rs \
+    tests/test_triton_attention.py tests/test_slot_copy.py
 # TESTS_K selects tests (pytest -k), BENCH_ARGS adds bench_gpu.py options: for a short run.
 step tests "${TESTS_LIMIT:-300}" $python -m pytest -m gpu -p no:cacheprovider -q -rs --durations=15 \
     ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu.py tests/test_kv_ipc.py

@@ -20,7 +20,9 @@ A transfer names the token slots on each side, so blocks are addressed whole but
 tokens that hold KV are moved: the bytes are exactly layers x 2 x tokens x heads x head_dim x
 dtype size. Over a group it goes through two staging buffers of a fixed size per rank, a chunk
 of at most ``STAGING_TOKENS`` tokens of one layer each, which the KV cache's memory budget sets
-aside (``staging_bytes``); over IPC a copy takes at most one such chunk of temporary memory.
+aside (``staging_bytes``). Over IPC one kernel copies every layer's slots straight from the
+source's cache into the destination's (``slot_copy``); without Triton, a chunk at a time through
+at most one such chunk of temporary memory.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from distserve.kv_transfer.plan import KVLayout
+from distserve.kv_transfer.slot_copy import copy_slots
 from distserve.parallel.process_group import COLLECTIVE_TIMEOUT, create_store
 
 logger = logging.getLogger(__name__)
@@ -287,8 +290,7 @@ class KVTransfer:
         """
         group = self._group(channel)
         if isinstance(group, IpcPeer):
-            head_dim = self.kv_tensor.shape[4]
-            return len(layers) * 2 * len(slots) * len(heads) * head_dim * self.kv_tensor.element_size()
+            return self._bytes(slots, layers, heads)
         pending = []
         num_bytes = 0
         with self._transfer_lock:
@@ -330,25 +332,28 @@ class KVTransfer:
         return num_bytes
 
     def _pull(self, peer: IpcPeer, src_slots: list[int], slots: list[int], layers: range, heads: range) -> int:
-        """Copy the source's ``src_slots`` into ``slots``, GPU to GPU, a chunk of one layer at a
-        time (the temporary memory of one staging buffer); back once the copies are done, since
-        the source may reuse its blocks as soon as the pull is reported."""
+        """Copy the source's ``src_slots`` into ``slots``, GPU to GPU, every layer in one gather-
+        scatter (``slot_copy``); back once the copies are done, since the source may reuse its
+        blocks as soon as the pull is reported."""
         assert peer.tensor is not None and peer.layout is not None  # a destination's end
-        num_bytes = 0
+        here, there = _part(self.kv_tensor, self.layout, layers, heads), _part(peer.tensor, peer.layout, layers, heads)
         stream = self._stream()
-        first_layer, first_head = self.layout.layers.start, self.layout.kv_heads.start
-        heads_here = slice(heads.start - first_head, heads.stop - first_head)
-        heads_there = slice(heads.start - peer.layout.kv_heads.start, heads.stop - peer.layout.kv_heads.start)
         with self._transfer_lock, torch.cuda.stream(stream):
             index = torch.tensor(slots, dtype=torch.long, device=self.device)
             src_index = torch.tensor(src_slots, dtype=torch.long, device=self.device)
-            for layer in layers:
-                view = self.kv_tensor[layer - first_layer, :, :, heads_here]
-                src = peer.tensor[layer - peer.layout.layers.start, :, :, heads_there]
-                for start in range(0, len(slots), self.chunk_tokens):
-                    chunk = slice(start, start + self.chunk_tokens)
-                    data = src.index_select(1, src_index[chunk])
-                    view.index_copy_(1, index[chunk], data)
-                    num_bytes += data.numel() * data.element_size()
+            copy_slots(here, index, there, src_index, self.chunk_tokens)
         stream.synchronize()
-        return num_bytes
+        return self._bytes(slots, layers, heads)
+
+    def _bytes(self, slots: list[int], layers: range, heads: range) -> int:
+        """The K and V of ``slots`` for ``layers`` x ``heads``, in bytes."""
+        head_dim = self.kv_tensor.shape[4]
+        return len(layers) * 2 * len(slots) * len(heads) * head_dim * self.kv_tensor.element_size()
+
+
+def _part(cache: torch.Tensor, layout: KVLayout, layers: range, heads: range) -> torch.Tensor:
+    """The ``[layers, 2, slots, heads, head_dim]`` view of a rank's cache (holding ``layout``) for
+    model ``layers`` x ``heads``."""
+    first_layer, first_head = layout.layers.start, layout.kv_heads.start
+    layer_slice = slice(layers.start - first_layer, layers.stop - first_layer)
+    return cache[layer_slice, :, :, heads.start - first_head : heads.stop - first_head]
