@@ -41,7 +41,7 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.model_executor import triton_attention
 
 MODEL = "llama-3-8b"
-DEFAULT_PARTITION = triton_attention._PARTITION
+UNSPLIT_PROGRAMS_PER_SM = triton_attention._UNSPLIT_PROGRAMS_PER_SM
 
 
 def copy_bandwidth(num_bytes: int = 4 * 2**30, repeats: int = 10) -> float:
@@ -302,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {r['context']:>7} {r['batch']:>5} {r['table_tokens']:>6} {r['partition']:>9} {r['us']:8.1f} "
                   f"{r['GBps']:7.0f} {r['of_copy']:7.1%}")  # fmt: skip
     for mode in args.modes.split(","):
-        # Unsplit: the default partition past any table's width (a knob of this benchmark alone).
-        triton_attention._PARTITION = 1 << 30 if mode == "unsplit" else DEFAULT_PARTITION
+        # Unsplit: no grid is short of programs (a knob of this benchmark alone).
+        triton_attention._UNSPLIT_PROGRAMS_PER_SM = 0 if mode == "unsplit" else UNSPLIT_PROGRAMS_PER_SM
         engine, build_s = build_engine(args, enforce_eager=mode == "eager")
         worker = engine.executor.worker
         vocab = worker.model.config.vocab_size

@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 
 from distserve.model_executor.attention import NO_WINDOW  # noqa: E402
 from distserve.model_executor.triton_attention import (  # noqa: E402
+    default_partition,
     paged_decode_triton,
     split_shape,
     triton_available,
@@ -141,11 +142,18 @@ def test_partitions(partition, window):
 
 
 def test_split_shape():
-    assert split_shape(4096, 16) == (256, 16)
-    assert split_shape(100, 16) == (256, 1)
-    assert split_shape(4096, 16, partition=0) == (4096, 1)
-    assert split_shape(4096, 64, partition=100) == (128, 32)  # whole tiles
-    assert split_shape(1 << 20, 16) == (16384, 64)  # at most 64 partitions
+    assert split_shape(4096, 16, 256) == (256, 16)
+    assert split_shape(100, 16, 256) == (256, 1)
+    assert split_shape(4096, 16, 0) == (4096, 1)
+    assert split_shape(4096, 64, 100) == (128, 32)  # whole tiles
+    assert split_shape(1 << 20, 16, 256) == (16384, 64)  # at most 64 partitions
+
+
+def test_default_partition_splits_only_a_grid_short_of_programs():
+    # 132 multiprocessors, 8 KV heads: 16 sequences (128 programs), 64 (512), 128 (1024)
+    assert default_partition(16 * 8, 132) == 128
+    assert default_partition(64 * 8, 132) == 256
+    assert default_partition(128 * 8, 132) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
