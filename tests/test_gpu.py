@@ -75,6 +75,19 @@ def test_bfloat16_serves_and_frees_every_block(family):
     assert_engine_idle(llm.engine)
 
 
+def test_bfloat16_prefill_attention_runs_on_the_flash_kernel():
+    """Prompts attend through SDPA's flash kernel: with only that kernel allowed, SDPA raises
+    rather than fall back to its math path (float32 products of bfloat16 inputs)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    llm = LLM("tiny-llama", device="cuda")
+    prompts = random_prompts([5, 40, 120], 1024)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert all(len(o.output_token_ids) == 4 for o in outputs)
+    assert_engine_idle(llm.engine)
+
+
 def test_prefill_and_decode_engines_hand_over_kv_on_cuda(reference_model):
     """A prefill engine and a decode engine on the GPU, the KV moved between their CUDA caches:
     greedy output equal to transformers."""
