@@ -14,12 +14,12 @@ INTERPRET = not torch.cuda.is_available()
 if INTERPRET and "triton.language" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from distserve.kv_transfer import slot_copy  # noqa: E402
 from distserve.kv_transfer.slot_copy import copy_slots  # noqa: E402
-from distserve.model_executor.triton_attention import triton_available  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The kernel runs on a GPU, or on CPU where the interpreter could be set before Triton was imported.
-RUNS_KERNEL = triton_available() and (not INTERPRET or os.environ.get("TRITON_INTERPRET") == "1")
+RUNS_KERNEL = slot_copy.triton is not None and (not INTERPRET or os.environ.get("TRITON_INTERPRET") == "1")
 KERNELS = [False, True] if RUNS_KERNEL else [False]
 
 

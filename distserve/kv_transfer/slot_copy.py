@@ -14,7 +14,12 @@ import functools
 
 import torch
 
-from distserve.model_executor.triton_attention import tl, triton, triton_available
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+    tl = None
 
 # Elements one program moves: 16 rows of 8 heads x 128 (bfloat16: 32 KiB read, 32 KiB written).
 _PROGRAM_ELEMENTS = 16384
@@ -77,7 +82,7 @@ def copy_slots(
     tokens (False), or the first where it can run (None)."""
     if dst.shape[:2] != src.shape[:2] or dst.shape[3:] != src.shape[3:]:
         raise ValueError(f"caches of shapes {tuple(src.shape)} and {tuple(dst.shape)} do not match")
-    usable = triton_available() and _rows_contiguous(src) and _rows_contiguous(dst)
+    usable = triton is not None and _rows_contiguous(src) and _rows_contiguous(dst)
     if kernel is None:
         kernel = usable and dst.is_cuda
     if kernel and not usable:
