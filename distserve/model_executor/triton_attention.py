@@ -33,10 +33,10 @@ _ELEMENTS_PER_WARP = 8192
 _MAX_WARPS = 4
 # Splitting contexts pays while the unsplit grid (a program per sequence and KV head) leaves the
 # GPU short of programs. Measured on an H100 (Llama-3-8B's 32 over 8 heads of 128, bfloat16,
-# contexts of 512 and 2048): split in 256-token partitions, 16 sequences read K/V 1.5-3.9x faster
-# and 64 sequences 1.0-1.6x, while 128 sequences (1024 programs, 8 per multiprocessor) read
-# 5-20% slower than unsplit. Partitions of 128 tokens were 15% faster than 256 at 16 sequences,
-# 5-10% slower at 64.
+# contexts of 512 and 2048): split, 16 sequences read K/V 1.3-3.4x faster and 64 sequences
+# 1.1-1.6x, while 128 sequences (1024 programs, 8 per multiprocessor) read 6-25% slower than
+# unsplit. Partitions of 128 tokens were 11-16% faster than 256 at 16 sequences, 3-10% slower
+# at 64.
 _PARTITION = 256
 _SMALL_PARTITION = 128  # for grids of at most 2 programs per multiprocessor
 _UNSPLIT_PROGRAMS_PER_SM = 6
