@@ -589,6 +589,31 @@ def test_a_light_load_s_window_reaches_back_to_the_fewest_requests_a_decision_re
     assert controller.window(settled + 33.5) == []  # none finished in the last 10 s: a load gone quiet
 
 
+def test_a_window_that_holds_the_kind_that_came_before_is_judged_by_the_kind_arriving():
+    config = RoleControlConfig("adaptive", slo_ttft=0.1, slo_tpot=0.01, window=3.0, min_requests=4)
+    controller = RoleController(None, config)
+    controller.settled_at = settled = 1000.0
+    pd, now = {"a": P, "b": D}, settled + 4.0
+    for i in range(24):  # chat requests, all met, decoding near its TPOT SLO (no room for chunks)
+        controller.observe(FinishedRequest(settled + 0.05 * i, 40, 128, finished=now - 1, ttft=0.05, tpot=0.008))
+    for i in range(5):  # then long prompts, every one past its TTFT SLO
+        controller.observe(FinishedRequest(settled + 2 + 0.1 * i, 600, 60, finished=now - 0.5, ttft=0.5, tpot=0.002))
+    window = controller.window(now)
+    whole = attainment(window, config.slo_ttft, config.slo_tpot)
+    assert whole.ttft == pytest.approx(24 / 29)  # within the noise of 90% for 29 requests: no miss seen
+    assert controller.propose_now(pd, window, now) is None  # nothing tells the kind arriving yet
+    for t in (now - 1.0, now - 0.6, now - 0.3):
+        controller.observe_arrival(Arrival(t, prompt_len=600, max_tokens=60))
+    assert [r.prompt_len for r in controller.of_arriving_kind(window, controller.arriving(now))] == [600] * 5
+    roles, why, from_memory = controller.propose_now(pd, window, now)
+    assert roles == {"a": C, "b": C} and not from_memory
+    assert why.startswith("TTFT attainment 0%, TPOT 100% over 5 requests")
+    # A blend of both kinds arriving together is judged whole.
+    for t in (now - 0.2, now - 0.1):
+        controller.observe_arrival(Arrival(t, prompt_len=40, max_tokens=128))
+    assert controller.of_arriving_kind(window, controller.arriving(now)) == window
+
+
 def test_load_is_the_token_ratio_and_rate_of_a_window():
     load = Load.of([Arrival(t, prompt_len=600, max_tokens=60) for t in (0.0, 0.5, 1.0)])
     assert (load.tokens_ratio, load.rate) == (pytest.approx(10.0), 2.0)

@@ -3,20 +3,21 @@ colocated and disaggregated (prefill + decode) layouts from the latency SLOs' li
 
 Every ``interval`` seconds it looks at the requests that finished in the last ``window`` seconds
 (or the last ``min_requests``, under a load too light to fill a window) and arrived once the
-layout had settled, each judged by its own SLOs (a request may carry them)
-or the cluster's. A layout has settled once the work from before its change is done and the
-queue that formed meanwhile has been prefilled: requests that arrive earlier wait behind the
-change, not the layout. Until a whole window has passed since, only memory (below) moves it. An
-SLO counts as missed when its attainment is under the target by more than the window's sampling
-noise. TTFT missed while TPOT holds means too little prefill: one decode instance fewer, or all
-colocated when one is left, if decode steps have room for prompt chunks beside them (the TPOT
-quantile well within its SLO; then TTFT near its SLO is enough, before a window misses); without
-that room colocating would trade TTFT misses for TPOT ones. Colocated already and without that
-room, prompts wait behind decoding in mixed steps, and half the instances prefill alone. TPOT
-missed while TTFT holds means prefill interferes with decoding, or too little decode: from
-colocated to half prefill, half decode, else one decode instance more. Both met: no change. Both
-missed (an overload, or the wrong layout for the load): the other of colocated and disaggregated
-is tried.
+layout had settled, each judged by its own SLOs (a request may carry them) or the cluster's; only
+those of the kind now arriving when the window also holds the kind that came before a change of
+workload, which would hide the new kind's misses. A layout has settled once the work from before
+its change is done and the queue that formed meanwhile has been prefilled: requests that arrive
+earlier wait behind the change, not the layout. Until a whole window has passed since, only memory
+(below) moves it. An SLO counts as missed when its attainment is under the target by more than the
+window's sampling noise. TTFT missed while TPOT holds means too little prefill: one decode
+instance fewer, or all colocated when one is left, if decode steps have room for prompt chunks
+beside them (the TPOT quantile well within its SLO; then TTFT near its SLO is enough, before a
+window misses); without that room colocating would trade TTFT misses for TPOT ones. Colocated
+already and without that room, prompts wait behind decoding in mixed steps, and half the instances
+prefill alone. TPOT missed while TTFT holds means prefill interferes with decoding, or too little
+decode: from colocated to half prefill, half decode, else one decode instance more. Both met: no
+change. Both missed (an overload, or the wrong layout for the load): the other of colocated and
+disaggregated is tried.
 
 The controller remembers how the requests each layout served did (how many met both SLOs) under
 the load they came in: the typical ratio of prompt to requested output tokens, of TPOT to TTFT
@@ -582,11 +583,23 @@ class RoleController:
         if arriving and (recalled := self.recall(layout, arriving, now, self.last_change if fresh else math.inf)):
             self.verdicts["recalled"] += 1
             return *recalled, True
-        if not tick or fresh or len(window) < self.config.min_requests:
+        judged = self.of_arriving_kind(window, arriving)
+        if not tick or fresh or len(judged) < self.config.min_requests:
             return None  # between ticks, not yet a whole window since the layout settled, or too few requests
-        seen = attainment(window, self.config.slo_ttft, self.config.slo_tpot, self.config.target)
-        proposal = self.consider(layout, seen, Load.of(window, self.cluster_slo), now)
+        seen = attainment(judged, self.config.slo_ttft, self.config.slo_tpot, self.config.target)
+        proposal = self.consider(layout, seen, Load.of(judged, self.cluster_slo), now)
         return (*proposal, False) if proposal else None
+
+    def of_arriving_kind(self, window: list[FinishedRequest], arriving: Load | None) -> list[FinishedRequest]:
+        """The requests of ``window`` that a layout is judged by now: those of the kind arriving, when
+        the window also holds others (a workload that changed: the kind that came before, met or
+        not, says nothing of how this layout serves what comes now, and a few of it among the new
+        kind's misses hide them), else all (one kind, or a blend of kinds arriving together)."""
+        if arriving is None:
+            return window
+        groups = kinds(window, self.cluster_slo)
+        alike = [group for group in groups if Load.of(group, self.cluster_slo).similar_mix(arriving)]
+        return alike[0] if len(groups) > 1 and alike else window
 
     def mix_moved(self, now: float) -> bool:
         """Whether the arriving mix has moved since the last look (a steady load has been looked at)."""
