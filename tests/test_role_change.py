@@ -614,6 +614,31 @@ def test_a_window_that_holds_the_kind_that_came_before_is_judged_by_the_kind_arr
     assert controller.of_arriving_kind(window, controller.arriving(now)) == window
 
 
+def test_prompts_queued_past_their_ttft_slo_count_as_misses_before_they_finish():
+    config = RoleControlConfig("adaptive", slo_ttft=0.1, slo_tpot=0.01, window=3.0, min_requests=4)
+    controller = RoleController(None, config)
+    controller.settled_at = settled = 1000.0
+    pd, now = {"a": P, "b": D}, settled + 4.0
+    for i in range(3):  # a few finished, all met: too few to judge
+        controller.observe(FinishedRequest(settled + 0.1 * i, 600, 60, finished=now - 1, ttft=0.05, tpot=0.002))
+    window = controller.window(now)
+    in_flight = [
+        (Arrival(settled - 0.5, 600, 60), None),  # arrived before the layout settled: not its doing
+        (Arrival(settled + 1.0, 600, 60), settled + 1.05),  # its first token in time
+        (Arrival(now - 0.05, 600, 60), None),  # waiting, but not yet past its SLO: not known
+        (Arrival(now - 1.0, 600, 60, RequestSLO(ttft=2.0)), None),  # its own SLO leaves it time
+    ] + [(Arrival(settled + 2.0 + 0.1 * i, 600, 60), None) for i in range(4)]  # queued past 0.1 s
+    started = controller.known_ttfts(in_flight, now)
+    assert [round(r.ttft, 2) for r in started] == [0.05, 2.0, 1.9, 1.8, 1.7]
+    assert all(r.tpot is None for r in started)
+    assert controller.propose_now(pd, window, now) is None  # the finished ones alone: too few
+    roles, why, _ = controller.propose_now(pd, window, now, started=started)
+    assert roles == {"a": C, "b": C}
+    assert why.startswith("TTFT attainment 50%, TPOT 100% over 8 requests")
+    controller.settled_at = None  # a change under way: nothing in flight is this layout's yet
+    assert controller.known_ttfts(in_flight, now) == []
+
+
 def test_load_is_the_token_ratio_and_rate_of_a_window():
     load = Load.of([Arrival(t, prompt_len=600, max_tokens=60) for t in (0.0, 0.5, 1.0)])
     assert (load.tokens_ratio, load.rate) == (pytest.approx(10.0), 2.0)

@@ -293,6 +293,12 @@ class Orchestrator:
         setattr(state.metrics, f"{phase}_instance", entry.name)
         entry.load_tokens += state.load
 
+    def in_flight(self) -> list[tuple[Arrival, float | None]]:
+        """Each request in flight, in order of arrival, with the wall-clock time of its first token
+        (None: still waiting for it): what the role controller sees before requests finish."""
+        states = self.requests.values()
+        return [(_arrival(s), s.metrics.token_times[0] if s.metrics.token_times else None) for s in states]
+
     def forget(self, state: RequestState) -> None:
         """The request is over: it no longer counts anywhere."""
         self.unassign(state)

@@ -30,17 +30,18 @@ this rate or above as remembered: under bursty arrivals misses come in runs, and
 them is a dip; what a lower rate met says nothing of a rising one.
 
 Finished requests tell late: a request is judged only once it has all its tokens, and a window of
-them must fill after a change. So the controller also looks at the load arriving now (the mix of
-the last ``arrival_window`` seconds of arrivals, or of the last ``MIX_ARRIVALS``): when the
-current layout's requests fell short of the target under a load like it (or, none recorded at a
-rate like it, under a lighter one) and another layout's did clearly better under one at this
-rate or above (or the current layout served none like it, and
-another surely met the target), it moves there at once. It looks on every arrival
+them must fill after a change. So a window also counts the requests in flight whose TTFT is known
+(their first token came, or they have queued past their TTFT SLO: a miss whatever comes), and the
+controller also looks at the load arriving now (the mix of the last ``arrival_window`` seconds of
+arrivals, or of the last ``MIX_ARRIVALS``): when the current layout's requests fell short of the
+target under a load like it (or, none recorded at a rate like it, under a lighter one) and another
+layout's did clearly better under one at this rate or above (or the current layout served none
+like it, and another surely met the target), it moves there at once. It looks on every arrival
 that moves the mix, not only every ``interval``: a workload that switches between kinds of
-requests is then followed on the few arrivals after each switch, once each kind has been seen
-(and is still remembered). A layout just moved to is judged there by what it did
-before the change until a whole window has passed since it settled: its first requests wait
-behind the backlog of the layout before.
+requests is then followed on the few arrivals after each switch, once each kind has been seen (and
+is still remembered). A layout just moved to is judged there by what it did before the change
+until a whole window has passed since it settled: its first requests wait behind the backlog of
+the layout before.
 
 Against flapping besides: a proposal from a window's attainment must come ``patience`` times in a
 row (one from memory rests on every request remembered, and needs none), and a change waits
@@ -570,11 +571,17 @@ class RoleController:
             self.remember(layout, Load.of(kind, self.cluster_slo).at_rate_of(rate), met, len(kind), now)
 
     def propose_now(
-        self, layout: dict[str, Role], window: list[FinishedRequest], now: float, tick: bool = True
+        self,
+        layout: dict[str, Role],
+        window: list[FinishedRequest],
+        now: float,
+        tick: bool = True,
+        started: Iterable[FinishedRequest] = (),
     ) -> tuple[dict[str, Role], str, bool] | None:
         """A change for the load arriving now, from memory; else, on a ``tick``, one from the
-        attainment of the requests in ``window``. The flag: whether it is from memory, which needs
-        no patience (it rests on every request remembered, not on one window)."""
+        attainment of the requests in ``window`` and of those ``started`` (in flight, their TTFT
+        known: ``known_ttfts``). The flag: whether it is from memory, which needs no patience (it
+        rests on every request remembered, not on one window)."""
         arriving = self.arriving(now)
         # A layout's first requests after a change wait behind the backlog of the one before, an
         # overload's most of all: until a whole window has passed since it settled, the current
@@ -583,7 +590,7 @@ class RoleController:
         if arriving and (recalled := self.recall(layout, arriving, now, self.last_change if fresh else math.inf)):
             self.verdicts["recalled"] += 1
             return *recalled, True
-        judged = self.of_arriving_kind(window, arriving)
+        judged = self.of_arriving_kind(window + list(started), arriving)
         if not tick or fresh or len(judged) < self.config.min_requests:
             return None  # between ticks, not yet a whole window since the layout settled, or too few requests
         seen = attainment(judged, self.config.slo_ttft, self.config.slo_tpot, self.config.target)
@@ -600,6 +607,23 @@ class RoleController:
         groups = kinds(window, self.cluster_slo)
         alike = [group for group in groups if Load.of(group, self.cluster_slo).similar_mix(arriving)]
         return alike[0] if len(groups) > 1 and alike else window
+
+    def known_ttfts(self, in_flight: Iterable[tuple[Arrival, float | None]], now: float) -> list[FinishedRequest]:
+        """Of the requests in flight, each as (arrival, wall-clock time of its first token or None),
+        those that arrived once the layout settled and whose TTFT is known: their first token came,
+        or they have waited past their TTFT SLO, a miss whatever comes (TPOT unknown: None). A
+        request is judged only once it finishes, seconds after its first token: a layout short of
+        prefill shows here first, in the prompts that queue past their SLOs."""
+        if self.settled_at is None:
+            return []
+        known = []
+        for request, first_token in in_flight:
+            if request.arrival < self.settled_at:
+                continue
+            waited = (first_token if first_token is not None else now) - request.arrival
+            if first_token is not None or waited > (request.slo.ttft or self.config.slo_ttft):
+                known.append(FinishedRequest(**vars(request), finished=now, ttft=waited, tpot=None))
+        return known
 
     def mix_moved(self, now: float) -> bool:
         """Whether the arriving mix has moved since the last look (a steady load has been looked at)."""
@@ -618,14 +642,14 @@ class RoleController:
         orchestrator = self.orchestrator
         live = sorted((s for s in orchestrator.instances if s.failure is None), key=lambda s: -s.load_tokens)
         layout = {s.name: s.role for s in live}
+        in_flight = orchestrator.in_flight()
         if self.settled_at is None:
-            in_flight = orchestrator.requests.values()
-            self.settle(((state.metrics.arrival_time, bool(state.metrics.token_times)) for state in in_flight), now)
+            self.settle(((request.arrival, first_token is not None) for request, first_token in in_flight), now)
         window = self.window(now)
         self.record(layout, window, now)
         if now - self.last_change < config.min_dwell:
             return
-        proposal = self.propose_now(layout, window, now, tick)
+        proposal = self.propose_now(layout, window, now, tick, self.known_ttfts(in_flight, now))
         if not tick and proposal is None:
             return  # a window's proposal needs its ticks in a row: an arrival between them is not one
         if proposal is None or proposal[0] != self._proposal:
