@@ -26,6 +26,7 @@ from distserve.cluster.role_controller import (
     RoleController,
     Share,
     attainment,
+    miss_margin,
     propose,
 )
 from distserve.cluster.routing import spread_prompts
@@ -285,7 +286,7 @@ def _seen(ttft: float, tpot: float, both: float | None = None, levels: tuple[flo
     """A window's attainment; ``levels``: its TTFT and TPOT quantiles as fractions of the SLOs, by
     default over the SLO where missed, else TTFT at 70% and TPOT at 40% (decode steps with room)."""
     levels = levels or (1.2 if ttft < 0.9 else 0.7, 1.2 if tpot < 0.9 else 0.4)
-    return Attainment(ttft, tpot, min(ttft, tpot) if both is None else both, 50, *levels)
+    return Attainment(ttft, tpot, min(ttft, tpot) if both is None else both, 50, *levels, num_decoded=50)
 
 
 def test_the_controller_moves_capacity_to_the_phase_that_misses_its_slo():
@@ -637,6 +638,17 @@ def test_prompts_queued_past_their_ttft_slo_count_as_misses_before_they_finish()
     assert why.startswith("TTFT attainment 50%, TPOT 100% over 8 requests")
     controller.settled_at = None  # a change under way: nothing in flight is this layout's yet
     assert controller.known_ttfts(in_flight, now) == []
+
+
+def test_tpot_is_judged_by_the_noise_of_the_requests_whose_tpot_is_known():
+    started = [FinishedRequest(float(i), 600, 60, finished=10.0, ttft=0.05, tpot=None) for i in range(7)]
+    tpots = (0.02, 0.005, 0.005)
+    finished = [FinishedRequest(7.0 + i, 600, 60, finished=10.0, ttft=0.05, tpot=t) for i, t in enumerate(tpots)]
+    seen = attainment(started + finished, slo_ttft=0.1, slo_tpot=0.01)
+    assert (seen.num_requests, seen.num_decoded, seen.tpot) == (10, 3, pytest.approx(2 / 3))
+    # 2 of 3 is within the noise of 90% for 3 requests, not for 10
+    assert propose({"a": C, "b": C}, seen, 0.9) is None  # judged as 10, it would disaggregate
+    assert miss_margin(0.9, 10) < 0.9 - 2 / 3 < miss_margin(0.9, 3)
 
 
 def test_load_is_the_token_ratio_and_rate_of_a_window():

@@ -152,6 +152,7 @@ class Attainment:
     # how close to its SLO each phase runs, which attainment alone does not say while it is met.
     ttft_level: float
     tpot_level: float
+    num_decoded: int  # requests whose TPOT is known (more than one token, finished)
 
 
 def attainment(
@@ -164,7 +165,8 @@ def attainment(
     tpot = sum(x <= 1.0 for x in decoded) / len(decoded) if decoded else 1.0
     both = sum(t <= 1.0 and (p is None or p <= 1.0) for t, p in zip(ttft_ratio, tpot_ratio)) / len(requests)
     ttft = sum(x <= 1.0 for x in ttft_ratio) / len(requests)
-    return Attainment(ttft, tpot, both, len(requests), _quantile(ttft_ratio, target), _quantile(decoded, target))
+    ttft_level, tpot_level = _quantile(ttft_ratio, target), _quantile(decoded, target)
+    return Attainment(ttft, tpot, both, len(requests), ttft_level, tpot_level, len(decoded))
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -302,8 +304,9 @@ def propose(layout: dict[str, Role], seen: Attainment, target: float) -> tuple[d
     most loaded first (the instances that become decode keep the requests they decode)."""
     names = list(layout)
     decode = [n for n in names if layout[n] is Role.DECODE]
-    clear = target - miss_margin(target, seen.num_requests)
-    missing_ttft, missing_tpot = seen.ttft < clear, seen.tpot < clear
+    # Each SLO's noise is of the requests it judges: a window's requests in flight have a TTFT only.
+    missing_ttft = seen.ttft < target - miss_margin(target, seen.num_requests)
+    missing_tpot = seen.num_decoded > 0 and seen.tpot < target - miss_margin(target, seen.num_decoded)
     decode_has_room = seen.tpot_level <= DECODE_ROOM
     # With room in decode steps, prefill near its SLO is worth more capacity before a window misses.
     short_of_prefill = missing_ttft or (decode_has_room and seen.ttft_level >= NEAR_SLO)
