@@ -593,9 +593,11 @@ class RoleController:
         if arriving and (recalled := self.recall(layout, arriving, now, self.last_change if fresh else math.inf)):
             self.verdicts["recalled"] += 1
             return *recalled, True
+        if not tick or fresh:
+            return None  # between ticks, or not yet a whole window since the layout settled
         judged = self.of_arriving_kind(window + list(started), arriving)
-        if not tick or fresh or len(judged) < self.config.min_requests:
-            return None  # between ticks, not yet a whole window since the layout settled, or too few requests
+        if len(judged) < self.config.min_requests:
+            return None
         seen = attainment(judged, self.config.slo_ttft, self.config.slo_tpot, self.config.target)
         proposal = self.consider(layout, seen, Load.of(judged, self.cluster_slo), now)
         return (*proposal, False) if proposal else None
