@@ -34,7 +34,7 @@ def _migrations(cluster: Cluster) -> dict:
     return records
 
 
-def _check(cluster: Cluster, reference, seed: int) -> None:
+def _check(cluster: Cluster, reference, seed: int, transport: str = "gloo") -> None:
     prompts = random_prompts(LENGTHS, reference.config.vocab_size, seed=seed)
     outputs = cluster.generate(prompts, [_greedy(n) for n in MAX_TOKENS])
     for prompt, n, out in zip(prompts, MAX_TOKENS, outputs):
@@ -49,6 +49,7 @@ def _check(cluster: Cluster, reference, seed: int) -> None:
             record = migrations[out.request_id]
             assert record.num_tokens == len(prompt)
             assert record.num_bytes == KV_BYTES_PER_TOKEN * len(prompt)
+            assert record.transport == transport
             assert out.metrics.prefill_end <= out.metrics.migration_start <= out.metrics.migration_end
     wait_nothing_in_use(cluster.info)
 

@@ -128,3 +128,35 @@ def test_instance_actor_on_cuda_equals_transformers(ray_cluster, reference_model
     finally:
         ray.kill(handle)
         model.to("cpu")
+
+
+# Two instances on the one GPU (conftest's Ray cluster lets them share it), each sized by blocks,
+# not by the GPU's free memory, which the first would take.
+ON_ONE_GPU = dict(model="tiny-llama", device="cuda", dtype="float32", block_size=8, num_kv_blocks=200)
+
+
+def test_disaggregated_cluster_on_one_gpu_equals_transformers(ray_cluster, reference_model):
+    """A prefill and a decode instance, each a Ray actor with a CUDA context of its own: the decode
+    instance pulls the KV out of the prefill instance's cache over CUDA IPC."""
+    from test_cluster import _check
+
+    from distserve import Cluster
+
+    model = reference_model("tiny-llama").to("cuda")
+    try:
+        with Cluster(prefill={}, decode={}, **ON_ONE_GPU) as cluster:
+            _check(cluster, model, seed=1, transport="ipc")
+    finally:
+        model.to("cpu")
+
+
+def test_roles_change_under_load_on_one_gpu(ray_cluster, reference_model):
+    """Every direction of role change with requests queued, held, arriving and decoding, on CUDA:
+    decode steps as CUDA graphs and chunked prefill through the Triton kernel across the changes."""
+    from test_role_change import check_roles_change_under_load
+
+    model = reference_model("tiny-llama").to("cuda")
+    try:
+        check_roles_change_under_load(model, **{k: v for k, v in ON_ONE_GPU.items() if k != "model"})
+    finally:
+        model.to("cpu")

@@ -62,13 +62,16 @@ async def _until(cluster: AsyncCluster, condition, timeout: float = 20.0) -> Non
         await asyncio.sleep(0.005)
 
 
-def test_roles_change_under_load_in_every_direction(ray_cluster, llama):
+def check_roles_change_under_load(llama, **engine_options) -> None:
+    """From 1 prefill + 1 decode through every direction (``LAYOUTS``), each change made while
+    requests are queued, held for decode, arriving there and decoding: outputs greedy-equal to
+    ``llama`` (on the instances' device) and nothing in use afterwards."""
     waves = [random_prompts([40, 9, 120, 64, 17, 88], llama.config.vocab_size, seed=s) for s in range(len(LAYOUTS))]
     max_tokens = [30, 48, 24, 40, 36, 28]
 
     async def main() -> tuple[list[list[list[int]]], list]:
         # Decode admits 2 requests at a time, so hand-overs wait there and prefill holds their KV.
-        options = dict(model="tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=48)
+        options = dict(model="tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=48, **engine_options)
         async with AsyncCluster(prefill={}, decode={"max_num_seqs": 2}, **options) as cluster:
             names = [i.name for i in await cluster.info()]
             tasks, busy = [], []
@@ -92,6 +95,10 @@ def test_roles_change_under_load_in_every_direction(ray_cluster, llama):
     directions = {(r.old_role, r.new_role) for r in history}
     assert directions == {(P, C), (D, C), (C, P), (C, D), (P, D), (D, P)}
     assert all(r.seconds < 10 and r.reason == "operator" for r in history)
+
+
+def test_roles_change_under_load_in_every_direction(ray_cluster, llama):
+    check_roles_change_under_load(llama)
 
 
 def test_a_change_that_adds_an_instance_taking_prompts_spreads_the_queue_over_it(ray_cluster, llama):

@@ -31,6 +31,7 @@ class MigrationRecord:
     request_id: str
     num_tokens: int
     num_bytes: int  # received by all of this instance's ranks together
+    transport: str  # how it moved: "gloo", "nccl" or "ipc" ("ipc+nccl" where the pull's channels differ)
     start: float  # time.time() when the pull began and ended
     end: float
 
@@ -63,7 +64,7 @@ class Migrator:
         self._records: OrderedDict[str, MigrationRecord] = OrderedDict()
         self._records_lock = threading.Lock()
         self._sources: dict[str, tuple[Any, list[KVEndpoint], list[TransferPart]]] = {}
-        self._connected: set[str] = set()
+        self._connected: dict[str, str] = {}  # channel: its transport
         # ("pull", handover, block table), ("forget", instance name), or None to stop.
         self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"{name}-migrator", daemon=True)
@@ -104,7 +105,7 @@ class Migrator:
     def _forget(self, instance_name: str, on_ranks: bool = False) -> None:
         """Drop the source ``instance_name``; ``on_ranks``: this instance's ranks drop its channels too."""
         self._sources.pop(instance_name, None)
-        self._connected = {c for c in self._connected if channel_peers(c)[0] != instance_name}
+        self._connected = {c: t for c, t in self._connected.items() if channel_peers(c)[0] != instance_name}
         if on_ranks:
             try:
                 ray.get([e.call("drop_peer", instance_name) for e in self.endpoints])
@@ -127,7 +128,7 @@ class Migrator:
             src, dst = sources[part.src], self.endpoints[part.dst]
             address = ray.get(src.call("store_address"))
             ray.get([src.call("connect", channel, True, address), dst.call("connect", channel, False, address)])
-            self._connected.add(channel)
+            self._connected[channel] = ray.get(dst.call("transport", channel))
         return channel
 
     def records(self) -> dict[str, MigrationRecord]:
@@ -141,11 +142,12 @@ class Migrator:
         num_tokens = handover.num_kv_tokens
         src_slots = token_slots(handover.block_table, num_tokens, handover.block_size)
         dst_slots = token_slots(block_table, num_tokens, self.block_size)
-        num_bytes = 0
+        num_bytes, transports = 0, set()
         for round_ in transfer_rounds(plan):
             sends, recvs = [], []
             for part in round_:
                 channel = self._channel(handover.prefill_instance, sources, part)
+                transports.add(self._connected[channel])
                 sends.append(sources[part.src].call("send", channel, src_slots, part.layers, part.kv_heads))
                 # The source's slots too: over CUDA IPC the destination reads them itself.
                 recvs.append(
@@ -157,7 +159,8 @@ class Migrator:
         # which case they may have been reused during the pull.
         if not ray.get(handle.release_kv.remote(handover.request_id, handover.attempt)):
             raise KVNoLongerHeld(f"{handover.prefill_instance} no longer held the KV (hold deadline or abort)")
-        record = MigrationRecord(handover.request_id, num_tokens, num_bytes, start, time.time())
+        transport = "+".join(sorted(transports))
+        record = MigrationRecord(handover.request_id, num_tokens, num_bytes, transport, start, time.time())
         with self._records_lock:
             self._records[handover.request_id] = record
             while len(self._records) > self.MAX_RECORDS:
