@@ -26,6 +26,7 @@ import ray
 from transformers.utils import logging as hf_logging
 
 from distserve import Cluster, SamplingParams
+from distserve.engine.ray_runtime import one_gpu_shared_options
 from distserve.model_executor.tiny_models import write_llama_shape
 
 
@@ -74,7 +75,8 @@ def main() -> None:
     args = parse_args()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    ray.init(include_dashboard=False, log_to_driver=False)
+    shared = one_gpu_shared_options() if args.device == "cuda" else {}  # one GPU: both instances on it
+    ray.init(include_dashboard=False, log_to_driver=False, **shared)
     lengths = [int(x) for x in args.prompt_lens.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp), args)

@@ -1,7 +1,7 @@
 """How long a role change takes under load: 2 instances flip between 1 prefill + 1 decode and 2
 colocated (chunked prefill) while requests stream, and every change is timed.
 
-    python scripts/bench_role_change.py [--changes 20] [--rate 10]
+    python scripts/bench_role_change.py [--changes 20] [--rate 10] [--device cuda]
 
 Per change it prints the operator's wait (``set_roles`` asked to returned: every phase, each
 instance's swap, the orchestrator's bookkeeping) and each instance's own time (the call reaching
@@ -17,14 +17,17 @@ import random
 import statistics
 import time
 
+import ray
+
 from distserve import AsyncCluster, SamplingParams
 from distserve.core.role import Role
+from distserve.engine.ray_runtime import one_gpu_shared_options
 
 
 async def main(args: argparse.Namespace) -> None:
     rng = random.Random(0)
-    options = dict(model=args.model, cpu_threads=1, num_kv_blocks=1024, enable_chunked_prefill=True,
-                   max_num_batched_tokens=256)  # fmt: skip
+    options = dict(model=args.model, device=args.device, cpu_threads=1, num_kv_blocks=1024,
+                   enable_chunked_prefill=True, max_num_batched_tokens=256, load_format=args.load_format)  # fmt: skip
     async with AsyncCluster(prefill={}, decode={}, **options) as cluster:
         names = [i.name for i in await cluster.info()]
         layouts = [(Role.COLOCATED, Role.COLOCATED), (Role.PREFILL, Role.DECODE)]
@@ -75,4 +78,9 @@ if __name__ == "__main__":
     parser.add_argument("--changes", type=int, default=20)
     parser.add_argument("--rate", type=float, default=10.0, help="req/s, half long prompts, half short")
     parser.add_argument("--every", type=float, default=1.0, help="seconds between changes")
-    asyncio.run(main(parser.parse_args()))
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--load-format", default="auto", help="dummy: random weights of the model's shape")
+    args = parser.parse_args()
+    shared = one_gpu_shared_options() if args.device == "cuda" else {}  # one GPU: both instances on it
+    ray.init(include_dashboard=False, log_to_driver=False, **shared)
+    asyncio.run(main(args))

@@ -105,13 +105,10 @@ def ray_cluster():
     """A local Ray cluster for the tests that run instances as actors, started once."""
     ray = pytest.importorskip("ray")
 
-    options = {}
-    if torch.cuda.device_count() == 1:
-        # One GPU: Ray is told of two and every actor sees the one device, so a prefill and a
-        # decode instance share it as they would two GPUs of a node (their KV moves over CUDA IPC).
-        os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
-        options = {"num_gpus": 2, "runtime_env": {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, **options)
+    from distserve.engine.ray_runtime import one_gpu_shared_options
+
+    # On a one-GPU machine, the GPU tests' prefill and decode instances share it.
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, **one_gpu_shared_options())
     yield ray
     ray.shutdown()
 

@@ -12,9 +12,11 @@ and Ray's own atexit hook shuts them down then; every cluster in between reuses 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 from concurrent.futures import Future
+from typing import Any
 
 import ray
 
@@ -58,3 +60,23 @@ async def ensure_ray_async() -> None:
     """``ensure_ray`` that leaves the event loop running while a local Ray starts (seconds)."""
     if not ray.is_initialized():
         await asyncio.wrap_future(_request_init())
+
+
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def one_gpu_shared_options() -> dict[str, Any]:
+    """``ray.init`` options that let a prefill and a decode instance share a machine's one GPU.
+
+    An instance of one rank asks Ray for a whole GPU, so on a one-GPU machine a second instance
+    would wait for ever. Ray is told of two GPUs instead and leaves ``CUDA_VISIBLE_DEVICES`` alone,
+    so every actor sees the one device; the instances' KV then moves over CUDA IPC, as between two
+    GPUs of a node. Empty unless this machine has exactly one GPU. Size each instance's KV cache
+    by blocks (``num_kv_blocks``): sized by free memory, the first would take the second's share.
+    """
+    import torch
+
+    if torch.cuda.device_count() != 1:
+        return {}
+    os.environ[NOSET_CUDA_VISIBLE_DEVICES] = "1"  # the local raylet and its workers inherit it
+    return {"num_gpus": 2, "runtime_env": {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}}
