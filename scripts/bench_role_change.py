@@ -6,7 +6,9 @@ colocated (chunked prefill) while requests stream, and every change is timed.
 Per change it prints the operator's wait (``set_roles`` asked to returned: every phase, each
 instance's swap, the orchestrator's bookkeeping) and each instance's own time (the call reaching
 its step loop to the new role serving: the rest of a step at most, then the swap), and at the end
-the medians and maxima. Requests are greedy and checked to finish; none may be lost.
+the medians and maxima, with each instance's engine swap alone (``LLMEngine.change_role``) and its
+mean step time, which split an instance's time into the step it waited for and the swap itself.
+Requests are greedy and checked to finish; none may be lost.
 """
 
 from __future__ import annotations
@@ -24,12 +26,36 @@ from distserve.core.role import Role
 from distserve.engine.ray_runtime import one_gpu_shared_options
 
 
+def _time_engine_swaps(instance) -> None:
+    """Run in an instance actor: time each ``LLMEngine.change_role`` call, the swap without the
+    wait for the step in progress."""
+    engine, change = instance.engine, instance.engine.change_role
+    instance.bench_swaps = []
+
+    def timed(role):
+        start = time.perf_counter()
+        try:
+            return change(role)
+        finally:
+            instance.bench_swaps.append(time.perf_counter() - start)
+
+    engine.change_role = timed
+
+
+def _engine_figures(instance) -> tuple[list[float], int, float]:
+    """Run in an instance actor: its engine swaps' seconds, its steps and their total seconds."""
+    stats = instance.engine.stats
+    return instance.bench_swaps, stats.num_steps, sum(stats.totals.values())
+
+
 async def main(args: argparse.Namespace) -> None:
     rng = random.Random(0)
     options = dict(model=args.model, device=args.device, cpu_threads=1, num_kv_blocks=1024,
                    enable_chunked_prefill=True, max_num_batched_tokens=256, load_format=args.load_format)  # fmt: skip
     async with AsyncCluster(prefill={}, decode={}, **options) as cluster:
         names = [i.name for i in await cluster.info()]
+        handles = [state.handle for state in cluster.orchestrator.instances]
+        await asyncio.gather(*[h.__ray_call__.remote(_time_engine_swaps) for h in handles])
         layouts = [(Role.COLOCATED, Role.COLOCATED), (Role.PREFILL, Role.DECODE)]
         stop = asyncio.Event()
         finished, lost = [], []
@@ -66,9 +92,13 @@ async def main(args: argparse.Namespace) -> None:
                   + ", ".join(f"{r.old_role}->{r.new_role} {r.seconds * 1e3:.2f} ms" for r in records), flush=True)
         stop.set()
         await loader
+        figures = await asyncio.gather(*[h.__ray_call__.remote(_engine_figures) for h in handles])
     print(f"\n{args.changes} changes at {args.rate:g} req/s: asked to done median {statistics.median(waits) * 1e3:.1f} "
           f"ms, max {max(waits) * 1e3:.1f} ms; an instance's swap median {statistics.median(swaps) * 1e3:.2f} ms, "
           f"max {max(swaps) * 1e3:.2f} ms")
+    for name, (engine_swaps, steps, seconds) in zip(names, figures):
+        print(f"{name}: engine swap median {statistics.median(engine_swaps) * 1e3:.2f} ms, max "
+              f"{max(engine_swaps) * 1e3:.2f} ms; {steps} steps, mean {seconds / max(steps, 1) * 1e3:.2f} ms")
     print(f"requests: {len(finished)} finished, {sum(finished)} with all their tokens, {len(lost)} failed")
 
 

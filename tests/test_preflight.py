@@ -58,7 +58,10 @@ def models(tmp_path):
         (["--decode-pipeline-parallel-size", "3"], "3 pipeline stages need at least 3 decoder layers"),
         (["--prefill-tensor-parallel-size", "0"], "the prefill pool: tensor_parallel_size must be at least 1"),
         (["--max-model-len", "5000"], "exceeds the model's context of 1024 positions"),
-        (["--model", "opt-175b", "--load-format", "dummy", "--decode-instances", "4"], "GiB is available"),
+        (
+            ["--model", "opt-175b", "--load-format", "dummy", "--decode-instances", "4", "--device", "cpu"],
+            "GiB is available",
+        ),
         (["--grpc-port", "7411", "--port", "7411"], "the gRPC and the HTTP server cannot share port 7411"),
     ],
     ids=[
