@@ -80,7 +80,10 @@ async def main(args: argparse.Namespace) -> None:
 
         loader = asyncio.create_task(load())
         waits, swaps = [], []
+        halfway = []  # each instance's figures halfway: the second half's steps are warm ones
         for i in range(args.changes):
+            if i == args.changes // 2:
+                halfway = await asyncio.gather(*[h.__ray_call__.remote(_engine_figures) for h in handles])
             await asyncio.sleep(args.every)
             held = sum(x.num_running + x.num_held + x.num_pending for x in await cluster.info())
             started = time.perf_counter()
@@ -96,9 +99,11 @@ async def main(args: argparse.Namespace) -> None:
     print(f"\n{args.changes} changes at {args.rate:g} req/s: asked to done median {statistics.median(waits) * 1e3:.1f} "
           f"ms, max {max(waits) * 1e3:.1f} ms; an instance's swap median {statistics.median(swaps) * 1e3:.2f} ms, "
           f"max {max(swaps) * 1e3:.2f} ms")
-    for name, (engine_swaps, steps, seconds) in zip(names, figures):
+    for name, (engine_swaps, steps, seconds), (_, steps_before, seconds_before) in zip(names, figures, halfway):
+        warm_steps = steps - steps_before
         print(f"{name}: engine swap median {statistics.median(engine_swaps) * 1e3:.2f} ms, max "
-              f"{max(engine_swaps) * 1e3:.2f} ms; {steps} steps, mean {seconds / max(steps, 1) * 1e3:.2f} ms")
+              f"{max(engine_swaps) * 1e3:.2f} ms; {steps} steps, mean {seconds / max(steps, 1) * 1e3:.2f} ms; "
+              f"second half {warm_steps} steps, mean {(seconds - seconds_before) / max(warm_steps, 1) * 1e3:.2f} ms")
     print(f"requests: {len(finished)} finished, {sum(finished)} with all their tokens, {len(lost)} failed")
 
 
