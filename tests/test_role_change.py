@@ -20,6 +20,7 @@ from distserve.cluster.role_controller import (
     Arrival,
     Attainment,
     FinishedRequest,
+    InFlight,
     Load,
     RequestSLO,
     RoleControlConfig,
@@ -631,12 +632,12 @@ def test_prompts_queued_past_their_ttft_slo_count_as_misses_before_they_finish()
         controller.observe(FinishedRequest(settled + 0.1 * i, 600, 60, finished=now - 1, ttft=0.05, tpot=0.002))
     window = controller.window(now)
     in_flight = [
-        (Arrival(settled - 0.5, 600, 60), None),  # arrived before the layout settled: not its doing
-        (Arrival(settled + 1.0, 600, 60), settled + 1.05),  # its first token in time
-        (Arrival(now - 0.05, 600, 60), None),  # waiting, but not yet past its SLO: not known
-        (Arrival(now - 1.0, 600, 60, RequestSLO(ttft=2.0)), None),  # its own SLO leaves it time
-    ] + [(Arrival(settled + 2.0 + 0.1 * i, 600, 60), None) for i in range(4)]  # queued past 0.1 s
-    started = controller.known_ttfts(in_flight, now)
+        InFlight(Arrival(settled - 0.5, 600, 60)),  # arrived before the layout settled: not its doing
+        InFlight(Arrival(settled + 1.0, 600, 60), settled + 1.05, settled + 1.05),  # its first token in time
+        InFlight(Arrival(now - 0.05, 600, 60)),  # waiting, but not yet past its SLO: not known
+        InFlight(Arrival(now - 1.0, 600, 60, RequestSLO(ttft=2.0))),  # its own SLO leaves it time
+    ] + [InFlight(Arrival(settled + 2.0 + 0.1 * i, 600, 60)) for i in range(4)]  # queued past 0.1 s
+    started = controller.known_in_flight(in_flight, now)
     assert [round(r.ttft, 2) for r in started] == [0.05, 2.0, 1.9, 1.8, 1.7]
     assert all(r.tpot is None for r in started)
     assert controller.propose_now(pd, window, now) is None  # the finished ones alone: too few
@@ -644,7 +645,33 @@ def test_prompts_queued_past_their_ttft_slo_count_as_misses_before_they_finish()
     assert roles == {"a": C, "b": C}
     assert why.startswith("TTFT attainment 50%, TPOT 100% over 8 requests")
     controller.settled_at = None  # a change under way: nothing in flight is this layout's yet
-    assert controller.known_ttfts(in_flight, now) == []
+    assert controller.known_in_flight(in_flight, now) == []
+
+
+def test_requests_decoding_too_slowly_to_meet_their_tpot_slo_count_as_misses_before_they_finish():
+    config = RoleControlConfig("adaptive", slo_ttft=1.0, slo_tpot=0.05, window=3.0, min_requests=4)
+    controller = RoleController(None, config)
+    controller.settled_at = settled = 1000.0
+    cc, now = {"a": C, "b": C}, settled + 10.0
+
+    def decoding(start: float, seconds: float, max_tokens: int = 65, slo: RequestSLO | None = None) -> InFlight:
+        """First token 0.1 s after arriving, the latest ``seconds`` after that."""
+        return InFlight(Arrival(start, 40, max_tokens, slo or RequestSLO()), start + 0.1, start + 0.1 + seconds)
+
+    in_flight = [
+        decoding(settled - 1.0, 4.0),  # arrived before the layout settled: not its doing
+        decoding(settled + 1.0, 3.0),  # 3 s: 64 more tokens at once would still make 47 ms a token
+        decoding(settled + 1.1, 4.0, slo=RequestSLO(tpot=0.1)),  # its own SLO leaves it room
+        decoding(settled + 1.2, 4.0, max_tokens=1),  # one token: no TPOT
+    ] + [decoding(settled + 2.0 + 0.1 * i, 3.3 + 0.2 * i) for i in range(4)]  # past 64 x 50 ms already
+    started = controller.known_in_flight(in_flight, now)
+    assert [r.tpot for r in started[:3]] == [None] * 3
+    assert [round(r.tpot, 4) for r in started[3:]] == [0.0516, 0.0547, 0.0578, 0.0609]
+    assert controller.propose_now(cc, [], now) is None  # nothing has finished
+    roles, why, _ = controller.propose_now(cc, [], now, started=started)
+    assert roles == {"a": D, "b": P}
+    assert why.startswith("TTFT attainment 100%, TPOT 0% over 7 requests")
+    assert why.endswith("prefill interferes with decoding, disaggregating")
 
 
 def test_tpot_is_judged_by_the_noise_of_the_requests_whose_tpot_is_known():

@@ -32,7 +32,7 @@ from distserve.cluster.config import ClusterConfig
 from distserve.cluster.failover import Failover
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
-from distserve.cluster.role_controller import Arrival, FinishedRequest, RequestSLO, RoleController
+from distserve.cluster.role_controller import Arrival, FinishedRequest, InFlight, RequestSLO, RoleController
 from distserve.cluster.routing import InstanceState, Router, spread_prompts
 from distserve.core.errors import InstanceFailure, RequestError
 from distserve.core.handover import Handover
@@ -293,11 +293,14 @@ class Orchestrator:
         setattr(state.metrics, f"{phase}_instance", entry.name)
         entry.load_tokens += state.load
 
-    def in_flight(self) -> list[tuple[Arrival, float | None]]:
-        """Each request in flight, in order of arrival, with the wall-clock time of its first token
-        (None: still waiting for it): what the role controller sees before requests finish."""
-        states = self.requests.values()
-        return [(_arrival(s), s.metrics.token_times[0] if s.metrics.token_times else None) for s in states]
+    def in_flight(self) -> list[InFlight]:
+        """Each request in flight, in order of arrival, with the times of its first and latest
+        tokens: what the role controller sees before requests finish."""
+        in_flight = []
+        for state in self.requests.values():
+            times = state.metrics.token_times
+            in_flight.append(InFlight(_arrival(state), times[0], times[-1]) if times else InFlight(_arrival(state)))
+        return in_flight
 
     def forget(self, state: RequestState) -> None:
         """The request is over: it no longer counts anywhere."""

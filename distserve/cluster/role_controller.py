@@ -136,6 +136,15 @@ class Arrival:
 
 
 @dataclass
+class InFlight:
+    """A request in flight as the controller sees it, before it finishes."""
+
+    request: Arrival
+    first_token: float | None = None  # wall-clock times of its first and latest tokens: None, none yet
+    last_token: float | None = None
+
+
+@dataclass
 class FinishedRequest(Arrival):
     finished: float = 0.0  # wall-clock time of its last token
     ttft: float = 0.0
@@ -548,15 +557,14 @@ class RoleController:
             return []
         return [r for r in self.finished if r.arrival >= self.settled_at]
 
-    def settle(self, in_flight: Iterable[tuple[float, bool]], now: float) -> None:
-        """Each request in flight as (arrival, has its first token). The layout has settled once no
-        request that arrived before the last change is in flight, and then none that arrived before
-        that moment still waits for its first token (the queue that formed during the change)."""
-        in_flight = list(in_flight)
-        if self._previous_done_at is None and all(arrival >= self.last_change for arrival, _ in in_flight):
+    def settle(self, in_flight: list[InFlight], now: float) -> None:
+        """The layout has settled once no request that arrived before the last change is in flight,
+        and then none that arrived before that moment still waits for its first token (the queue
+        that formed during the change)."""
+        if self._previous_done_at is None and all(r.request.arrival >= self.last_change for r in in_flight):
             self._previous_done_at = now
         done = self._previous_done_at
-        if done is not None and all(prefilled or arrival >= done for arrival, prefilled in in_flight):
+        if done is not None and all(r.first_token is not None or r.request.arrival >= done for r in in_flight):
             self.settled_at = self._recorded_until = now
 
     def record(self, layout: dict[str, Role], window: list[FinishedRequest], now: float) -> None:
@@ -583,7 +591,7 @@ class RoleController:
     ) -> tuple[dict[str, Role], str, bool] | None:
         """A change for the load arriving now, from memory; else, on a ``tick``, one from the
         attainment of the requests in ``window`` and of those ``started`` (in flight, their TTFT
-        known: ``known_ttfts``). The flag: whether it is from memory, which needs no patience (it
+        known: ``known_in_flight``). The flag: whether it is from memory, which needs no patience (it
         rests on every request remembered, not on one window)."""
         arriving = self.arriving(now)
         # A layout's first requests after a change wait behind the backlog of the one before, an
@@ -613,21 +621,30 @@ class RoleController:
         alike = [group for group in groups if Load.of(group, self.cluster_slo).similar_mix(arriving)]
         return alike[0] if len(groups) > 1 and alike else window
 
-    def known_ttfts(self, in_flight: Iterable[tuple[Arrival, float | None]], now: float) -> list[FinishedRequest]:
-        """Of the requests in flight, each as (arrival, wall-clock time of its first token or None),
-        those that arrived once the layout settled and whose TTFT is known: their first token came,
-        or they have waited past their TTFT SLO, a miss whatever comes (TPOT unknown: None). A
-        request is judged only once it finishes, seconds after its first token: a layout short of
-        prefill shows here first, in the prompts that queue past their SLOs."""
+    def known_in_flight(self, in_flight: list[InFlight], now: float) -> list[FinishedRequest]:
+        """The requests in flight that arrived once the layout settled and whose TTFT is known:
+        their first token came, or they have waited past their TTFT SLO, a miss whatever comes.
+        Their TPOT is unknown (None) unless it is a sure miss: its tokens so far have taken longer
+        than all of ``max_tokens`` may within the TPOT SLO, so however many more come, and however
+        fast, the mean time per token stays over it (that lower bound stands as its TPOT). A request
+        is judged only once it finishes, seconds after its first token: a layout short of prefill
+        shows here first in the prompts that queue past their SLOs, one short of decode in the
+        requests that fall behind while decoding."""
         if self.settled_at is None:
             return []
         known = []
-        for request, first_token in in_flight:
+        for r in in_flight:
+            request = r.request
             if request.arrival < self.settled_at:
                 continue
-            waited = (first_token if first_token is not None else now) - request.arrival
-            if first_token is not None or waited > (request.slo.ttft or self.config.slo_ttft):
-                known.append(FinishedRequest(**vars(request), finished=now, ttft=waited, tpot=None))
+            waited = (r.first_token if r.first_token is not None else now) - request.arrival
+            if r.first_token is None and waited <= (request.slo.ttft or self.config.slo_ttft):
+                continue
+            tpot = None
+            if r.first_token is not None and r.last_token is not None and request.max_tokens > 1:
+                at_least = (r.last_token - r.first_token) / (request.max_tokens - 1)
+                tpot = at_least if at_least > (request.slo.tpot or self.config.slo_tpot) else None
+            known.append(FinishedRequest(**vars(request), finished=now, ttft=waited, tpot=tpot))
         return known
 
     def mix_moved(self, now: float) -> bool:
@@ -649,12 +666,12 @@ class RoleController:
         layout = {s.name: s.role for s in live}
         in_flight = orchestrator.in_flight()
         if self.settled_at is None:
-            self.settle(((request.arrival, first_token is not None) for request, first_token in in_flight), now)
+            self.settle(in_flight, now)
         window = self.window(now)
         self.record(layout, window, now)
         if now - self.last_change < config.min_dwell:
             return
-        proposal = self.propose_now(layout, window, now, tick, self.known_ttfts(in_flight, now))
+        proposal = self.propose_now(layout, window, now, tick, self.known_in_flight(in_flight, now))
         if not tick and proposal is None:
             return  # a window's proposal needs its ticks in a row: an arrival between them is not one
         if proposal is None or proposal[0] != self._proposal:
