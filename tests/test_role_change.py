@@ -550,19 +550,25 @@ def test_what_was_met_at_a_rate_just_under_a_noisy_measurement_counts_as_at_its_
     assert controller.recall(pd, Load(10.0, 1.9, arrivals=400), now=2.0) is None
 
 
+def _in_flight(arrival: float, prefilled: bool) -> InFlight:
+    """A request in flight that arrived at ``arrival``, with its first token or still waiting for it."""
+    return InFlight(Arrival(arrival, 100, 10), arrival + 0.1 if prefilled else None)
+
+
 def test_requests_count_for_a_layout_once_the_work_and_the_queue_from_its_change_are_done():
     controller = RoleController(None, RoleControlConfig("adaptive", slo_ttft=0.1, slo_tpot=0.01, min_requests=1))
     controller.last_change, controller.settled_at, controller._previous_done_at = 100.0, None, None  # a change at t=100
     for arrival in (99.0, 101.0, 103.0):
         controller.observe(FinishedRequest(arrival, 600, 60, finished=104.0, ttft=0.05, tpot=0.005))
-    controller.settle([(99.5, True), (102.0, False)], now=104.0)  # a request from before the change is in flight
+    # A request from before the change is in flight.
+    controller.settle([_in_flight(99.5, True), _in_flight(102.0, False)], now=104.0)
     assert controller.settled_at is None and controller.window(104.5) == []
     # The previous layout's work is done at t=105, but a request that queued during the change
     # still waits for its first token...
-    controller.settle([(102.0, False), (104.8, False)], now=105.0)
+    controller.settle([_in_flight(102.0, False), _in_flight(104.8, False)], now=105.0)
     assert controller.settled_at is None
     # ...until it has it (one that arrived after t=105 may still wait).
-    controller.settle([(102.0, True), (105.2, False)], now=105.5)
+    controller.settle([_in_flight(102.0, True), _in_flight(105.2, False)], now=105.5)
     assert controller.settled_at == 105.5
     assert [r.arrival for r in controller.window(105.5)] == []  # what arrived before t=105.5 waited behind it
     controller.observe(FinishedRequest(105.6, 600, 60, finished=106.0, ttft=0.05, tpot=0.005))
@@ -672,6 +678,45 @@ def test_requests_decoding_too_slowly_to_meet_their_tpot_slo_count_as_misses_bef
     assert roles == {"a": D, "b": P}
     assert why.startswith("TTFT attainment 100%, TPOT 0% over 7 requests")
     assert why.endswith("prefill interferes with decoding, disaggregating")
+
+
+def test_a_layout_left_on_a_window_s_evidence_is_remembered_as_falling_short_under_that_load():
+    """The requests a window proposal judged, in flight ones too, are remembered for the layout it
+    leaves, each once: when that load comes back, memory moves to the layout that held it."""
+    config = RoleControlConfig("adaptive", slo_ttft=1.0, slo_tpot=0.05, window=3.0, min_requests=6)
+    cc, dp = {"a": C, "b": C}, {"a": D, "b": P}
+
+    def controller_that_saw_misses() -> tuple[RoleController, list[FinishedRequest], float]:
+        controller = RoleController(None, config)
+        controller.settled_at = settled = controller.last_change
+        now = settled + 10.0
+        # Chat requests arriving every 0.5 s: 4 finished over their TPOT SLO, 4 in flight behind it.
+        for i in range(4):
+            controller.observe(FinishedRequest(settled + 1 + 0.5 * i, 40, 65, finished=now - 0.5, ttft=0.1, tpot=0.08))
+        in_flight = [InFlight(Arrival(settled + 3 + 0.5 * i, 40, 65), settled + 3.2 + 0.5 * i, now) for i in range(4)]
+        window = controller.window(now)
+        controller.record(cc, window, now)  # 4 finished: too few to say the window's rate, not yet remembered
+        started = controller.known_in_flight(in_flight, now)
+        assert all(r.tpot is not None for r in started)  # 4.8-6.3 s for 64 tokens: sure misses
+        roles, _, from_memory = controller.propose_now(cc, window, now, started=started)
+        assert roles == dp and not from_memory
+        return controller, window + started, now
+
+    controller, judged, now = controller_that_saw_misses()
+    load = Load.of(judged, controller.cluster_slo)
+    assert controller.remembered((C, C), load, now) is None
+    controller.record_judged(cc, now)  # the change is carried out
+    assert controller.remembered((C, C), load, now) == Share(0, 8)
+    controller.record(cc, controller.window(now + 1), now + 1)  # the finished ones are not remembered twice
+    assert controller.remembered((C, C), load, now + 1) == Share(0, 8)
+    # Later the disaggregated layout held the same load: when it comes back, memory moves to it.
+    controller.remember(dp, load, met=12, num_requests=12, now=now + 60)
+    roles, why = controller.recall(cc, load, now + 100)
+    assert roles == dp and why.startswith("arriving load like one under which 0% of 8 requests met both SLOs")
+    # The same without the change's evidence: none served here, and 12 of 12 is not surely 90%.
+    unrecorded, _, now = controller_that_saw_misses()
+    unrecorded.remember(dp, load, met=12, num_requests=12, now=now + 60)
+    assert unrecorded.recall(cc, load, now + 100) is None
 
 
 def test_tpot_is_judged_by_the_noise_of_the_requests_whose_tpot_is_known():

@@ -376,6 +376,8 @@ class RoleController:
         self._recorded_until = 0.0
         self._proposal: dict[str, Role] | None = None
         self._repeats = 0
+        # What the last window proposal judged, and those of them not remembered yet.
+        self._judged: tuple[list[FinishedRequest], list[FinishedRequest]] = ([], [])
         self._arrived: asyncio.Event | None = None  # set by an arrival while ``run`` waits
         self._mix_looked_at: Load | None = None  # the arriving mix at the last look
         # Each judgement that proposed a change or kept the layout, by why: what an operator reads
@@ -576,7 +578,21 @@ class RoleController:
         if not new or len(window) < self.config.min_requests:
             return
         self._recorded_until = now
-        rate = Load.of(window)
+        self._remember_kinds(layout, new, Load.of(window), now)
+
+    def record_judged(self, layout: dict[str, Role], now: float) -> None:
+        """Remember what the window proposal about to be carried out judged, those of its requests
+        not recorded yet (the ones in flight among them too): the evidence that ``layout`` fell
+        short under this load. A layout is left before a window of its settled requests finishes,
+        as a workload that moves every half a minute leaves it, so without this what it did under
+        the load it was left for is never remembered, and the next time that load comes the layout
+        is kept until a window shows its misses again."""
+        judged, new = self._judged
+        if new:
+            self._recorded_until = now
+            self._remember_kinds(layout, new, Load.of(judged), now)
+
+    def _remember_kinds(self, layout: dict[str, Role], new: list[FinishedRequest], rate: Load, now: float) -> None:
         for kind in kinds(new, self.cluster_slo):
             met = round(attainment(kind, self.config.slo_ttft, self.config.slo_tpot).both * len(kind))
             self.remember(layout, Load.of(kind, self.cluster_slo).at_rate_of(rate), met, len(kind), now)
@@ -603,11 +619,15 @@ class RoleController:
             return *recalled, True
         if not tick or fresh:
             return None  # between ticks, or not yet a whole window since the layout settled
-        judged = self.of_arriving_kind(window + list(started), arriving)
+        started = list(started)
+        judged = self.of_arriving_kind(window + started, arriving)
         if len(judged) < self.config.min_requests:
             return None
         seen = attainment(judged, self.config.slo_ttft, self.config.slo_tpot, self.config.target)
         proposal = self.consider(layout, seen, Load.of(judged, self.cluster_slo), now)
+        in_flight = {id(r) for r in started}  # never remembered: they have not finished
+        new = [r for r in judged if id(r) in in_flight or r.finished > self._recorded_until]
+        self._judged = (judged, new) if proposal else ([], [])
         return (*proposal, False) if proposal else None
 
     def of_arriving_kind(self, window: list[FinishedRequest], arriving: Load | None) -> list[FinishedRequest]:
@@ -680,6 +700,8 @@ class RoleController:
             self._repeats += 1
         if proposal is None or (self._repeats < config.patience and not proposal[2]):
             return
-        roles, reason, _ = proposal
+        roles, reason, from_memory = proposal
         self._proposal, self._repeats = None, 0
+        if not from_memory:
+            self.record_judged(layout, now)
         await orchestrator.roles.set_roles(roles, reason)
