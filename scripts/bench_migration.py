@@ -75,8 +75,7 @@ def main() -> None:
     args = parse_args()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    shared = one_gpu_shared_options() if args.device == "cuda" else {}  # one GPU: both instances on it
-    ray.init(include_dashboard=False, log_to_driver=False, **shared)
+    ray.init(include_dashboard=False, log_to_driver=False, **one_gpu_shared_options())  # one GPU: both on it
     lengths = [int(x) for x in args.prompt_lens.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp), args)

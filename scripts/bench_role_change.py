@@ -116,6 +116,5 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--load-format", default="auto", help="dummy: random weights of the model's shape")
     args = parser.parse_args()
-    shared = one_gpu_shared_options() if args.device == "cuda" else {}  # one GPU: both instances on it
-    ray.init(include_dashboard=False, log_to_driver=False, **shared)
+    ray.init(include_dashboard=False, log_to_driver=False, **one_gpu_shared_options())  # one GPU: both on it
     asyncio.run(main(args))

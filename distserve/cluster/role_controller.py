@@ -625,9 +625,10 @@ class RoleController:
             return None
         seen = attainment(judged, self.config.slo_ttft, self.config.slo_tpot, self.config.target)
         proposal = self.consider(layout, seen, Load.of(judged, self.cluster_slo), now)
-        in_flight = {id(r) for r in started}  # never remembered: they have not finished
-        new = [r for r in judged if id(r) in in_flight or r.finished > self._recorded_until]
-        self._judged = (judged, new) if proposal else ([], [])
+        self._judged = ([], [])
+        if proposal:
+            in_flight = {id(r) for r in started}  # never remembered: they have not finished
+            self._judged = (judged, [r for r in judged if id(r) in in_flight or r.finished > self._recorded_until])
         return (*proposal, False) if proposal else None
 
     def of_arriving_kind(self, window: list[FinishedRequest], arriving: Load | None) -> list[FinishedRequest]:
