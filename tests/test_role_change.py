@@ -719,6 +719,43 @@ def test_a_layout_left_on_a_window_s_evidence_is_remembered_as_falling_short_und
     assert unrecorded.recall(cc, load, now + 100) is None
 
 
+def test_a_layout_left_before_it_settled_is_remembered_by_the_requests_since_the_change():
+    """A layout at its capacity keeps a queue and may be left (here from memory, for another kind of
+    request) before it settles: what it served since the change to it is remembered then, each
+    request once and none from before the change; when that load comes back, memory moves to it."""
+    config = RoleControlConfig("adaptive", slo_ttft=1.0, slo_tpot=0.05, window=10.0, min_requests=8)
+    cc, dp = {"a": C, "b": C}, {"a": D, "b": P}
+
+    def controller_left_unsettled() -> tuple[RoleController, Load, float]:
+        controller = RoleController(None, config)
+        t0 = controller.last_change
+        chat = [Arrival(t0 + 0.5 * i, 40, 65) for i in range(7)]
+        load = Load.of(chat)
+        controller.remember(cc, load, met=3, num_requests=11, now=t0)  # colocation fell short under it
+        controller.layout_changed(t0 + 0.2)  # to 1 decode + 1 prefill, which never settles
+        for r in chat:  # the first arrived before the change
+            controller.observe(FinishedRequest(**vars(r), finished=r.arrival + 4.0, ttft=0.5, tpot=0.03))
+        return controller, load, t0 + 7.5
+
+    controller, load, left = controller_left_unsettled()
+    assert controller.settled_at is None and controller.window(left) == []  # no window to record
+    controller.record_left(dp, left)  # left for colocation when long prompts came
+    controller.record_left(dp, left + 1.0)  # nothing twice
+    recorded = [o for o in controller.outcomes if o.layout == (D, P)]
+    assert [(o.met, o.num_requests) for o in recorded] == [(6, 6)]
+    assert recorded[0].load.similar(load)
+    # After a second such stay, the chat load comes back while colocated: memory moves to it.
+    controller.remember(dp, recorded[0].load, met=6, num_requests=6, now=left + 30.0)
+    roles, why = controller.recall(cc, load, left + 40.0)
+    assert roles == dp and why.endswith(
+        "27% of 11 requests met both SLOs in this layout and 100% of 12 in decode+prefill"
+    )
+    # Without the records made on leaving there is nothing to move to.
+    unrecorded, load, left = controller_left_unsettled()
+    unrecorded.remember(dp, recorded[0].load, met=6, num_requests=6, now=left + 30.0)
+    assert unrecorded.recall(cc, load, left + 40.0) is None
+
+
 def test_tpot_is_judged_by_the_noise_of_the_requests_whose_tpot_is_known():
     started = [FinishedRequest(float(i), 600, 60, finished=10.0, ttft=0.05, tpot=None) for i in range(7)]
     tpots = (0.02, 0.005, 0.005)
