@@ -19,15 +19,16 @@ decode: from colocated to half prefill, half decode, else one decode instance mo
 change. Both missed (an overload, or the wrong layout for the load): the other of colocated and
 disaggregated is tried.
 
-The controller remembers how the requests each layout served did (how many met both SLOs) under
-the load they came in: the typical ratio of prompt to requested output tokens, of TPOT to TTFT
-SLO, and the request rate, all known when a request arrives. A change to a layout whose requests
-did no better under a similar load within ``memory`` seconds than the current layout's (in the
-window, or as remembered) is not made, so a layout that is worse for this load is left after one
-try and not tried again for a window's dip, and an overload in which both miss does not flap. Nor
-does a window's miss move it from a layout whose requests met the target under a similar load at
-this rate or above as remembered: under bursty arrivals misses come in runs, and one window of
-them is a dip; what a lower rate met says nothing of a rising one.
+The controller remembers how the requests each layout served did (how many met both SLOs) under the
+load they came in: the typical ratio of prompt to requested output tokens, of TPOT to TTFT SLO, and
+the request rate, all known when a request arrives; a layout left before it settled (a load at its
+capacity keeps a queue) by the requests that arrived since the change to it. A change to a layout
+whose requests did no better under a similar load within ``memory`` seconds than the current
+layout's (in the window, or as remembered) is not made, so a layout that is worse for this load is
+left after one try and not tried again for a window's dip, and an overload in which both miss does
+not flap. Nor does a window's miss move it from a layout whose requests met the target under a
+similar load at this rate or above as remembered: under bursty arrivals misses come in runs, and
+one window of them is a dip; what a lower rate met says nothing of a rising one.
 
 Finished requests tell late: a request is judged only once it has all its tokens, and a window of
 them must fill after a change. So a window also counts the requests in flight whose TTFT is known
