@@ -221,6 +221,32 @@ def test_arrivals_of_a_remembered_load_change_roles_without_waiting_for_a_tick(r
         assert tokens == reference_greedy(llama, prompt, 6)
 
 
+def test_a_layout_an_operator_leaves_is_remembered_by_what_it_served(ray_cluster, llama):
+    # Roles stay with the controller (adaptive), which has nothing to judge by: a window needs 50
+    # requests and memory is empty. An operator changes roles twice; each layout left is remembered
+    # by the requests it served, so the controller can move back to it when that load returns.
+    control = {"mode": "adaptive", "slo_ttft": 10.0, "slo_tpot": 10.0, "interval": 60.0, "min_requests": 50,
+               "min_dwell": 0.0}  # fmt: skip
+    prompts = random_prompts([30] * 9, llama.config.vocab_size, seed=13)
+
+    async def main() -> tuple[list[list[int]], list]:
+        async with AsyncCluster(model="tiny-llama", prefill={}, decode={}, role_control=control) as cluster:
+            controller, names = cluster.orchestrator.controller, [i.name for i in await cluster.info()]
+            outputs = await asyncio.gather(*(_final(cluster, p, 6) for p in prompts[:6]))
+            await cluster.set_roles({name: C for name in names})
+            outputs += await asyncio.gather(*(_final(cluster, p, 6) for p in prompts[6:]))
+            await cluster.set_roles(dict(zip(names, (P, D))))
+            assert [r.reason for r in cluster.role_changes] == ["operator"] * 4
+            await wait_nothing_in_use_async(cluster)
+            return outputs, controller.outcomes
+
+    outputs, outcomes = asyncio.run(main())
+    assert [(o.layout, o.met, o.num_requests) for o in outcomes] == [((D, P), 6, 6), ((C, C), 3, 3)]
+    assert outcomes[0].load.tokens_ratio == pytest.approx(30 / 6)
+    for prompt, tokens in zip(prompts, outputs):
+        assert tokens == reference_greedy(llama, prompt, 6)
+
+
 def test_role_changes_that_could_not_serve_are_refused_and_change_nothing(ray_cluster):
     async def main() -> None:
         async with AsyncCluster(model="tiny-llama", prefill={}, decode={}) as cluster:

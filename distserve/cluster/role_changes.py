@@ -58,6 +58,8 @@ class RoleChanger:
         could not serve."""
         async with self._lock:
             changes = self._check(roles)
+            if changes:  # what the layout being left served, by an operator's change too
+                self.orchestrator.controller.record_left(self.layout(), time.time())
             records = []
             self.under_way = bool(changes)
             try:

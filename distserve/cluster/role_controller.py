@@ -594,14 +594,15 @@ class RoleController:
             self._remember_kinds(layout, new, Load.of(judged), now)
 
     def record_left(self, layout: dict[str, Role], now: float) -> None:
-        """Remember, as ``layout`` is left, what it served and was not remembered yet: the requests
-        that finished in the last window (or the last ``min_requests``) and arrived once it had
-        settled, or since the change to it if it never did. A load at a layout's capacity keeps a
-        queue, so the layout may not settle before a workload that moves every half minute moves
-        on, and its requests never fill a window: without this, what it did under that load is
-        never remembered, and when the load comes back memory cannot move to it. Requests that
-        arrived before it settled waited behind the change as well: they count for what moving to
-        this layout gives, which is what moving to it again will."""
+        """Remember, as ``layout`` is left (by the controller or an operator), what it served and was
+        not remembered yet: the requests that finished in the last window (or the last
+        ``min_requests``) and arrived once it had settled, or since the change to it if it never
+        did. A load at a layout's capacity keeps a queue, so the layout may not settle before a
+        workload that moves every half minute moves on, and its requests never fill a window:
+        without this, what it did under that load is never remembered, and when the load comes back
+        memory cannot move to it. Requests that arrived before it settled waited behind the change
+        as well: they count for what moving to this layout gives, which is what moving to it again
+        will."""
         since = self.settled_at if self.settled_at is not None else self.last_change
         new = [r for r in self.finished if r.arrival >= since and r.finished > self._recorded_until]
         if len(new) >= MIX_ARRIVALS:  # a few say the rate, roughly; one or two say none
@@ -721,5 +722,4 @@ class RoleController:
         self._proposal, self._repeats = None, 0
         if not from_memory:
             self.record_judged(layout, now)
-        self.record_left(layout, now)
-        await orchestrator.roles.set_roles(roles, reason)
+        await orchestrator.roles.set_roles(roles, reason)  # which remembers what the layout served
