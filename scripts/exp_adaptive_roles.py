@@ -3,25 +3,25 @@ short prompts, and a workload that alternates between the two.
 
     python scripts/exp_adaptive_roles.py [--phase-seconds 10] [--out results/adaptive-roles]
 
-Deployments (one torch thread per instance): **colocated** (2 instances, prefill-first),
-**chunked** (2 colocated instances with chunked prefill), **disaggregated** (1 prefill + 1
-decode) and **adaptive** (starts as 1 prefill + 1 decode, chunked prefill whenever colocated,
-``--role-control adaptive``). Each request class has its SLOs, set as for the static comparison
+Deployments (one torch thread per instance): **colocated** (2 instances, prefill-first), **chunked**
+(2 colocated instances with chunked prefill), **disaggregated** (1 prefill + 1 decode), **adaptive**
+(starts as 1 prefill + 1 decode, chunked prefill whenever colocated, ``--role-control adaptive``)
+and, as its bound, the **oracle** (each class's better static layout set the moment its phase
+begins) and the **staged-oracle** (the same, but an instance leaving a decode role keeps it until
+the requests in flight finish). Each request class has its SLOs, set as for the static comparison
 (``exp_disagg_vs_colocated.py``): from the prefill-first colocated deployment's single-request
 latencies, ``--ttft-scale`` x the median TTFT and ``--tpot-scale`` x the median TPOT (or per class,
-``--class-scales``). Requests
-carry their class's SLOs, by which the controller and the attainment judge them. Goodput is the
-highest Poisson rate at which ``--target`` of the requests meet both of their SLOs: by bisection,
-or with ``--rates`` over a fixed grid probed ``--repeats`` times (the highest rate at which, and
-below which everywhere, the pooled probes meet the target), which one unlucky probe cannot throw
-into the wrong half of the range.
-The alternating workload switches class every ``--phase-seconds``; its probes last ``--cycles``
-cycles (long, then short).
-Before a workload is measured, every deployment serves it at a quarter of ``--rate-high``: a
-single-class one for ``--warmup-seconds``, an alternating one for a cycle (adaptive roles settle
-into a layout for it, or see each class once; static ones are unchanged by it).
+``--class-scales``). Requests carry their class's SLOs, by which the controller and the attainment
+judge them. Goodput is the highest Poisson rate at which ``--target`` of the requests meet both of
+their SLOs: by bisection, or with ``--rates`` over a fixed grid probed ``--repeats`` times (the
+highest rate at which, and below which everywhere, the pooled probes meet the target), which one
+unlucky probe cannot throw into the wrong half of the range. The alternating workload switches class
+every ``--phase-seconds``; its probes last ``--cycles`` cycles (long, then short). Before a workload
+is measured, every deployment serves it at a quarter of ``--rate-high``: a single-class one for
+``--warmup-seconds``, an alternating one for a cycle (adaptive roles settle into a layout for it, or
+see each class once; static ones are unchanged by it).
 
-With ``--one-cluster``, chunked, disaggregated, oracle and adaptive are one cluster (the adaptive
+With ``--one-cluster``, all but colocated are one cluster (the adaptive
 deployment's) whose roles and role control are set by hand before each probe, every deployment
 in turn at each rate, in another order at each: the comparison is then not between separately
 started processes, whose speed differs by a few points of attainment from one start to the next,
@@ -68,12 +68,16 @@ DEPLOYMENTS = {
     },
 }
 DEPLOYMENTS["oracle"] = DEPLOYMENTS["adaptive"]  # roles set by the load at each phase change, not by the controller
+# The oracle whose instance leaving a decode role keeps it until the requests in flight finish: the
+# change's cost to what is decoding, apart from the rest of it.
+DEPLOYMENTS["staged-oracle"] = DEPLOYMENTS["oracle"]
+ORACLES = ("oracle", "staged-oracle")
 # The oracle's layout of the 2 instances for each class: the better static one for it.
 ORACLE_LAYOUTS = {"long": ("colocated", "colocated"), "short": ("prefill", "decode")}
 # With --one-cluster, each deployment as the roles set on the adaptive deployment's cluster before
 # its probes (None: set as the probes go, by the oracle's load); adaptive starts as on its own.
 ONE_CLUSTER_LAYOUTS = {"chunked": ("colocated", "colocated"), "disaggregated": ("prefill", "decode"),
-                       "oracle": None, "adaptive": ("prefill", "decode")}  # fmt: skip
+                       "oracle": None, "staged-oracle": None, "adaptive": ("prefill", "decode")}  # fmt: skip
 ROLE_CONTROL = {"interval": 0.5, "window": 3.0, "min_requests": 8, "patience": 2, "min_dwell": 3.0,
                 "arrival_window": 1.0}  # fmt: skip
 WORKLOADS = ("long", "short", "alternating")
@@ -129,6 +133,7 @@ async def _one(client, cls: str, request: tuple[list[int], int], slo: tuple[floa
 
 async def _drive(args: argparse.Namespace) -> None:
     from distserve.entrypoints.client import AsyncClient
+    from distserve.v1 import distserve_pb2 as pb
 
     slos = json.loads(args.slos)
     classes = parse_classes(args.classes)
@@ -145,21 +150,39 @@ async def _drive(args: argparse.Namespace) -> None:
                 records.append(await _one(client, args.workload, request, tuple(slos[args.workload])))
             Path(args.out).write_text(json.dumps(records[1:]))
             return
-        layouts = {}
+        layouts, roles_now, changing = {}, {}, None
         if args.oracle:  # the roles for each class, set the moment its phase begins
-            names = [i.name for i in (await client.cluster_info()).instances]
-            layouts = {cls: dict(zip(names, roles)) for cls, roles in ORACLE_LAYOUTS.items()}
+            info = (await client.cluster_info()).instances
+            roles_now = {i.name: pb.Role.Name(i.role).removeprefix("ROLE_").lower() for i in info}
+            layouts = {cls: dict(zip(roles_now, roles)) for cls, roles in ORACLE_LAYOUTS.items()}
         tasks, t0, current = [], time.perf_counter(), None
         for t in arrivals:
             cls = args.workload if args.workload != "alternating" else ("long", "short")[int(t // args.phase) % 2]
             if layouts and cls != current:
-                current = cls
-                tasks.append(asyncio.create_task(client.set_roles(layouts[cls])))
+                current, staged = cls, args.oracle == "staged-oracle"
+                in_flight = [task for task in tasks if not task.done()]
+                changing = asyncio.create_task(
+                    _oracle_change(client, layouts[cls], roles_now, in_flight if staged else [], changing)
+                )
+                tasks.append(changing)
+                roles_now = layouts[cls]
             request = _request(rng, tokens, classes[cls])
             await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
             tasks.append(asyncio.create_task(_one(client, cls, request, tuple(slos[cls]), t)))
         records = [r for r in await asyncio.gather(*tasks) if isinstance(r, dict)]
     Path(args.out).write_text(json.dumps(records))
+
+
+async def _oracle_change(client, roles: dict, roles_now: dict, in_flight: list, previous) -> None:
+    """Set ``roles`` after the ``previous`` change; an instance leaving a decode role keeps it until
+    the requests ``in_flight`` have finished (none given: at once)."""
+    if previous is not None:
+        await previous
+    keep = {n for n, role in roles.items() if in_flight and roles_now.get(n) == "decode" and role != "decode"}
+    await client.set_roles({n: role for n, role in roles.items() if n not in keep})
+    if keep:
+        await asyncio.gather(*in_flight, return_exceptions=True)
+        await client.set_roles({n: roles[n] for n in keep})
 
 
 def probe(
@@ -171,7 +194,7 @@ def probe(
     slos: dict,
     classes: str,
     out: Path,
-    oracle: bool,
+    oracle: str,
     seed: int = 0,
 ) -> dict:
     """One run of the load at ``rate`` (arrivals and lengths drawn from ``seed``, prompts new to the
@@ -181,7 +204,7 @@ def probe(
         sys.executable, __file__, "drive", "--server", address, "--workload", workload, "--rate", str(rate),
         "--seconds", str(seconds), "--phase", str(phase), "--slos", json.dumps(slos), "--out", str(out),
         "--classes", classes, "--seed", str(seed), "--salt", str(next(_probe_count)),
-        *(["--oracle"] if oracle else []),
+        *(["--oracle", oracle] if oracle else []),
     ]  # fmt: skip
     started = time.time()
     subprocess.run(command, check=True)
@@ -357,7 +380,7 @@ def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) ->
             warmup = 2 * args.phase_seconds if workload == "alternating" else args.warmup_seconds
 
             def run_probe(
-                rate: float, duration: float = seconds, oracle: bool = False, seed: int = 0, workload: str = workload
+                rate: float, duration: float = seconds, oracle: str = "", seed: int = 0, workload: str = workload
             ) -> dict:
                 return probe(running.grpc_address, workload, rate, duration, args.phase_seconds, slos, args.classes,
                              scratch, oracle, seed)  # fmt: skip
@@ -377,7 +400,7 @@ def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) ->
                         else:
                             layout = ONE_CLUSTER_LAYOUTS[name]
                             client.set_roles(dict(zip(instances, layout)) if layout else {}, role_control="fixed")
-                        result = run_probe(rate, oracle=name == "oracle", seed=repeat)
+                        result = run_probe(rate, oracle=name if name in ORACLES else "", seed=repeat)
                         if name == "adaptive":
                             client.set_roles({}, role_control="fixed")  # stays as it is until set again
                             adaptive_roles = {i.name: i.role for i in client.cluster_info().instances}
@@ -522,7 +545,7 @@ def main() -> None:
                 results = one_cluster(args, running, slos, scratch)
         for name in [] if args.one_cluster else args.deployments.split(","):
             pools = dict(DEPLOYMENTS[name])
-            if args.finish_decoding_as_prefill and name in ("adaptive", "oracle"):
+            if args.finish_decoding_as_prefill and name in ("adaptive", *ORACLES):
                 pools["finish_decoding_as_prefill"] = True
             adaptive = {"role_control": {"mode": "adaptive", **control}} if name == "adaptive" else {}
             with server(pools, **adaptive) as running:
@@ -533,7 +556,7 @@ def main() -> None:
                         rate: float,
                         workload: str = workload,
                         seconds: float = seconds,
-                        oracle: bool = name == "oracle",
+                        oracle: str = name if name in ORACLES else "",
                         seed: int = 0,
                     ) -> dict:
                         return probe(running.grpc_address, workload, rate, seconds, args.phase_seconds, slos,
@@ -549,7 +572,7 @@ def main() -> None:
                         best, probes = grid_goodput(run_probe, rates, args.repeats, args.target)
                     else:
                         best, probes = goodput(run_probe, 0.0, args.rate_high, args.steps, args.target)
-                    changes = running.cluster.role_changes if name in ("adaptive", "oracle") else []
+                    changes = running.cluster.role_changes if name in ("adaptive", *ORACLES) else []
                     results.setdefault(workload, {})[name] = {
                         "goodput": best, "probes": probes,
                         "role_changes": [
@@ -598,7 +621,7 @@ if __name__ == "__main__":
         drive.add_argument("--seed", type=int, default=0)
         drive.add_argument("--salt", type=int, default=0, help="draws the prompts' tokens")
         drive.add_argument("--sequential", type=int, default=0, help="send this many requests one at a time")
-        drive.add_argument("--oracle", action="store_true", help="set ORACLE_LAYOUTS as each phase begins")
+        drive.add_argument("--oracle", choices=ORACLES, help="set ORACLE_LAYOUTS as each phase begins")
         options = drive.parse_args()
         asyncio.run(_drive(options))
     else:
