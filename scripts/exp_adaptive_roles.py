@@ -21,11 +21,11 @@ is measured, every deployment serves it at a quarter of ``--rate-high``: a singl
 ``--warmup-seconds``, an alternating one for a cycle (adaptive roles settle into a layout for it, or
 see each class once; static ones are unchanged by it).
 
-With ``--one-cluster``, all but colocated are one cluster (the adaptive
-deployment's) whose roles and role control are set by hand before each probe, every deployment
-in turn at each rate, in another order at each: the comparison is then not between separately
-started processes, whose speed differs by a few points of attainment from one start to the next,
-nor between minutes apart, over which this machine's speed drifts by as much.
+With ``--one-cluster``, all but colocated are one cluster (the adaptive deployment's) whose roles
+and role control are set by hand before each probe, every deployment in turn at each rate, in
+another order at each: the comparison is then not between separately started processes, whose speed
+differs by a few points of attainment from one start to the next, nor between minutes apart, over
+which this machine's speed drifts by as much.
 
 ``--report --rejudge`` judges a finished run's static deployments by other SLO scales (their
 latencies do not depend on the SLOs): which scales pull the classes apart, and, from the long and
@@ -150,7 +150,7 @@ async def _drive(args: argparse.Namespace) -> None:
                 records.append(await _one(client, args.workload, request, tuple(slos[args.workload])))
             Path(args.out).write_text(json.dumps(records[1:]))
             return
-        layouts, roles_now, changing = {}, {}, None
+        layouts, roles_now, changing, staged = {}, {}, None, args.oracle == "staged-oracle"
         if args.oracle:  # the roles for each class, set the moment its phase begins
             info = (await client.cluster_info()).instances
             roles_now = {i.name: pb.Role.Name(i.role).removeprefix("ROLE_").lower() for i in info}
@@ -159,11 +159,9 @@ async def _drive(args: argparse.Namespace) -> None:
         for t in arrivals:
             cls = args.workload if args.workload != "alternating" else ("long", "short")[int(t // args.phase) % 2]
             if layouts and cls != current:
-                current, staged = cls, args.oracle == "staged-oracle"
-                in_flight = [task for task in tasks if not task.done()]
-                changing = asyncio.create_task(
-                    _oracle_change(client, layouts[cls], roles_now, in_flight if staged else [], changing)
-                )
+                current = cls
+                in_flight = [task for task in tasks if not task.done()] if staged else []
+                changing = asyncio.create_task(_oracle_change(client, layouts[cls], roles_now, in_flight, changing))
                 tasks.append(changing)
                 roles_now = layouts[cls]
             request = _request(rng, tokens, classes[cls])
