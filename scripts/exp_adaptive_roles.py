@@ -5,7 +5,9 @@ short prompts, and a workload that alternates between the two.
 
 Deployments (one torch thread per instance): **colocated** (2 instances, prefill-first), **chunked**
 (2 colocated instances with chunked prefill), **disaggregated** (1 prefill + 1 decode), **adaptive**
-(starts as 1 prefill + 1 decode, chunked prefill whenever colocated, ``--role-control adaptive``)
+(starts as 1 prefill + 1 decode, chunked prefill whenever colocated, ``--role-control adaptive``;
+with ``--tpot-aware-chunking`` these chunked deployments cut their chunks to the decoding requests'
+TPOT SLOs)
 and, as its bound, the **oracle** (each class's better static layout set the moment its phase
 begins) and the **staged-oracle** (the same, but an instance leaving a decode role keeps it until
 the requests in flight finish). Each request class has its SLOs, set as for the static comparison
@@ -458,6 +460,11 @@ def main() -> None:
     parser.add_argument("--slos-from", type=Path, help="take the SLOs from an earlier run's summary.json")
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     parser.add_argument(
+        "--tpot-aware-chunking",
+        action="store_true",
+        help="deployments with chunked prefill cut a step's chunks to fit the TPOT SLO of the requests decoding",
+    )
+    parser.add_argument(
         "--finish-decoding-as-prefill",
         action="store_true",
         help="adaptive and oracle: an instance becoming prefill decodes what it held to the end",
@@ -517,6 +524,8 @@ def main() -> None:
         model = {"model": str(write_llama_shape(args.out / "model", **BENCH_LLAMA_SHAPE)), "load_format": "dummy"}
 
     def server(pools: dict, **control) -> BackgroundServer:
+        if args.tpot_aware_chunking and pools.get("enable_chunked_prefill"):
+            pools = {**pools, "tpot_aware_chunking": True}
         config = make_cluster_config(**model, num_kv_blocks=1024, cpu_threads=args.cpu_threads,
                                      policy=args.policy, **pools, **control)  # fmt: skip
         return BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0))

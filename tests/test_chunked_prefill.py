@@ -9,6 +9,7 @@ from conftest import FAMILIES, assert_engine_idle, random_prompts, reference_gre
 
 from distserve import LLM, SamplingParams
 from distserve.core.config import EngineConfig
+from distserve.core.sequence import Sequence
 from distserve.engine.llm_engine import LLMEngine
 from distserve.scheduling.scheduler import ChunkedPrefillScheduler, PrefillOnlyScheduler
 
@@ -85,3 +86,77 @@ def test_chunked_prefill_applies_while_an_instance_is_colocated():
     assert engine.change_role("colocated") == []
     assert isinstance(engine.scheduler, ChunkedPrefillScheduler)
     engine.shutdown()
+
+
+# TPOT-aware chunking ---------------------------------------------------------------------------
+
+
+def test_step_time_model_learns_the_line_of_its_steps():
+    from distserve.scheduling.step_time import MIN_STEPS, StepTimeModel
+
+    model = StepTimeModel()
+    for _ in range(MIN_STEPS):  # decode steps alone: all about one size, no slope to tell
+        model.observe(3, 0.020)
+    assert model.line() is None and model.tokens_within(1.0) is None
+    for tokens in (64, 1, 200, 2, 128, 3, 32, 1):  # 10 ms a step and 1 ms a token
+        model.observe(tokens, 0.010 + 0.001 * tokens)
+    for _ in range(300):  # the old steps' weight decays away
+        for tokens in (64, 1, 200, 2):
+            model.observe(tokens, 0.010 + 0.001 * tokens)
+    fixed, per_token = model.line()
+    assert fixed == pytest.approx(0.010, abs=1e-4) and per_token == pytest.approx(0.001, rel=1e-3)
+    assert model.tokens_within(0.050) in (39, 40)  # (50 - 10) / 1, give or take rounding
+    assert model.tokens_within(0.005) == 0  # even an empty step takes longer
+    for _ in range(300):  # steps cut to one size: the line they were cut by stands
+        model.observe(40, 0.052)
+    assert model.line()[1] == pytest.approx(0.001, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "aware, tpot_slo, cut",
+    [(True, 1e-6, True), (True, 100.0, False), (False, 1e-6, False), (True, None, False)],
+    ids=["tight", "loose", "off", "no-slo"],
+)
+def test_prompt_chunks_beside_a_request_with_a_tight_tpot_slo_are_cut_to_a_block(aware, tpot_slo, cut, reference_model):
+    """A request decodes while a 600-token prompt prefills beside it in 256-token steps. With
+    ``tpot_aware_chunking`` and a TPOT SLO nothing fits, each of the prompt's chunks is one block
+    while it decodes, and full-size again once it ends; a loose SLO, none, or the option off: full
+    chunks. Outputs stay greedy and every block is freed."""
+    model = reference_model("tiny-llama")
+    config = EngineConfig.from_flat(
+        model="tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=256, block_size=8,
+        tpot_aware_chunking=aware,
+    )  # fmt: skip
+    engine = LLMEngine(config, max_step_records=10_000)
+    decoding, prompt = random_prompts([100, 600], model.config.vocab_size, seed=7)
+    params = {name: SamplingParams(max_tokens=n, temperature=0.0) for name, n in (("decoding", 120), ("prompt", 4))}
+    engine.add_sequence(engine.make_sequence(decoding, params["decoding"], "decoding", tpot_slo=tpot_slo))
+    outputs: dict[str, list[int]] = {"decoding": [], "prompt": []}
+    chunks_while_decoding, chunks_after = [], []
+    while engine.has_unfinished_requests():
+        if len(outputs["decoding"]) == 10:  # the step times of its prefill and decode steps are known
+            engine.add_sequence(engine.make_sequence(prompt, params["prompt"], "prompt"))
+        decoding_now = 0 < len(outputs["decoding"]) < 120
+        deltas = engine.step()
+        step = engine.stats.records[-1]
+        if step.is_prefill and step.batch_size > 1:
+            (chunks_while_decoding if decoding_now else chunks_after).append(step.num_tokens - 1)
+        for delta in deltas:
+            outputs[delta.request_id] += delta.new_token_ids
+    assert outputs["decoding"] == reference_greedy(model, decoding, 120)
+    assert outputs["prompt"] == reference_greedy(model, prompt, 4)
+    assert_engine_idle(engine)
+    assert chunks_while_decoding and not chunks_after  # the prompt ran beside the decoding request
+    if cut:
+        assert set(chunks_while_decoding) == {8}, str(chunks_while_decoding)
+    else:
+        assert chunks_while_decoding[:2] == [255, 255], chunks_while_decoding
+
+
+def test_a_handed_over_request_keeps_its_tpot_slo():
+    engine = LLMEngine(EngineConfig.from_flat(model="tiny-llama", role="prefill", block_size=8))
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    engine.add_sequence(engine.make_sequence(list(range(3, 40)), params, "r", tpot_slo=0.05))
+    (delta,) = engine.step()
+    assert delta.handover.tpot_slo == 0.05 and Sequence.from_handover(delta.handover).tpot_slo == 0.05
+    assert engine.abort_request("r") is not None

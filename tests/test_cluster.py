@@ -482,3 +482,48 @@ def test_the_orchestrator_gives_each_run_its_ttft_deadline(ray_cluster, llama, p
             await cluster.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "own, cluster_tpot, cut",
+    [(1e-6, None, True), (None, 1e-6, True), (100.0, 1e-6, False)],
+    ids=["own", "cluster", "own-loose"],
+)
+def test_the_orchestrator_gives_each_run_its_tpot_slo(ray_cluster, llama, own, cluster_tpot, cut):
+    """With ``tpot_aware_chunking``, a 200-token prompt that arrives while a request decodes runs
+    in one-block chunks when the decoding request's TPOT SLO (its own, else the cluster's) is one
+    no step fits, and in one step under a loose SLO of its own (the budget is 256 tokens): its last
+    chunk's batch holds 8 prompt tokens and the decoding one's token, or all 200. Outputs stay
+    greedy."""
+    from distserve.cluster.role_controller import RequestSLO
+
+    decoding, prompt = random_prompts([100, 200], 1024, seed=12)
+
+    async def main():
+        cluster = await AsyncCluster.start(
+            model="tiny-llama", block_size=8, max_num_batched_tokens=256, enable_chunked_prefill=True,
+            tpot_aware_chunking=True, colocated={}, role_control={"slo_tpot": cluster_tpot}, stream_interval=0,
+        )  # fmt: skip
+        try:
+            tokens = asyncio.Event()
+            slo = RequestSLO(tpot=own) if own else None
+
+            async def decode():
+                async for output in cluster.generate(decoding, _greedy(600), slo=slo):
+                    if len(output.output_token_ids) >= 10:  # the instance knows its step times
+                        tokens.set()
+                return output
+
+            first = asyncio.create_task(decode())
+            await tokens.wait()
+            second = [output async for output in cluster.generate(prompt, _greedy(4))][-1]
+            first = await first
+            assert first.metrics.token_times[-1] > second.metrics.token_times[0]  # it ran beside the decoding one
+            assert second.metrics.prefill_batch_tokens == (9 if cut else 201)
+            assert first.output_token_ids == reference_greedy(llama, decoding, 600)
+            assert second.output_token_ids == reference_greedy(llama, prompt, 4)
+            await wait_nothing_in_use_async(cluster)
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(main())

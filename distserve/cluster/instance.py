@@ -103,10 +103,12 @@ class Instance:
         priority: int = 0,
         attempt: int = 0,
         ttft_deadline: float | None = None,
+        tpot_slo: float | None = None,
     ) -> str:
         """Validate and queue a request; raises RequestError for a bad one, InstanceFailure when down.
-        ``ttft_deadline``: the wall-clock time its first token is due by (the ``deadline`` policy)."""
-        seq = self.engine.make_sequence(prompt, params, request_id, priority, attempt, ttft_deadline)
+        ``ttft_deadline``: the wall-clock time its first token is due by (the ``deadline`` policy);
+        ``tpot_slo``: the seconds per output token it must average (``tpot_aware_chunking``)."""
+        seq = self.engine.make_sequence(prompt, params, request_id, priority, attempt, ttft_deadline, tpot_slo)
         self._claim(seq.request_id, attempt)
         self._send("add", seq)
         return seq.request_id

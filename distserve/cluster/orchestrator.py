@@ -255,7 +255,7 @@ class Orchestrator:
         try:
             await entry.handle.add_request.remote(
                 state.prompt_token_ids, state.params, state.request_id, state.priority, attempt,
-                self.ttft_deadline(state),
+                self.ttft_deadline(state), state.slo.tpot or self.controller.cluster_slo.tpot,
             )  # fmt: skip
         except INSTANCE_GONE as e:  # the instance died under the call
             self.spawn(self.failover.rerun(state, attempt, InstanceFailure(f"instance {entry.name} failed: {e}")))

@@ -104,6 +104,13 @@ class SchedulerConfig:
         "prompts up to max_num_batched_tokens, as vLLM does (off: a step is a whole prefill batch or a "
         "decode step)",
     )
+    tpot_aware_chunking: bool = option(
+        False,
+        "with chunked prefill: while a request with a TPOT SLO (its own, else the cluster's "
+        "role_control.slo_tpot) is decoding, a step's prompt chunks are cut to what keeps the step "
+        "within that SLO, by the instance's measured step times (off: every step may take "
+        "max_num_batched_tokens)",
+    )
     max_num_seqs: int = option(256, "most sequences running at once")
     sjf_aging_tokens: float = option(
         64.0, "SJF aging: a waiting prompt counts this many tokens shorter per prefill step it waits"

@@ -29,6 +29,7 @@ class Handover:
     block_size: int  # the source instance's (a decode pool may use another)
     num_kv_tokens: int  # tokens whose KV the blocks hold: all but the newest
     num_text_sent: int  # characters of output text the client has had
+    tpot_slo: float | None = None  # seconds per output token it must average; None: no SLO
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -36,6 +36,7 @@ class Sequence:
         arrival_time: float | None = None,
         attempt: int = 0,
         ttft_deadline: float | None = None,
+        tpot_slo: float | None = None,
     ) -> None:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
@@ -49,6 +50,9 @@ class Sequence:
         # Wall-clock time by which its first token is due (arrival at the cluster plus its TTFT
         # SLO), None: no SLO; the ``deadline`` policy orders prompts by it.
         self.ttft_deadline = ttft_deadline
+        # Seconds per output token after the first it must average, None: no SLO; a colocated step
+        # that decodes it is cut to fit it (``tpot_aware_chunking``).
+        self.tpot_slo = tpot_slo
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
@@ -75,6 +79,7 @@ class Sequence:
             handover.prompt,
             handover.priority,
             attempt=handover.attempt,
+            tpot_slo=handover.tpot_slo,
         )
         seq.all_token_ids += handover.output_token_ids
         seq.num_text_sent = handover.num_text_sent

@@ -25,6 +25,7 @@ class InputProcessor:
         priority: int = 0,
         attempt: int = 0,
         ttft_deadline: float | None = None,
+        tpot_slo: float | None = None,
     ) -> Sequence:
         """Validate a request and build its sequence; raises RequestError saying what to fix."""
         if not isinstance(params, SamplingParams):
@@ -50,6 +51,12 @@ class InputProcessor:
                 f"{self.num_kv_blocks * self.block_size}: lower max_tokens or give the cache more blocks"
             )
         return Sequence(
-            token_ids, params, request_id=request_id, prompt=text, priority=priority, attempt=attempt,
+            token_ids,
+            params,
+            request_id=request_id,
+            prompt=text,
+            priority=priority,
+            attempt=attempt,
             ttft_deadline=ttft_deadline,
+            tpot_slo=tpot_slo,
         )

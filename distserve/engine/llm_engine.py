@@ -30,6 +30,7 @@ from distserve.model_executor.model_runner import BatchInput, SeqInput
 from distserve.parallel.ranks import check_parallel_config
 from distserve.scheduling.block_manager import BlockManager
 from distserve.scheduling.scheduler import Scheduler
+from distserve.scheduling.step_time import StepTimeModel
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}  # every request this engine has, by id: one run each
         self.kv_puller: KVPuller | None = None  # how a decode role pulls KV: the instance's migrator
         self.stats = StepStats(max_step_records)
+        self.step_time = StepTimeModel()  # kept across role changes: the machine and model stay
         scheduler = config.scheduler
         self.kv_hold = KVHold(scheduler.kv_hold_timeout, max(1, int(scheduler.kv_hold_fraction * num_blocks)))
         self.role = self._make_role(scheduler.role)
@@ -152,9 +154,10 @@ class LLMEngine:
         priority: int = 0,
         attempt: int = 0,
         ttft_deadline: float | None = None,
+        tpot_slo: float | None = None,
     ) -> Sequence:
         """Validate a request and build its sequence; raises RequestError saying what to fix."""
-        return self.input_processor.process(prompt, params, request_id, priority, attempt, ttft_deadline)
+        return self.input_processor.process(prompt, params, request_id, priority, attempt, ttft_deadline, tpot_slo)
 
     def register(self, seq: Sequence) -> None:
         """Track ``seq`` and start its detokenization (past any output it already has). A later run
@@ -215,6 +218,7 @@ class LLMEngine:
             self.block_manager.block_size,
             seq.num_computed_tokens,
             seq.num_text_sent,
+            seq.tpot_slo,
         )
 
     def release_kv(self, request_id: str, attempt: int) -> bool:
@@ -306,7 +310,9 @@ class LLMEngine:
             else:  # a prompt chunk short of the prompt's end
                 seq.num_computed_tokens += len(seq_input.input_token_ids)
         timer.lap("postprocess")
-        self.stats.add(StepRecord(batch.is_prefill, len(batch.seqs), model_input.num_tokens, timer.seconds))
+        record = StepRecord(batch.is_prefill, len(batch.seqs), model_input.num_tokens, timer.seconds)
+        self.stats.add(record)
+        self.step_time.observe(record.num_tokens, record.total)
         return deltas
 
     def _append_token(self, seq: Sequence, token: int, after_prefill: bool) -> RequestDelta:

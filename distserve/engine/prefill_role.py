@@ -26,9 +26,11 @@ class PrefillRole(InstanceRole):
         decodes to their end (``finish_decoding_as_prefill``). Until its next role change it
         schedules as a colocated instance, so their tokens run beside the new prompts, and it
         hands every new prompt on after its first token, so no request joins them."""
-        config = engine.config.scheduler
-        scheduler = colocated_scheduler if finishing else PrefillOnlyScheduler
-        super().__init__(engine, scheduler(config, engine.block_manager))
+        if finishing:
+            scheduler = colocated_scheduler(engine)
+        else:
+            scheduler = PrefillOnlyScheduler(engine.config.scheduler, engine.block_manager)
+        super().__init__(engine, scheduler)
         self.finishing = finishing
         self.num_throttled_steps = 0
 

@@ -24,9 +24,7 @@ from distserve.scheduling.scheduler import (
 )
 
 if TYPE_CHECKING:
-    from distserve.core.config import SchedulerConfig
     from distserve.engine.llm_engine import LLMEngine
-    from distserve.scheduling.block_manager import BlockManager
 
 
 @dataclass
@@ -106,10 +104,12 @@ class InstanceRole:
         raise self._not_this_role("only decode instances pull KV")
 
 
-def colocated_scheduler(config: SchedulerConfig, block_manager: BlockManager) -> Scheduler:
-    """A scheduler of both phases: chunked prefill or prefill-first, as configured."""
-    scheduler = ChunkedPrefillScheduler if config.enable_chunked_prefill else PrefillFirstScheduler
-    return scheduler(config, block_manager)
+def colocated_scheduler(engine: LLMEngine) -> Scheduler:
+    """A scheduler of both phases for ``engine``: chunked prefill or prefill-first, as configured."""
+    config = engine.config.scheduler
+    if config.enable_chunked_prefill:
+        return ChunkedPrefillScheduler(config, engine.block_manager, engine.step_time)
+    return PrefillFirstScheduler(config, engine.block_manager)
 
 
 class ColocatedRole(InstanceRole):
@@ -118,4 +118,4 @@ class ColocatedRole(InstanceRole):
     role = Role.COLOCATED
 
     def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine, colocated_scheduler(engine.config.scheduler, engine.block_manager))
+        super().__init__(engine, colocated_scheduler(engine))

@@ -18,7 +18,13 @@ from distserve.core.config import SchedulerConfig
 from distserve.core.sequence import Sequence
 from distserve.scheduling.block_manager import BlockManager
 from distserve.scheduling.running_batch import RunningBatch
+from distserve.scheduling.step_time import StepTimeModel
 from distserve.scheduling.waiting_queue import WaitingQueue
+
+# The share of the tightest TPOT SLO among the decoding requests that a step cut to fit it aims at:
+# the line's error and the steps that run longer than predicted (a chunk late in a long prompt
+# attends over more of it) stay within the SLO.
+TPOT_SLO_SHARE = 0.8
 
 
 @dataclass
@@ -122,11 +128,20 @@ class ChunkedPrefillScheduler(PrefillFirstScheduler):
     computed, so no other request reads a block a later chunk has yet to fill. When decode growth
     runs out of blocks the most recently admitted sequences are preempted, prompts half-way included,
     and that step admits no new prompt.
+
+    With ``tpot_aware_chunking`` (and the engine's ``step_time``), while a request with a TPOT SLO
+    decodes, a step runs only the tokens that ``step_time`` says fit ``TPOT_SLO_SHARE`` of the
+    tightest such SLO, and at least a block of prompt tokens, so prompts still move while decoding
+    alone fills the steps: the budget a Sarathi-Serve user sets from the SLO by hand, here set each
+    step from the SLOs of the requests in it, so a step with none of them prefills at full speed.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, step_time: StepTimeModel | None = None
+    ) -> None:
         super().__init__(config, block_manager)
         self.budget = config.max_num_batched_tokens
+        self.step_time = step_time if config.tpot_aware_chunking else None
         self.chunks: list[tuple[Sequence, int]] = []  # the last step's prompt chunks: (sequence, first token)
 
     def schedule(self) -> ScheduledBatch:
@@ -135,6 +150,8 @@ class ChunkedPrefillScheduler(PrefillFirstScheduler):
                 self.block_manager.register_computed(seq, first)
         decode, prompts, preempted = self.running.grow(lambda seq: seq.num_tokens - seq.num_computed_tokens == 1)
         budget = max(0, self.budget - len(decode))
+        if (within_slo := self.tokens_within_tpot_slo(decode)) is not None:
+            budget = min(budget, max(within_slo - len(decode), self.block_manager.block_size))
         chunks: list[tuple[Sequence, int]] = []
         for seq in prompts:
             chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -155,6 +172,14 @@ class ChunkedPrefillScheduler(PrefillFirstScheduler):
             num_decode=len(decode),
             num_new_tokens=[1] * len(decode) + [chunk for _, chunk in chunks],
         )
+
+    def tokens_within_tpot_slo(self, decode: list[Sequence]) -> int | None:
+        """The tokens a step may run and keep the tightest TPOT SLO of ``decode``; None: no limit
+        (off, none of them has one, or the step times are not known yet)."""
+        slos = [seq.tpot_slo for seq in decode if seq.tpot_slo]
+        if self.step_time is None or not slos:
+            return None
+        return self.step_time.tokens_within(TPOT_SLO_SHARE * min(slos))
 
 
 class PrefillOnlyScheduler:
