@@ -160,35 +160,3 @@ def test_a_handed_over_request_keeps_its_tpot_slo():
     (delta,) = engine.step()
     assert delta.handover.tpot_slo == 0.05 and Sequence.from_handover(delta.handover).tpot_slo == 0.05
     assert engine.abort_request("r") is not None
-
-
-@pytest.mark.parametrize(
-    "deadline_in, chunk",
-    [(None, 28), (5.0, 28), (1.2, 255), (0.5, 28)],
-    ids=["no-deadline", "met-either-way", "met-only-in-full", "missed-either-way"],
-)
-def test_a_chunk_is_cut_unless_that_costs_a_prompt_its_ttft_deadline(deadline_in, chunk):
-    """Steps take 10 ms and 1 ms a token; a request decodes under a TPOT SLO of 50 ms (80%: 29
-    tokens a step, as the fitted line rounds, 28 of them prompt). A 1000-token prompt takes 36 cut
-    steps (1.4 s) or 4 full ones (1.06 s): with its TTFT due in 1.2 s only the full budget meets it,
-    and the step runs 255 of its tokens; due later it is met either way, sooner it is missed either
-    way: the cut stands."""
-    import time
-
-    from distserve.core.config import SchedulerConfig
-    from distserve.scheduling.block_manager import BlockManager
-    from distserve.scheduling.step_time import StepTimeModel
-
-    step_time = StepTimeModel()
-    for tokens in (1, 256, 30, 1, 256, 30, 1, 256):
-        step_time.observe(tokens, 0.010 + 0.001 * tokens)
-    config = SchedulerConfig(enable_chunked_prefill=True, tpot_aware_chunking=True, max_num_batched_tokens=256)
-    scheduler = ChunkedPrefillScheduler(config, BlockManager(4096, 16, enable_prefix_caching=False), step_time)
-    decoding = Sequence(list(range(3, 11)), SamplingParams(), "decoding", tpot_slo=0.050)
-    scheduler.add(decoding)
-    assert scheduler.schedule().num_new_tokens == [8]
-    decoding.append_token(5)
-    decoding.num_computed_tokens = decoding.num_tokens - 1
-    deadline = None if deadline_in is None else time.time() + deadline_in
-    scheduler.add(Sequence(list(range(3, 1003)), SamplingParams(), "prompt", ttft_deadline=deadline))
-    assert scheduler.schedule().num_new_tokens == [1, chunk]

@@ -11,8 +11,6 @@ first token, and its blocks go with it to the role that holds them for decode.
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -136,9 +134,6 @@ class ChunkedPrefillScheduler(PrefillFirstScheduler):
     tightest such SLO, and at least a block of prompt tokens, so prompts still move while decoding
     alone fills the steps: the budget a Sarathi-Serve user sets from the SLO by hand, here set each
     step from the SLOs of the requests in it, so a step with none of them prefills at full speed.
-    Unless the cut would make a waiting prompt miss its TTFT deadline that the full budget meets:
-    under a queue the cut would otherwise trade every queued prompt's TTFT for the decoding ones'
-    TPOT, which is averaged over all their tokens and may absorb a longer step.
     """
 
     def __init__(
@@ -156,9 +151,7 @@ class ChunkedPrefillScheduler(PrefillFirstScheduler):
         decode, prompts, preempted = self.running.grow(lambda seq: seq.num_tokens - seq.num_computed_tokens == 1)
         budget = max(0, self.budget - len(decode))
         if (within_slo := self.tokens_within_tpot_slo(decode)) is not None:
-            cut = max(within_slo - len(decode), self.block_manager.block_size)
-            if cut < budget and not self.cut_misses_a_ttft_deadline(prompts, len(decode), cut, budget):
-                budget = cut
+            budget = min(budget, max(within_slo - len(decode), self.block_manager.block_size))
         chunks: list[tuple[Sequence, int]] = []
         for seq in prompts:
             chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -179,27 +172,6 @@ class ChunkedPrefillScheduler(PrefillFirstScheduler):
             num_decode=len(decode),
             num_new_tokens=[1] * len(decode) + [chunk for _, chunk in chunks],
         )
-
-    def cut_misses_a_ttft_deadline(self, prompts: list[Sequence], num_decode: int, cut: int, full: int) -> bool:
-        """Whether a prompt (of ``prompts`` begun, then the queue, in the order they are served)
-        would miss its TTFT deadline if steps ran ``cut`` prompt tokens and meet it with ``full``,
-        as ``step_time`` predicts: the cut would cost it its first token, where the decoding
-        requests' TPOT may still hold over their remaining tokens. One that misses either way is
-        not saved by the full budget, and does not lift the cut."""
-        fixed, per_token = self.step_time.line()
-
-        def done_at(chunk: int, tokens: int) -> float:
-            return now + math.ceil(tokens / chunk) * (fixed + per_token * (num_decode + chunk))
-
-        now, ahead = time.time(), 0
-        for seq in prompts + self.waiting.in_order():
-            ahead += seq.num_tokens - seq.num_computed_tokens
-            deadline = seq.ttft_deadline
-            if deadline is None or seq.num_output_tokens:  # none, or past its first token (a recompute)
-                continue
-            if done_at(cut, ahead) > deadline >= done_at(full, ahead):
-                return True
-        return False
 
     def tokens_within_tpot_slo(self, decode: list[Sequence]) -> int | None:
         """The tokens a step may run and keep the tightest TPOT SLO of ``decode``; None: no limit

@@ -100,15 +100,12 @@ class WaitingQueue:
         self._taken([seq for seq, _ in batch])
         return batch
 
-    def in_order(self) -> list[Sequence]:
-        """Every queued sequence in the order they would be served: resumed ones, then the waiting
-        ones in policy order."""
+    def _in_order(self, max_seqs: int) -> list[Sequence]:
+        """Resumed sequences, then the waiting ones in policy order (none when no slot is free)."""
+        if max_seqs <= 0:
+            return []
         self.waiting.sort(key=self.key)
         return [*self.resumed, *self.waiting]
-
-    def _in_order(self, max_seqs: int) -> list[Sequence]:
-        """``in_order``, or none when no slot is free."""
-        return self.in_order() if max_seqs > 0 else []
 
     def _taken(self, batch: list[Sequence]) -> None:
         """Drop the scheduled sequences from the queues; the others waited one more step."""
