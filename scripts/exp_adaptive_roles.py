@@ -7,8 +7,7 @@ Deployments (one torch thread per instance): **colocated** (2 instances, prefill
 (2 colocated instances with chunked prefill), **disaggregated** (1 prefill + 1 decode), **adaptive**
 (starts as 1 prefill + 1 decode, chunked prefill whenever colocated, ``--role-control adaptive``;
 with ``--tpot-aware-chunking`` these chunked deployments cut their chunks to the decoding requests'
-TPOT SLOs)
-and, as its bound, the **oracle** (each class's better static layout set the moment its phase
+TPOT SLOs) and, as its bound, the **oracle** (each class's better static layout set the moment its phase
 begins) and the **staged-oracle** (the same, but an instance leaving a decode role keeps it until
 the requests in flight finish). Each request class has its SLOs, set as for the static comparison
 (``exp_disagg_vs_colocated.py``): from the prefill-first colocated deployment's single-request
@@ -74,6 +73,7 @@ DEPLOYMENTS["oracle"] = DEPLOYMENTS["adaptive"]  # roles set by the load at each
 # change's cost to what is decoding, apart from the rest of it.
 DEPLOYMENTS["staged-oracle"] = DEPLOYMENTS["oracle"]
 ORACLES = ("oracle", "staged-oracle")
+ROLE_CHANGING = ("adaptive", *ORACLES)  # deployments whose roles change during a probe
 # The oracle's layout of the 2 instances for each class: the better static one for it.
 ORACLE_LAYOUTS = {"long": ("colocated", "colocated"), "short": ("prefill", "decode")}
 # With --one-cluster, each deployment as the roles set on the adaptive deployment's cluster before
@@ -552,7 +552,7 @@ def main() -> None:
                 results = one_cluster(args, running, slos, scratch)
         for name in [] if args.one_cluster else args.deployments.split(","):
             pools = dict(DEPLOYMENTS[name])
-            if args.finish_decoding_as_prefill and name in ("adaptive", *ORACLES):
+            if args.finish_decoding_as_prefill and name in ROLE_CHANGING:
                 pools["finish_decoding_as_prefill"] = True
             adaptive = {"role_control": {"mode": "adaptive", **control}} if name == "adaptive" else {}
             with server(pools, **adaptive) as running:
@@ -579,7 +579,7 @@ def main() -> None:
                         best, probes = grid_goodput(run_probe, rates, args.repeats, args.target)
                     else:
                         best, probes = goodput(run_probe, 0.0, args.rate_high, args.steps, args.target)
-                    changes = running.cluster.role_changes if name in ("adaptive", *ORACLES) else []
+                    changes = running.cluster.role_changes if name in ROLE_CHANGING else []
                     results.setdefault(workload, {})[name] = {
                         "goodput": best, "probes": probes,
                         "role_changes": [

@@ -251,20 +251,20 @@ class Orchestrator:
         entry = self.router.pick_prefill(pool, state.prompt_token_ids, state.move_to)
         state.move_to = None
         self._assign(state, entry, "prefill")
-        attempt = state.attempt
+        attempt, slo = state.attempt, self.slo(state)
+        ttft_deadline = state.metrics.arrival_time + slo.ttft if slo.ttft else None  # a re-run keeps the first's
         try:
             await entry.handle.add_request.remote(
                 state.prompt_token_ids, state.params, state.request_id, state.priority, attempt,
-                self.ttft_deadline(state), state.slo.tpot or self.controller.cluster_slo.tpot,
+                ttft_deadline, slo.tpot,
             )  # fmt: skip
         except INSTANCE_GONE as e:  # the instance died under the call
             self.spawn(self.failover.rerun(state, attempt, InstanceFailure(f"instance {entry.name} failed: {e}")))
 
-    def ttft_deadline(self, state: RequestState) -> float | None:
-        """When the request's first token is due: its arrival plus its TTFT SLO, or the cluster's
-        (``role_control.slo_ttft``); None without either. A re-run keeps the first run's."""
-        slo = state.slo.ttft or self.controller.cluster_slo.ttft
-        return state.metrics.arrival_time + slo if slo else None
+    def slo(self, state: RequestState) -> RequestSLO:
+        """The request's SLOs: each its own, else the cluster's (``role_control``); None without either."""
+        cluster = self.controller.cluster_slo
+        return RequestSLO(state.slo.ttft or cluster.ttft, state.slo.tpot or cluster.tpot)
 
     def spread_prompts(self) -> None:
         """Even out the prompts waiting for their first token over the instances that take new ones:

@@ -51,12 +51,6 @@ class InputProcessor:
                 f"{self.num_kv_blocks * self.block_size}: lower max_tokens or give the cache more blocks"
             )
         return Sequence(
-            token_ids,
-            params,
-            request_id=request_id,
-            prompt=text,
-            priority=priority,
-            attempt=attempt,
-            ttft_deadline=ttft_deadline,
-            tpot_slo=tpot_slo,
-        )
+            token_ids, params, request_id=request_id, prompt=text, priority=priority, attempt=attempt,
+            ttft_deadline=ttft_deadline, tpot_slo=tpot_slo,
+        )  # fmt: skip
