@@ -81,7 +81,7 @@ ORACLE_LAYOUTS = {"long": ("colocated", "colocated"), "short": ("prefill", "deco
 ONE_CLUSTER_LAYOUTS = {"chunked": ("colocated", "colocated"), "disaggregated": ("prefill", "decode"),
                        "oracle": None, "staged-oracle": None, "adaptive": ("prefill", "decode")}  # fmt: skip
 ROLE_CONTROL = {"interval": 0.5, "window": 3.0, "min_requests": 8, "patience": 2, "min_dwell": 3.0,
-                "arrival_window": 1.0}  # fmt: skip
+                "arrival_window": 1.0, "forecast": True}  # fmt: skip
 WORKLOADS = ("long", "short", "alternating")
 _probe_count = itertools.count()  # each probe's prompts are its own
 
@@ -296,13 +296,14 @@ def calibrate(address: str, classes: str, out: Path) -> dict[str, tuple[float, f
 
 
 def role_control(text: str) -> dict[str, float]:
-    """``window=12,arrival_window=6`` -> the controller's settings it names (of ROLE_CONTROL's keys)."""
+    """``window=12,forecast=off`` -> the controller's settings it names (of ROLE_CONTROL's keys)."""
     settings = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if key not in ROLE_CONTROL:
             raise ValueError(f"{key!r} is not one of {', '.join(ROLE_CONTROL)}")
-        settings[key] = type(ROLE_CONTROL[key])(value)
+        kind = type(ROLE_CONTROL[key])
+        settings[key] = value.lower() in ("1", "true", "on") if kind is bool else kind(value)
     return settings
 
 

@@ -16,6 +16,7 @@ from conftest import in_use, random_prompts, reference_greedy, wait_nothing_in_u
 from distserve import AsyncCluster, SamplingParams
 from distserve.cluster.api import make_cluster_config
 from distserve.cluster.config import ClusterConfig
+from distserve.cluster.layout_forecast import ChunkedPrefill, StepCost
 from distserve.cluster.role_controller import (
     Arrival,
     Attainment,
@@ -219,6 +220,45 @@ def test_arrivals_of_a_remembered_load_change_roles_without_waiting_for_a_tick(r
     )
     for prompt, tokens in zip(prompts, outputs):
         assert tokens == reference_greedy(llama, prompt, 6)
+
+
+def test_a_new_kind_of_request_moves_roles_by_the_forecast_from_the_instances_step_times(ray_cluster, llama):
+    # Colocated instances chunk prompts 32 tokens a step beside decoding; the requests' TPOT SLO
+    # (0.1 ms) no step meets, a decode-only step least badly. Memory is empty, a tick is a minute
+    # away and a window needs 50 requests: only the forecast, from the step times the instances
+    # measured while roles were fixed, can move them, and it does on the third arrival.
+    control = {"mode": "fixed", "slo_ttft": 100.0, "slo_tpot": 1e-4, "interval": 60.0, "min_requests": 50,
+               "min_dwell": 0.0}  # fmt: skip
+    warmup = random_prompts([40, 9, 120, 64, 17, 88], llama.config.vocab_size, seed=17)
+    prompts = random_prompts([30, 50, 20, 40], llama.config.vocab_size, seed=19)
+
+    async def main() -> tuple[list[list[int]], list, list[float], list]:
+        async with AsyncCluster(model="tiny-llama", prefill={}, decode={}, enable_chunked_prefill=True,
+                                max_num_batched_tokens=32, role_control=control) as cluster:  # fmt: skip
+            names = [i.name for i in await cluster.info()]
+            await cluster.set_roles({name: C for name in names})
+            outputs = await asyncio.gather(*(_final(cluster, p, 8) for p in warmup))
+            lines = [await s.handle.step_line.remote() for s in cluster.orchestrator.instances]
+            assert cluster.role_changes[-1].reason == "operator"
+            await cluster.set_roles({}, role_control="adaptive")
+            tasks, sent = [], []
+            for prompt in prompts:
+                tasks.append(asyncio.create_task(_final(cluster, prompt, 8)))
+                sent.append(time.time())
+                await asyncio.sleep(0.2)
+            outputs += await asyncio.gather(*tasks)
+            await wait_nothing_in_use_async(cluster)
+            return outputs, cluster.role_changes[2:], sent, lines
+
+    outputs, history, sent, lines = asyncio.run(main())
+    assert all(fixed >= 0 and per_token > 0 for fixed, per_token in lines)
+    assert sorted((r.old_role, r.new_role) for r in history) == [(C, D), (C, P)]
+    assert all(sent[2] <= r.started < sent[2] + 5.0 for r in history)  # on the third arrival
+    assert all(
+        r.reason.startswith("arriving requests (") and r.reason.endswith("disaggregated") for r in history
+    ), history[0].reason
+    for prompt, tokens in zip(warmup + prompts, outputs):
+        assert tokens == reference_greedy(llama, prompt, 8)
 
 
 def test_a_layout_an_operator_leaves_is_remembered_by_what_it_served(ray_cluster, llama):
@@ -453,6 +493,44 @@ def test_the_controller_follows_the_arriving_load_to_the_layout_that_did_best_un
     controller.remember(pd, long, met=44, num_requests=60, now=70.0)
     controller.remember(cc, long, met=23, num_requests=30, now=75.0)
     assert controller.recall(pd, long, now=80.0) is None  # 73% against 77%: within the noise
+
+
+def test_a_kind_of_request_memory_knows_nothing_of_is_met_at_once_by_the_forecast_layout():
+    # The 58M Llama's step times on one thread; requests of 1024 prompt tokens and 64 out at 0.67 req/s.
+    forecast_from = (StepCost(0.060, 0.00125), ChunkedPrefill(256, 16, tpot_aware=True))
+    controller = RoleController(None, RoleControlConfig("adaptive", slo_ttft=3.34, slo_tpot=0.262, memory=600))
+    dp, cc = {"a": D, "b": P}, {"a": C, "b": C}
+    now = controller.last_change + 60.0
+    for i in range(8):  # TTFT-tight (the cluster's SLOs)
+        controller.observe_arrival(Arrival(now + 1.5 * i, 1024, 64))
+    now += 1.5 * 7
+    assert controller.forecast_due(now)
+    assert controller.propose_now(dp, [], now, tick=False, forecast_from=forecast_from) == (
+        cc,
+        "arriving requests (1024 prompt tokens, SLOs 3.34 s and 262 ms, 0.67 req/s) forecast at 208% of their"
+        " SLOs in this layout and 101% colocated",
+        True,  # no patience: not a window's evidence
+    )
+    assert not controller.forecast_due(now)  # once for each kind: then windows judge
+    for i in range(3):  # TPOT-tight requests come instead
+        controller.observe_arrival(Arrival(now + 1.5 * (i + 1), 1024, 64, RequestSLO(12.5, 0.0645)))
+    now += 4.5
+    assert controller.forecast_due(now)
+    roles, why, _ = controller.propose_now(cc, [], now, tick=False, forecast_from=forecast_from)
+    assert roles == dp and why.endswith("forecast at 2125% of their SLOs in this layout and 98% disaggregated")
+    assert controller.propose_now(dp, [], now, forecast_from=forecast_from) is None  # colocated is worse for them
+    assert controller.verdicts == {"forecast": 2}
+
+    # What was measured wins: this layout met the TTFT-tight kind at this rate.
+    controller = RoleController(None, RoleControlConfig("adaptive", slo_ttft=3.34, slo_tpot=0.262, memory=600))
+    now = controller.last_change + 60.0
+    for i in range(4):
+        controller.observe_arrival(Arrival(now + 1.5 * i, 1024, 64))
+    now += 4.5
+    controller.remember(dp, controller.arriving(now), met=38, num_requests=40, now=now - 30)
+    assert controller.propose_now(dp, [], now, tick=False, forecast_from=forecast_from) is None
+    assert controller.verdicts == {"forecast overruled by memory": 1}
+    assert not controller.forecast_due(now)
 
 
 def test_a_layout_that_served_nothing_like_the_arriving_load_gives_way_to_one_that_surely_met_it():

@@ -133,6 +133,12 @@ class Instance:
             raise change.error
         return change.seconds
 
+    def step_line(self) -> tuple[float, float] | None:
+        """The engine's step times as a line (fixed seconds, seconds per token), None while unknown:
+        what the role controller forecasts layouts by. Read between the step loop's updates without
+        a lock: one landing midway moves the fit by a step's weight."""
+        return self.engine.step_time.line()
+
     def give_back(self, runs: list[tuple[str, int]]) -> None:
         """Give back those of these runs (request id, attempt) whose prompts have not started here:
         each ends with ``finish_reason="requeue"`` and the orchestrator sends it on."""

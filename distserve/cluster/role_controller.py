@@ -61,10 +61,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from distserve.cluster.layout_forecast import ChunkedPrefill, Demand, StepCost, forecast
 from distserve.core.role import Role
 
 if TYPE_CHECKING:
     from distserve.cluster.orchestrator import Orchestrator
+    from distserve.cluster.routing import InstanceState
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,9 @@ class RoleControlConfig:
     min_dwell: float = 10.0  # seconds after a change before the next
     memory: float = 120.0  # seconds a layout's measured attainment is trusted for a similar load
     arrival_window: float = 2.0  # seconds of arrivals that say what load is coming
+    # A kind of request that memory says nothing of is met at once by the layout a forecast from the
+    # instances' step times favours (``layout_forecast``), before a window shows the misses.
+    forecast: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ROLE_CONTROL_MODES:
@@ -165,9 +170,7 @@ class Attainment:
     num_decoded: int  # requests whose TPOT is known (more than one token, finished)
 
 
-def attainment(
-    requests: list[FinishedRequest], slo_ttft: float, slo_tpot: float, target: float = 0.9
-) -> Attainment:
+def attainment(requests: list[FinishedRequest], slo_ttft: float, slo_tpot: float, target: float = 0.9) -> Attainment:
     """Each request judged by its own SLOs, else by ``slo_ttft`` and ``slo_tpot``."""
     ttft_ratio = [r.ttft / (r.slo.ttft or slo_ttft) for r in requests]
     tpot_ratio = [None if r.tpot is None else r.tpot / (r.slo.tpot or slo_tpot) for r in requests]
@@ -381,6 +384,7 @@ class RoleController:
         self._judged: tuple[list[FinishedRequest], list[FinishedRequest]] = ([], [])
         self._arrived: asyncio.Event | None = None  # set by an arrival while ``run`` waits
         self._mix_looked_at: Load | None = None  # the arriving mix at the last look
+        self._forecast_mix: Load | None = None  # the arriving mix at the last forecast
         # Each judgement that proposed a change or kept the layout, by why: what an operator reads
         # to tell a controller held by its memory from one that saw nothing to change.
         self.verdicts: Counter[str] = Counter()
@@ -539,13 +543,17 @@ class RoleController:
         window. After a quiet spell the first few arrivals say what kind of load is coming, seconds
         before a window's worth of them says its rate well: what memory holds of that kind at
         rates within the noise is enough to act on."""
+        mix = self.arriving_mix(now)
+        return Load.of(mix, self.cluster_slo).at_rate_of(Load.of(list(self.arrivals))) if mix else None
+
+    def arriving_mix(self, now: float) -> list[Arrival]:
+        """The arrivals whose mix is the load coming in (``arriving``), none when too few came."""
         while self.arrivals and self.arrivals[0].arrival < now - max(self.config.window, self.config.arrival_window):
             self.arrivals.popleft()
         if len(self.arrivals) < MIX_ARRIVALS:
-            return None
+            return []
         recent = [a for a in self.arrivals if a.arrival >= now - self.config.arrival_window]
-        mix = recent if len(recent) >= MIX_ARRIVALS else list(self.arrivals)[-MIX_ARRIVALS:]
-        return Load.of(mix, self.cluster_slo).at_rate_of(Load.of(list(self.arrivals)))
+        return recent if len(recent) >= MIX_ARRIVALS else list(self.arrivals)[-MIX_ARRIVALS:]
 
     def window(self, now: float) -> list[FinishedRequest]:
         """The requests that finished in the last ``window`` seconds, or the last ``min_requests`` if
@@ -621,11 +629,14 @@ class RoleController:
         now: float,
         tick: bool = True,
         started: Iterable[FinishedRequest] = (),
+        forecast_from: tuple[StepCost, ChunkedPrefill] | None = None,
     ) -> tuple[dict[str, Role], str, bool] | None:
-        """A change for the load arriving now, from memory; else, on a ``tick``, one from the
-        attainment of the requests in ``window`` and of those ``started`` (in flight, their TTFT
-        known: ``known_in_flight``). The flag: whether it is from memory, which needs no patience (it
-        rests on every request remembered, not on one window)."""
+        """A change for the load arriving now, from memory, else from a forecast by
+        ``forecast_from`` (``forecast_change``); else, on a ``tick``, one from the attainment of the
+        requests in ``window`` and of those ``started`` (in flight, their TTFT known:
+        ``known_in_flight``). The flag: whether it is from memory or a forecast, which need no
+        patience (they rest on every request remembered, or on the instances' step times, not on one
+        window)."""
         arriving = self.arriving(now)
         # A layout's first requests after a change wait behind the backlog of the one before, an
         # overload's most of all: until a whole window has passed since it settled, the current
@@ -634,6 +645,9 @@ class RoleController:
         if arriving and (recalled := self.recall(layout, arriving, now, self.last_change if fresh else math.inf)):
             self.verdicts["recalled"] += 1
             return *recalled, True
+        if arriving and forecast_from and (forecast := self.forecast_change(layout, arriving, now, *forecast_from)):
+            self.verdicts["forecast"] += 1
+            return *forecast, True
         if not tick or fresh:
             return None  # between ticks, or not yet a whole window since the layout settled
         started = list(started)
@@ -647,6 +661,78 @@ class RoleController:
             in_flight = {id(r) for r in started}  # never remembered: they have not finished
             self._judged = (judged, [r for r in judged if id(r) in in_flight or r.finished > self._recorded_until])
         return (*proposal, False) if proposal else None
+
+    def forecast_due(self, now: float) -> bool:
+        """Whether to forecast: on, and the arriving mix is of a kind not forecast for yet (the first
+        arrivals, or a workload that changed)."""
+        arriving = self.arriving(now) if self.config.forecast else None
+        return arriving is not None and not (self._forecast_mix and arriving.similar_mix(self._forecast_mix))
+
+    def forecast_change(
+        self, layout: dict[str, Role], arriving: Load, now: float, cost: StepCost, chunking: ChunkedPrefill
+    ) -> tuple[dict[str, Role], str] | None:
+        """The other of colocated and disaggregated (with why) when the forecast for the requests
+        arriving says the current layout misses their SLOs (near them: ``NEAR_SLO``) and the other
+        does better, unless memory says otherwise: the current layout met this load or a heavier one,
+        or the other did no better than it under a similar load. Once for each kind of request that
+        arrives: then windows judge the layout, and one that shows the forecast wrong wins."""
+        self._forecast_mix = arriving
+        names = list(layout)
+        colocated = all(r is Role.COLOCATED for r in layout.values())
+        if len(names) < 2 or not (colocated or _layout_key(layout) == _layout_key(_disaggregated(names))):
+            return None  # one instance, or a layout of other proportions: windows judge
+        demand = self.demand(now, arriving)
+        here = forecast(colocated, len(names), demand, cost, chunking)
+        there = forecast(not colocated, len(names), demand, cost, chunking)
+        if here < NEAR_SLO or there >= here:
+            return None
+        other = _disaggregated(names) if colocated else {n: Role.COLOCATED for n in names}
+        held = self.remembered(_layout_key(layout), arriving, now, rates="heavier")
+        current = self.remembered(_layout_key(layout), arriving, now)
+        known = self.remembered(_layout_key(other), arriving, now)
+        if (held and held.value >= self.config.target) or (known and known.value <= (current.value if current else 0)):
+            self.verdicts["forecast overruled by memory"] += 1
+            return None
+        why = (
+            f"arriving requests ({demand.prompt_len:.0f} prompt tokens, SLOs {demand.slo_ttft:.3g} s and "
+            f"{demand.slo_tpot * 1000:.3g} ms, {demand.rate:.2f} req/s) forecast at {here:.0%} of their SLOs "
+            f"in this layout and {there:.0%} {'disaggregated' if colocated else 'colocated'}"
+        )
+        return other, why
+
+    def demand(self, now: float, arriving: Load) -> Demand:
+        """What the arriving mix asks, each request by its own SLOs or the cluster's."""
+        mix, cluster = self.arriving_mix(now), self.cluster_slo
+
+        def mean(values: Iterable[float]) -> float:
+            values = list(values)
+            return sum(values) / len(values)
+
+        return Demand(
+            rate=arriving.rate,
+            prompt_len=mean(a.prompt_len for a in mix),
+            output_len=mean(a.max_tokens for a in mix),
+            slo_ttft=mean(a.slo.ttft or cluster.ttft for a in mix),
+            slo_tpot=mean(a.slo.tpot or cluster.tpot for a in mix),
+        )
+
+    async def forecast_inputs(self, live: list[InstanceState]) -> tuple[StepCost, ChunkedPrefill] | None:
+        """The instances' step cost (the mean of the lines they know) and how a colocated one forms
+        its steps; None while none knows its line, or when colocated instances run whole prefills
+        (prefill-first colocation is not forecast)."""
+        config = live[0].config if live else None
+        if config is None or not config.scheduler.enable_chunked_prefill:
+            return None
+        lines = await asyncio.gather(*(s.handle.step_line.remote() for s in live), return_exceptions=True)
+        lines = [line for line in lines if isinstance(line, (tuple, list))]
+        if not lines:
+            return None
+        cost = StepCost(*(sum(values) / len(lines) for values in zip(*lines)))
+        scheduler = config.scheduler
+        chunking = ChunkedPrefill(
+            scheduler.max_num_batched_tokens, config.cache.block_size, scheduler.tpot_aware_chunking
+        )
+        return cost, chunking
 
     def of_arriving_kind(self, window: list[FinishedRequest], arriving: Load | None) -> list[FinishedRequest]:
         """The requests of ``window`` that a layout is judged by now: those of the kind arriving, when
@@ -709,7 +795,8 @@ class RoleController:
         self.record(layout, window, now)
         if now - self.last_change < config.min_dwell:
             return
-        proposal = self.propose_now(layout, window, now, tick, self.known_in_flight(in_flight, now))
+        forecast_from = await self.forecast_inputs(live) if self.forecast_due(now) else None
+        proposal = self.propose_now(layout, window, now, tick, self.known_in_flight(in_flight, now), forecast_from)
         if not tick and proposal is None:
             return  # a window's proposal needs its ticks in a row: an arrival between them is not one
         if proposal is None or proposal[0] != self._proposal:

@@ -1,0 +1,105 @@
+"""How a layout would serve a load it has not served yet: a forecast of the requests' latencies as a
+share of their SLOs, colocated (chunked prefill) against disaggregated, from the instances' own
+step times (``StepTimeModel``'s line: seconds = fixed + per_token * tokens).
+
+The role controller asks it when a kind of request arrives that its memory says nothing of (a
+workload that changed), to move at once instead of waiting a window for the misses. The forecast
+is a fluid model, not a simulation: each pool's prompts queue as in an M/D/1 queue, decode batches
+hold the requests that arrive while one decodes (Little's law). What sets the winner is the kind's
+SLOs: under a tight TPOT SLO a colocated step cut to fit it (``tpot_aware_chunking``) runs a small
+chunk beside decoding and prefills slowly, where a prefill instance runs whole prompts; under a
+tight TTFT SLO and a loose TPOT, every colocated instance prefills, where only half of a
+disaggregated cluster does. A measurement that disagrees (a window of misses, or memory) wins.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from distserve.scheduling.scheduler import TPOT_SLO_SHARE
+
+# Prompts queue without bound at or over a utilization of 1; capped under it, the forecast still
+# ranks an overloaded layout by how long its prompts take, and says it misses.
+MAX_UTILIZATION = 0.99
+
+
+@dataclass(frozen=True)
+class Demand:
+    """What the arriving requests ask: their rate, typical lengths and SLOs."""
+
+    rate: float  # requests per second
+    prompt_len: float
+    output_len: float  # tokens asked for
+    slo_ttft: float  # seconds
+    slo_tpot: float
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """An instance's step time: ``fixed + per_token * tokens`` seconds."""
+
+    fixed: float
+    per_token: float
+
+    def seconds(self, tokens: float) -> float:
+        return self.fixed + self.per_token * tokens
+
+
+@dataclass(frozen=True)
+class ChunkedPrefill:
+    """How a colocated instance's steps are formed."""
+
+    max_num_batched_tokens: int
+    block_size: int  # the least a step cut to a TPOT SLO still prefills
+    tpot_aware: bool  # steps are cut to fit the decoding requests' TPOT SLO
+
+
+def forecast(colocated: bool, num_instances: int, demand: Demand, cost: StepCost, chunking: ChunkedPrefill) -> float:
+    """The worse of the forecast TTFT and TPOT, each as a share of its SLO (over 1: missed), of
+    ``demand`` on ``num_instances`` instances all colocated, or half decode and half prefill (the
+    controller's disaggregated layout; the odd one prefills)."""
+    if colocated:
+        ttft, tpot = _colocated(demand, num_instances, cost, chunking)
+    else:
+        num_decode = num_instances // 2
+        ttft = _prefill_pool(demand, num_instances - num_decode, cost)
+        tpot = _decode_pool(demand, num_decode, cost)
+    return max(ttft / demand.slo_ttft, tpot / demand.slo_tpot)
+
+
+def _colocated(demand: Demand, num_instances: int, cost: StepCost, chunking: ChunkedPrefill) -> tuple[float, float]:
+    """Each instance takes its share of the requests; while a prompt waits, every step runs the
+    decode batch's tokens and a chunk of prompt."""
+    rate = demand.rate / num_instances
+    budget = chunking.max_num_batched_tokens
+    step = cost.seconds(budget)
+    for _ in range(4):  # the decode batch grows with the step time, which grows with it: a few rounds settle
+        batch = min(budget - 1.0, rate * demand.output_len * step)
+        tokens = budget
+        if chunking.tpot_aware:
+            within = (TPOT_SLO_SHARE * demand.slo_tpot - cost.fixed) / cost.per_token
+            tokens = min(budget, max(within, batch + chunking.block_size))
+        step = cost.seconds(tokens)
+    chunk = max(1.0, tokens - batch)
+    service = demand.prompt_len / chunk * step  # a lone prompt's prefill, chunk by chunk
+    return _queued(rate * service, service), step
+
+
+def _prefill_pool(demand: Demand, num_instances: int, cost: StepCost) -> float:
+    """Prompts prefill whole, a step each: the TTFT."""
+    service = cost.seconds(demand.prompt_len)
+    return _queued(demand.rate / num_instances * service, service)
+
+
+def _decode_pool(demand: Demand, num_instances: int, cost: StepCost) -> float:
+    """A decode step of the batch that arrives while one decodes: the TPOT."""
+    tokens_per_second = demand.rate / num_instances * demand.output_len  # the batch per second of step
+    room = 1.0 - cost.per_token * tokens_per_second
+    return cost.fixed / room if room > 0 else math.inf
+
+
+def _queued(utilization: float, service: float) -> float:
+    """Mean time in an M/D/1 queue and its service."""
+    rho = min(utilization, MAX_UTILIZATION)
+    return service + rho / (2 * (1 - rho)) * service
