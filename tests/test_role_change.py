@@ -508,16 +508,16 @@ def test_a_kind_of_request_memory_knows_nothing_of_is_met_at_once_by_the_forecas
     assert controller.propose_now(dp, [], now, tick=False, forecast_from=forecast_from) == (
         cc,
         "arriving requests (1024 prompt tokens, SLOs 3.34 s and 262 ms, 0.67 req/s) forecast at 208% of their"
-        " SLOs in this layout and 101% colocated",
+        " SLOs in this layout and at 101% of their SLOs colocated",
         True,  # no patience: not a window's evidence
     )
     assert not controller.forecast_due(now)  # once for each kind: then windows judge
-    for i in range(3):  # TPOT-tight requests come instead
+    for i in range(3):  # TPOT-tight requests come instead: none is forecast for while the mix blends the kinds
         controller.observe_arrival(Arrival(now + 1.5 * (i + 1), 1024, 64, RequestSLO(12.5, 0.0645)))
+        assert controller.forecast_due(now + 1.5 * (i + 1)) == (i == 2)
     now += 4.5
-    assert controller.forecast_due(now)
     roles, why, _ = controller.propose_now(cc, [], now, tick=False, forecast_from=forecast_from)
-    assert roles == dp and why.endswith("forecast at 2125% of their SLOs in this layout and 98% disaggregated")
+    assert roles == dp and why.endswith("forecast over capacity (175% busy) in this layout and at 98% of their SLOs disaggregated")
     assert controller.propose_now(dp, [], now, forecast_from=forecast_from) is None  # colocated is worse for them
     assert controller.verdicts == {"forecast": 2}
 

@@ -19,10 +19,6 @@ from dataclasses import dataclass
 
 from distserve.scheduling.scheduler import TPOT_SLO_SHARE
 
-# Prompts queue without bound at or over a utilization of 1; capped under it, the forecast still
-# ranks an overloaded layout by how long its prompts take, and says it misses.
-MAX_UTILIZATION = 0.99
-
 
 @dataclass(frozen=True)
 class Demand:
@@ -55,22 +51,40 @@ class ChunkedPrefill:
     tpot_aware: bool  # steps are cut to fit the decoding requests' TPOT SLO
 
 
-def forecast(colocated: bool, num_instances: int, demand: Demand, cost: StepCost, chunking: ChunkedPrefill) -> float:
-    """The worse of the forecast TTFT and TPOT, each as a share of its SLO (over 1: missed), of
-    ``demand`` on ``num_instances`` instances all colocated, or half decode and half prefill (the
+@dataclass(frozen=True, order=True)
+class Forecast:
+    """How a layout would serve a load; the lesser serves it better. Over capacity its queue grows
+    without bound (``share`` infinite), and two such layouts rank by how far over they are."""
+
+    share: float  # the worse of the TTFT and the TPOT as a share of its SLO (over 1: missed)
+    utilization: float  # of its busiest pool: the share of the time its work keeps it busy
+
+    def __str__(self) -> str:
+        if math.isinf(self.share):
+            return f"over capacity ({self.utilization:.0%} busy)"
+        return f"at {self.share:.0%} of their SLOs"
+
+
+def forecast(
+    colocated: bool, num_instances: int, demand: Demand, cost: StepCost, chunking: ChunkedPrefill
+) -> Forecast:
+    """``demand`` on ``num_instances`` instances all colocated, or half decode and half prefill (the
     controller's disaggregated layout; the odd one prefills)."""
     if colocated:
-        ttft, tpot = _colocated(demand, num_instances, cost, chunking)
+        (ttft, busy), tpot = _colocated(demand, num_instances, cost, chunking)
     else:
         num_decode = num_instances // 2
-        ttft = _prefill_pool(demand, num_instances - num_decode, cost)
-        tpot = _decode_pool(demand, num_decode, cost)
-    return max(ttft / demand.slo_ttft, tpot / demand.slo_tpot)
+        ttft, busy = _prefill_pool(demand, num_instances - num_decode, cost)
+        tpot, decoding = _decode_pool(demand, num_decode, cost)
+        busy = max(busy, decoding)
+    return Forecast(max(ttft / demand.slo_ttft, tpot / demand.slo_tpot), busy)
 
 
-def _colocated(demand: Demand, num_instances: int, cost: StepCost, chunking: ChunkedPrefill) -> tuple[float, float]:
+def _colocated(
+    demand: Demand, num_instances: int, cost: StepCost, chunking: ChunkedPrefill
+) -> tuple[tuple[float, float], float]:
     """Each instance takes its share of the requests; while a prompt waits, every step runs the
-    decode batch's tokens and a chunk of prompt."""
+    decode batch's tokens and a chunk of prompt. The TTFT and utilization, and the TPOT."""
     rate = demand.rate / num_instances
     budget = chunking.max_num_batched_tokens
     step = cost.seconds(budget)
@@ -86,20 +100,22 @@ def _colocated(demand: Demand, num_instances: int, cost: StepCost, chunking: Chu
     return _queued(rate * service, service), step
 
 
-def _prefill_pool(demand: Demand, num_instances: int, cost: StepCost) -> float:
-    """Prompts prefill whole, a step each: the TTFT."""
+def _prefill_pool(demand: Demand, num_instances: int, cost: StepCost) -> tuple[float, float]:
+    """Prompts prefill whole, a step each: the TTFT and utilization."""
     service = cost.seconds(demand.prompt_len)
     return _queued(demand.rate / num_instances * service, service)
 
 
-def _decode_pool(demand: Demand, num_instances: int, cost: StepCost) -> float:
-    """A decode step of the batch that arrives while one decodes: the TPOT."""
+def _decode_pool(demand: Demand, num_instances: int, cost: StepCost) -> tuple[float, float]:
+    """A decode step of the batch that arrives while one decodes: the TPOT, and the share of a step
+    its tokens take (at 1 or over, the batch grows without bound)."""
     tokens_per_second = demand.rate / num_instances * demand.output_len  # the batch per second of step
-    room = 1.0 - cost.per_token * tokens_per_second
-    return cost.fixed / room if room > 0 else math.inf
+    busy = cost.per_token * tokens_per_second
+    return (cost.fixed / (1.0 - busy) if busy < 1 else math.inf), busy
 
 
-def _queued(utilization: float, service: float) -> float:
-    """Mean time in an M/D/1 queue and its service."""
-    rho = min(utilization, MAX_UTILIZATION)
-    return service + rho / (2 * (1 - rho)) * service
+def _queued(utilization: float, service: float) -> tuple[float, float]:
+    """Mean time in an M/D/1 queue with its service, and the utilization."""
+    if utilization >= 1:
+        return math.inf, utilization
+    return service + utilization / (2 * (1 - utilization)) * service, utilization

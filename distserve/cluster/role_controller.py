@@ -44,6 +44,14 @@ is still remembered). A layout just moved to is judged there by what it did befo
 until a whole window has passed since it settled: its first requests wait behind the backlog of
 the layout before.
 
+A kind of request that memory says nothing of (the first of a workload, or one not seen within
+``memory``) would wait a window for its misses. On the arrivals that bring it, the controller asks
+a forecast (``layout_forecast``) how colocated and disaggregated would serve it, from the step
+times the instances measure and the SLOs the requests carry, and moves to the other of the two
+when the forecast says the current one misses (or nearly) and the other does better, once for each
+kind that arrives, unless memory says otherwise (the current layout met this load or a heavier
+one, or the other did no better under a similar load). Windows then judge as before.
+
 Against flapping besides: a proposal from a window's attainment must come ``patience`` times in a
 row (one from memory rests on every request remembered, and needs none), and a change waits
 ``min_dwell`` seconds after the previous one.
@@ -663,10 +671,14 @@ class RoleController:
         return (*proposal, False) if proposal else None
 
     def forecast_due(self, now: float) -> bool:
-        """Whether to forecast: on, and the arriving mix is of a kind not forecast for yet (the first
-        arrivals, or a workload that changed)."""
+        """Whether to forecast: on, and the arriving mix is of one kind of request (each of its
+        requests like the mix), not the kind last forecast for: the first arrivals, or a workload
+        that changed; while it changes, the last few arrivals blend two kinds, like neither."""
         arriving = self.arriving(now) if self.config.forecast else None
-        return arriving is not None and not (self._forecast_mix and arriving.similar_mix(self._forecast_mix))
+        if arriving is None or (self._forecast_mix and arriving.similar_mix(self._forecast_mix)):
+            return False
+        mix = self.arriving_mix(now)
+        return all(Load.of([a], self.cluster_slo).similar_mix(arriving) for a in mix)
 
     def forecast_change(
         self, layout: dict[str, Role], arriving: Load, now: float, cost: StepCost, chunking: ChunkedPrefill
@@ -684,7 +696,7 @@ class RoleController:
         demand = self.demand(now, arriving)
         here = forecast(colocated, len(names), demand, cost, chunking)
         there = forecast(not colocated, len(names), demand, cost, chunking)
-        if here < NEAR_SLO or there >= here:
+        if here.share < NEAR_SLO or there >= here:
             return None
         other = _disaggregated(names) if colocated else {n: Role.COLOCATED for n in names}
         held = self.remembered(_layout_key(layout), arriving, now, rates="heavier")
@@ -695,8 +707,8 @@ class RoleController:
             return None
         why = (
             f"arriving requests ({demand.prompt_len:.0f} prompt tokens, SLOs {demand.slo_ttft:.3g} s and "
-            f"{demand.slo_tpot * 1000:.3g} ms, {demand.rate:.2f} req/s) forecast at {here:.0%} of their SLOs "
-            f"in this layout and {there:.0%} {'disaggregated' if colocated else 'colocated'}"
+            f"{demand.slo_tpot * 1000:.3g} ms, {demand.rate:.2f} req/s) forecast {here} in this layout and "
+            f"{there} {'disaggregated' if colocated else 'colocated'}"
         )
         return other, why
 

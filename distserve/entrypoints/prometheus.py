@@ -4,7 +4,7 @@ Request latencies are observed when a request finishes; instance gauges (queues,
 read from the instances when the endpoint is scraped, so they are never stale by more than a
 scrape; so are role changes (a counter per instance and direction, and their durations) and the
 role controller's verdicts (a counter per verdict: proposed, recalled, held by memory, proposed
-layout did no better). Each
+layout did no better, forecast, forecast overruled by memory). Each
 server has its own registry, so several can run in one process (tests)."""
 
 from __future__ import annotations
