@@ -517,7 +517,8 @@ def test_a_kind_of_request_memory_knows_nothing_of_is_met_at_once_by_the_forecas
         assert controller.forecast_due(now + 1.5 * (i + 1)) == (i == 2)
     now += 4.5
     roles, why, _ = controller.propose_now(cc, [], now, tick=False, forecast_from=forecast_from)
-    assert roles == dp and why.endswith("forecast over capacity (175% busy) in this layout and at 98% of their SLOs disaggregated")
+    assert roles == dp
+    assert why.endswith("forecast over capacity (175% busy) in this layout and at 98% of their SLOs disaggregated")
     assert controller.propose_now(dp, [], now, forecast_from=forecast_from) is None  # colocated is worse for them
     assert controller.verdicts == {"forecast": 2}
 

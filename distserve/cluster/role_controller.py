@@ -671,14 +671,16 @@ class RoleController:
         return (*proposal, False) if proposal else None
 
     def forecast_due(self, now: float) -> bool:
-        """Whether to forecast: on, and the arriving mix is of one kind of request (each of its
-        requests like the mix), not the kind last forecast for: the first arrivals, or a workload
-        that changed; while it changes, the last few arrivals blend two kinds, like neither."""
+        """Whether to forecast: on, and the arriving mix is of one kind of request, not the kind last
+        forecast for: the first arrivals, or a workload that changed. While it changes, the last
+        few arrivals blend two kinds, like neither: a mix is of one kind while each of its requests
+        is within ``LOAD_SIMILARITY`` squared of it (the lengths of one kind spread about its
+        typical request by less)."""
         arriving = self.arriving(now) if self.config.forecast else None
         if arriving is None or (self._forecast_mix and arriving.similar_mix(self._forecast_mix)):
             return False
         mix = self.arriving_mix(now)
-        return all(Load.of([a], self.cluster_slo).similar_mix(arriving) for a in mix)
+        return all(Load.of([a], self.cluster_slo).similar_mix(arriving, LOAD_SIMILARITY**2) for a in mix)
 
     def forecast_change(
         self, layout: dict[str, Role], arriving: Load, now: float, cost: StepCost, chunking: ChunkedPrefill
