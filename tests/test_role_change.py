@@ -505,10 +505,12 @@ def test_a_kind_of_request_memory_knows_nothing_of_is_met_at_once_by_the_forecas
         controller.observe_arrival(Arrival(now + 1.5 * i, 1024, 64))
     now += 1.5 * 7
     assert controller.forecast_due(now)
+    # At the most the 7 arrivals of the last 10 s say (0.67 req/s measured, 1.62 times that at most).
+    assert controller.demand(now, controller.arriving(now)).rate == pytest.approx(6 / 9 * (1 + 1.645 / 7**0.5))
     assert controller.propose_now(dp, [], now, tick=False, forecast_from=forecast_from) == (
         cc,
-        "arriving requests (1024 prompt tokens, SLOs 3.34 s and 262 ms, 0.67 req/s) forecast at 208% of their"
-        " SLOs in this layout and at 101% of their SLOs colocated",
+        "arriving requests (1024 prompt tokens, SLOs 3.34 s and 262 ms, up to 1.08 req/s) forecast over capacity"
+        " (145% busy) in this layout and over capacity (103% busy) colocated",
         True,  # no patience: not a window's evidence
     )
     assert not controller.forecast_due(now)  # once for each kind: then windows judge
@@ -518,7 +520,7 @@ def test_a_kind_of_request_memory_knows_nothing_of_is_met_at_once_by_the_forecas
     now += 4.5
     roles, why, _ = controller.propose_now(cc, [], now, tick=False, forecast_from=forecast_from)
     assert roles == dp
-    assert why.endswith("forecast over capacity (175% busy) in this layout and at 98% of their SLOs disaggregated")
+    assert why.endswith("forecast over capacity (289% busy) in this layout and over capacity (145% busy) disaggregated")
     assert controller.propose_now(dp, [], now, forecast_from=forecast_from) is None  # colocated is worse for them
     assert controller.verdicts == {"forecast": 2}
 

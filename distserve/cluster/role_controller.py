@@ -709,13 +709,16 @@ class RoleController:
             return None
         why = (
             f"arriving requests ({demand.prompt_len:.0f} prompt tokens, SLOs {demand.slo_ttft:.3g} s and "
-            f"{demand.slo_tpot * 1000:.3g} ms, {demand.rate:.2f} req/s) forecast {here} in this layout and "
+            f"{demand.slo_tpot * 1000:.3g} ms, up to {demand.rate:.2f} req/s) forecast {here} in this layout and "
             f"{there} {'disaggregated' if colocated else 'colocated'}"
         )
         return other, why
 
     def demand(self, now: float, arriving: Load) -> Demand:
-        """What the arriving mix asks, each request by its own SLOs or the cluster's."""
+        """What the arriving mix asks, each request by its own SLOs or the cluster's, at the highest
+        rate its arrivals are consistent with (``Load.highest_rate``): after a change of workload
+        the rate comes from a few arrivals (four say it to within 80%), and a layout is chosen for
+        the load that may be coming, not only the most likely one."""
         mix, cluster = self.arriving_mix(now), self.cluster_slo
 
         def mean(values: Iterable[float]) -> float:
@@ -723,7 +726,7 @@ class RoleController:
             return sum(values) / len(values)
 
         return Demand(
-            rate=arriving.rate,
+            rate=arriving.highest_rate,
             prompt_len=mean(a.prompt_len for a in mix),
             output_len=mean(a.max_tokens for a in mix),
             slo_ttft=mean(a.slo.ttft or cluster.ttft for a in mix),
