@@ -734,14 +734,16 @@ class RoleController:
         )
 
     async def forecast_inputs(self, live: list[InstanceState]) -> tuple[StepCost, ChunkedPrefill] | None:
-        """The instances' step cost (the mean of the lines they know) and how a colocated one forms
-        its steps; None while none knows its line, or when colocated instances run whole prefills
-        (prefill-first colocation is not forecast)."""
+        """The instances' step cost (the mean of the lines they know, with a fixed cost) and how a
+        colocated one forms its steps; None while none knows one, or when colocated instances run
+        whole prefills (prefill-first colocation is not forecast)."""
         config = live[0].config if live else None
         if config is None or not config.scheduler.enable_chunked_prefill:
             return None
         lines = await asyncio.gather(*(s.handle.step_line.remote() for s in live), return_exceptions=True)
-        lines = [line for line in lines if isinstance(line, (tuple, list))]
+        # A line with no fixed cost had its intercept clamped: its steps (a prefill instance's whole
+        # prompts) were too alike in size to say what a small step costs, which decoding is made of.
+        lines = [line for line in lines if isinstance(line, (tuple, list)) and line[0] > 0]
         if not lines:
             return None
         cost = StepCost(*(sum(values) / len(lines) for values in zip(*lines)))
