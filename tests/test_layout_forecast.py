@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from distserve.cluster.layout_forecast import ChunkedPrefill, Demand, Forecast, StepCost, forecast
+from distserve.cluster.layout_forecast import ChunkedPrefill, Demand, Forecast, forecast
+from distserve.scheduling.step_time import StepCost
 
 # The 58M Llama's steps on one CPU thread, as its engine fitted them: 60 ms a step and 1.25 ms a token.
 COST = StepCost(fixed=0.060, per_token=0.00125)

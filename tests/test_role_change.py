@@ -16,7 +16,7 @@ from conftest import in_use, random_prompts, reference_greedy, wait_nothing_in_u
 from distserve import AsyncCluster, SamplingParams
 from distserve.cluster.api import make_cluster_config
 from distserve.cluster.config import ClusterConfig
-from distserve.cluster.layout_forecast import ChunkedPrefill, StepCost
+from distserve.cluster.layout_forecast import ChunkedPrefill
 from distserve.cluster.role_controller import (
     Arrival,
     Attainment,
@@ -38,6 +38,7 @@ from distserve.entrypoints.client import CallError, Client
 from distserve.entrypoints.prometheus import ServingMetrics
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
+from distserve.scheduling.step_time import StepCost
 
 P, D, C = Role.PREFILL, Role.DECODE, Role.COLOCATED
 # From 1 prefill + 1 decode through every direction a role can change in: P->C and D->C, C->P and

@@ -32,6 +32,7 @@ from distserve.kv_transfer.migrator import MigrationRecord, Migrator
 from distserve.kv_transfer.plan import KVEndpoint
 from distserve.model_executor.model_loader import resolve_model
 from distserve.parallel.ranks import check_parallel_config
+from distserve.scheduling.step_time import StepCost
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class Instance:
             raise change.error
         return change.seconds
 
-    def step_line(self) -> tuple[float, float] | None:
+    def step_line(self) -> StepCost | None:
         """The engine's step times as a line (fixed seconds, seconds per token), None while unknown:
         what the role controller forecasts layouts by. Read between the step loop's updates without
         a lock: one landing midway moves the fit by a step's weight."""

@@ -1,6 +1,6 @@
 """How a layout would serve a load it has not served yet: a forecast of the requests' latencies as a
 share of their SLOs, colocated (chunked prefill) against disaggregated, from the instances' own
-step times (``StepTimeModel``'s line: seconds = fixed + per_token * tokens).
+step times (``StepTimeModel``'s line, a ``StepCost``: seconds = fixed + per_token * tokens).
 
 The role controller asks it when a kind of request arrives that its memory says nothing of (a
 workload that changed), to move at once instead of waiting a window for the misses. The forecast
@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 
 from distserve.scheduling.scheduler import TPOT_SLO_SHARE
+from distserve.scheduling.step_time import StepCost
 
 
 @dataclass(frozen=True)
@@ -29,17 +30,6 @@ class Demand:
     output_len: float  # tokens asked for
     slo_ttft: float  # seconds
     slo_tpot: float
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """An instance's step time: ``fixed + per_token * tokens`` seconds."""
-
-    fixed: float
-    per_token: float
-
-    def seconds(self, tokens: float) -> float:
-        return self.fixed + self.per_token * tokens
 
 
 @dataclass(frozen=True)
@@ -92,7 +82,8 @@ def _colocated(
         batch = min(budget - 1.0, rate * demand.output_len * step)
         tokens = budget
         if chunking.tpot_aware:
-            within = (TPOT_SLO_SHARE * demand.slo_tpot - cost.fixed) / cost.per_token
+            # As the scheduler cuts a step (ChunkedPrefillScheduler), at least a block of prompt.
+            within = cost.tokens_within(TPOT_SLO_SHARE * demand.slo_tpot)
             tokens = min(budget, max(within, batch + chunking.block_size))
         step = cost.seconds(tokens)
     chunk = max(1.0, tokens - batch)

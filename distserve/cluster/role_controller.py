@@ -67,10 +67,12 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from statistics import fmean
 from typing import TYPE_CHECKING, Literal
 
-from distserve.cluster.layout_forecast import ChunkedPrefill, Demand, StepCost, forecast
+from distserve.cluster.layout_forecast import ChunkedPrefill, Demand, forecast
 from distserve.core.role import Role
+from distserve.scheduling.step_time import StepCost
 
 if TYPE_CHECKING:
     from distserve.cluster.orchestrator import Orchestrator
@@ -722,17 +724,12 @@ class RoleController:
         the rate comes from a few arrivals (four say it to within 80%), and a layout is chosen for
         the load that may be coming, not only the most likely one."""
         mix, cluster = self.arriving_mix(now), self.cluster_slo
-
-        def mean(values: Iterable[float]) -> float:
-            values = list(values)
-            return sum(values) / len(values)
-
         return Demand(
             rate=arriving.highest_rate,
-            prompt_len=mean(a.prompt_len for a in mix),
-            output_len=mean(a.max_tokens for a in mix),
-            slo_ttft=mean(a.slo.ttft or cluster.ttft for a in mix),
-            slo_tpot=mean(a.slo.tpot or cluster.tpot for a in mix),
+            prompt_len=fmean(a.prompt_len for a in mix),
+            output_len=fmean(a.max_tokens for a in mix),
+            slo_ttft=fmean(a.slo.ttft or cluster.ttft for a in mix),
+            slo_tpot=fmean(a.slo.tpot or cluster.tpot for a in mix),
         )
 
     async def forecast_inputs(self, live: list[InstanceState]) -> tuple[StepCost, ChunkedPrefill] | None:
@@ -745,10 +742,10 @@ class RoleController:
         lines = await asyncio.gather(*(s.handle.step_line.remote() for s in live), return_exceptions=True)
         # A line with no fixed cost had its intercept clamped: its steps (a prefill instance's whole
         # prompts) were too alike in size to say what a small step costs, which decoding is made of.
-        lines = [line for line in lines if isinstance(line, (tuple, list)) and line[0] > 0]
+        lines = [line for line in lines if isinstance(line, StepCost) and line.fixed > 0]
         if not lines:
             return None
-        cost = StepCost(*(sum(values) / len(lines) for values in zip(*lines)))
+        cost = StepCost(*map(fmean, zip(*lines)))
         scheduler = config.scheduler
         chunking = ChunkedPrefill(
             scheduler.max_num_batched_tokens, config.cache.block_size, scheduler.tpot_aware_chunking
