@@ -8,7 +8,11 @@ instance's swap, the orchestrator's bookkeeping) and each instance's own time (t
 its step loop to the new role serving: the rest of a step at most, then the swap), and at the end
 the medians and maxima, with each instance's engine swap alone (``LLMEngine.change_role``) and its
 mean step time, which split an instance's time into the step it waited for and the swap itself.
-Requests are greedy and checked to finish; none may be lost.
+The first steps in a new role are timed against like steps of the run (same role and kind, about
+as many tokens): one far slower pays a one-time cost of its shapes (on a GPU, compiling a kernel
+variant, or loading kernels lazily: run it with ``CUDA_MODULE_LOADING=LAZY`` beside the default
+``EAGER`` of instances), which the slowest steps, listed with the change they followed and where
+their time went, point to. Requests are greedy and checked to finish; none may be lost.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import statistics
 import time
 
 import ray
+import torch
 
 from distserve import AsyncCluster, SamplingParams
 from distserve.core.role import Role
@@ -28,9 +33,28 @@ from distserve.engine.ray_runtime import one_gpu_shared_options
 
 def _time_engine_swaps(instance) -> None:
     """Run in an instance actor: time each ``LLMEngine.change_role`` call, the swap without the
-    wait for the step in progress."""
-    engine, change = instance.engine, instance.engine.change_role
-    instance.bench_swaps = []
+    wait for the step in progress, and keep every step's end, role, shape and seconds."""
+    engine, change, add = instance.engine, instance.engine.change_role, instance.engine.stats.add
+    instance.bench_swaps, instance.bench_steps = [], []
+
+    def device_allocations() -> int:
+        # cudaMalloc calls so far: a step that makes many grows the allocator's pool
+        return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_initialized() else 0
+
+    allocations = [device_allocations()]
+
+    def recorded(record):
+        kind = "prefill" if record.is_prefill else "decode"
+        now = device_allocations()
+        phases = ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in record.seconds.items() if seconds > 0.005)
+        instance.bench_steps.append(
+            (time.time(), str(engine.role.role), kind, record.batch_size, record.num_tokens, record.total,
+             f"{phases or 'no phase over 5'} ms; {now - allocations[0]} device allocations")
+        )
+        allocations[0] = now
+        return add(record)
+
+    engine.stats.add = recorded
 
     def timed(role):
         start = time.perf_counter()
@@ -46,6 +70,43 @@ def _engine_figures(instance) -> tuple[list[float], int, float]:
     """Run in an instance actor: its engine swaps' seconds, its steps and their total seconds."""
     stats = instance.engine.stats
     return instance.bench_swaps, stats.num_steps, sum(stats.totals.values())
+
+
+def _steps(instance) -> list[tuple[float, str, str, int, int, float, str]]:
+    """Run in an instance actor: every step's (end time, role, kind, sequences, tokens, seconds,
+    where its time went)."""
+    return instance.bench_steps
+
+
+def _like(step: tuple, others: list[tuple]) -> list[float]:
+    """The seconds of the steps of the same role and kind with 0.8-1.25x its tokens."""
+    _, role, kind, batch, tokens, *_ = step
+    return [o[5] for o in others if o[1:3] == (role, kind) and 0.8 <= o[4] / tokens <= 1.25]
+
+
+def report_first_steps(names: list[str], steps: list[list], changes: list[float], first: int = 3) -> None:
+    """An instance's first steps after each change (the new role's first steps) against the median of
+    like steps (same role and kind, about as many tokens) over the run: a first step far above it
+    pays a one-time cost of the new role's shapes (on a GPU, compiling a kernel variant). Then the
+    slowest steps of the run, with the change they followed."""
+    for name, mine in zip(names, steps):
+        ratios = []
+        for at in changes:
+            after = [s for s in mine if s[0] > at][:first]
+            like = [(s[5] / statistics.median(_like(s, mine))) for s in after if len(_like(s, mine)) >= 3]
+            ratios += like[:1] and [max(like)]
+        if ratios:
+            print(f"{name}: the slowest of the first {first} steps after a change against like steps' median: "
+                  f"median {statistics.median(ratios):.1f}x, max {max(ratios):.1f}x, over 3x after "
+                  f"{sum(r > 3 for r in ratios)} of {len(ratios)} changes")
+        start = mine[0][0] if mine else 0.0
+        for step in sorted(mine, key=lambda s: -s[5])[:8]:
+            end, role, kind, batch, tokens, seconds, where = step
+            before = [i for i, at in enumerate(changes) if at < end]
+            since = f"{end - changes[before[-1]]:.2f} s after change {before[-1] + 1}" if before else "before changes"
+            like = _like(step, mine)
+            print(f"  {seconds * 1e3:8.1f} ms ({seconds / statistics.median(like):.1f}x like steps) at "
+                  f"{end - start:6.2f} s, {role}, {kind} {batch} seqs {tokens} tokens, {since}: {where}")
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -79,7 +140,7 @@ async def main(args: argparse.Namespace) -> None:
             await asyncio.gather(*tasks)
 
         loader = asyncio.create_task(load())
-        waits, swaps = [], []
+        waits, swaps, asked = [], [], []
         halfway = []  # each instance's figures halfway: the second half's steps are warm ones
         for i in range(args.changes):
             if i == args.changes // 2:
@@ -87,6 +148,7 @@ async def main(args: argparse.Namespace) -> None:
             await asyncio.sleep(args.every)
             held = sum(x.num_running + x.num_held + x.num_pending for x in await cluster.info())
             started = time.perf_counter()
+            asked.append(time.time())
             records = await cluster.set_roles(dict(zip(names, layouts[i % 2])))
             waits.append(time.perf_counter() - started)
             swaps += [r.seconds for r in records]
@@ -96,6 +158,7 @@ async def main(args: argparse.Namespace) -> None:
         stop.set()
         await loader
         figures = await asyncio.gather(*[h.__ray_call__.remote(_engine_figures) for h in handles])
+        step_logs = await asyncio.gather(*[h.__ray_call__.remote(_steps) for h in handles])
     print(f"\n{args.changes} changes at {args.rate:g} req/s: asked to done median {statistics.median(waits) * 1e3:.1f} "
           f"ms, max {max(waits) * 1e3:.1f} ms; an instance's swap median {statistics.median(swaps) * 1e3:.2f} ms, "
           f"max {max(swaps) * 1e3:.2f} ms")
@@ -104,6 +167,7 @@ async def main(args: argparse.Namespace) -> None:
         print(f"{name}: engine swap median {statistics.median(engine_swaps) * 1e3:.2f} ms, max "
               f"{max(engine_swaps) * 1e3:.2f} ms; {steps} steps, mean {seconds / max(steps, 1) * 1e3:.2f} ms; "
               f"second half {warm_steps} steps, mean {(seconds - seconds_before) / max(warm_steps, 1) * 1e3:.2f} ms")
+    report_first_steps(names, step_logs, asked)
     print(f"requests: {len(finished)} finished, {sum(finished)} with all their tokens, {len(lost)} failed")
 
 

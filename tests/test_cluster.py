@@ -339,6 +339,25 @@ async def _call(method, *args):
     return await method.remote(*args)
 
 
+def test_model_actors_on_cuda_load_every_kernel_at_start_unless_told_otherwise(ray_cluster, monkeypatch):
+    """A CUDA actor's process starts with CUDA_MODULE_LOADING=EAGER (a lazily loaded kernel's first
+    launch stalls its step), or with the mode the environment Ray is started from names; a CPU
+    actor keeps Ray's default options."""
+    from distserve.engine.ray_runtime import cuda_actor_options
+
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    def module_loading():
+        return os.environ.get("CUDA_MODULE_LOADING")
+
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    assert cuda_actor_options("cpu") == {}
+    assert ray.get(module_loading.options(**cuda_actor_options("cuda")).remote(), timeout=120) == "EAGER"
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    assert ray.get(module_loading.options(**cuda_actor_options("cuda")).remote(), timeout=120) == "LAZY"
+
+
 def test_orchestrator_turns_an_error_finish_into_a_failure():
     """An output that ends with "error" reaches the client as InstanceFailure, not as a result, once
     the request has no run left."""

@@ -1,5 +1,7 @@
 """The engine on CUDA: exact in float32, serving in bfloat16. Skipped without a GPU."""
 
+import os
+
 import pytest
 import torch
 from conftest import FAMILIES, assert_engine_idle, random_prompts, reference_greedy
@@ -104,6 +106,7 @@ def test_instance_actor_on_cuda_equals_transformers(ray_cluster, reference_model
     """The instance path (a Ray actor holding the GPU, its step loop, long-polled outputs) on CUDA."""
     from distserve import EngineConfig
     from distserve.cluster.instance import launch_instance
+    from distserve.engine.ray_runtime import NOSET_CUDA_VISIBLE_DEVICES
 
     ray = ray_cluster
     model = reference_model("tiny-llama").to("cuda")
@@ -125,6 +128,10 @@ def test_instance_actor_on_cuda_equals_transformers(ray_cluster, reference_model
             assert tokens[rid] == reference_greedy(model, prompt, 16)
         info = ray.get(handle.info.remote())
         assert info.num_free_blocks == info.num_blocks
+        # Every kernel loaded at start, and the one-GPU option Ray was started with kept beside it.
+        env = ray.get(handle.__ray_call__.remote(lambda _: dict(os.environ)))
+        assert env["CUDA_MODULE_LOADING"] == os.environ.get("CUDA_MODULE_LOADING", "EAGER")
+        assert env.get(NOSET_CUDA_VISIBLE_DEVICES) == os.environ.get(NOSET_CUDA_VISIBLE_DEVICES)
     finally:
         ray.kill(handle)
         model.to("cpu")

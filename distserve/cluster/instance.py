@@ -28,6 +28,7 @@ from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.engine.executor import cluster_device
 from distserve.engine.llm_engine import LLMEngine
+from distserve.engine.ray_runtime import cuda_actor_options
 from distserve.kv_transfer.migrator import MigrationRecord, Migrator
 from distserve.kv_transfer.plan import KVEndpoint
 from distserve.model_executor.model_loader import resolve_model
@@ -371,9 +372,10 @@ def launch_instance(config: EngineConfig, name: str) -> Any:
         pass
     else:
         raise ValueError(f"an actor named '{name}' already exists in this Ray cluster: instance names must be unique")
+    cuda_options = cuda_actor_options("cuda" if gpus else "cpu")
     handle = (
         ray.remote(Instance)
-        .options(name=name, num_cpus=0, num_gpus=gpus, max_concurrency=MAX_CONCURRENT_CALLS)
+        .options(name=name, num_cpus=0, num_gpus=gpus, max_concurrency=MAX_CONCURRENT_CALLS, **cuda_options)
         .remote(config, name)
     )
     try:

@@ -98,7 +98,7 @@ class RayExecutor:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from distserve.engine.ray_runtime import ensure_ray
+        from distserve.engine.ray_runtime import cuda_actor_options, ensure_ray
 
         ensure_ray()
         self.name = name
@@ -124,6 +124,7 @@ class RayExecutor:
                     num_cpus=parallel.worker_cpus,
                     num_gpus=gpus,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, rank),
+                    **cuda_actor_options(device),
                 ).remote(config, rank)
                 for rank in range(parallel.world_size)
             ]

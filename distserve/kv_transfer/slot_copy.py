@@ -60,7 +60,8 @@ if triton is not None:
 
 @functools.cache
 def _kernel():
-    return triton.jit(_copy_slots_kernel)
+    # Not specialized on the pull's length: each divisibility of it would be a compile of its own.
+    return triton.jit(_copy_slots_kernel, do_not_specialize=["num_tokens"])
 
 
 def _rows_contiguous(cache: torch.Tensor) -> bool:

@@ -213,7 +213,13 @@ if triton is not None:
 @functools.cache
 def _kernels():
     # Jitted on first use rather than at import: triton.jit reads TRITON_INTERPRET when it runs.
-    return triton.jit(_paged_decode_kernel), triton.jit(_combine_kernel)
+    # Triton compiles a variant for each divisibility (by 16, equal to 1) of an integer argument;
+    # the tables' width and the number of partitions change from one eager step to the next, and
+    # each new variant would stall its step for a compile.
+    return (
+        triton.jit(_paged_decode_kernel, do_not_specialize=["stride_tb", "num_splits"]),
+        triton.jit(_combine_kernel, do_not_specialize=["num_splits"]),
+    )
 
 
 def _launch_shape(group_pad: int, dim: int) -> tuple[int, int]:
