@@ -87,9 +87,9 @@ def cuda_actor_options(device: str) -> dict[str, Any]:
     """Ray options for an actor that runs a model on ``device``: on CUDA, its process loads every
     kernel when its CUDA context starts (``CUDA_MODULE_LOADING=EAGER``) unless the environment Ray
     is started from names a mode. CUDA's default, lazy loading, loads each kernel at its first
-    launch: on an H200 the first steps of shapes an instance had not yet run (the first chunked
-    steps after a role change, one of 5 and of 13 sequences) stalled 1.0-1.3 s each, all of it in
-    the forward pass, and with every kernel loaded at start no step did."""
+    launch: on an H200 the first steps of shapes an instance had not yet run (chunked steps of 1 to
+    13 sequences in the first role changes) stalled 1.0-1.3 s each, all of it in the forward pass,
+    and with every kernel loaded at start no step did."""
     if device != "cuda":
         return {}
     return {"runtime_env": {"env_vars": {CUDA_MODULE_LOADING: os.environ.get(CUDA_MODULE_LOADING, "EAGER")}}}
