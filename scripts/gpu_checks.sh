@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one go: the Triton kernels against their references, the GPU tests (float32
 # exactness against transformers, bfloat16 serving, decode graphs, KV over CUDA IPC), then the GPU
-# benchmarks. Each step has a time limit
-# and a log of its own in OUTDIR, and a failing step does not stop the next.
+# benchmarks, the device memory of loading every kernel at start and role changes under both
+# loadings. Each step has a time limit and a log of its own in OUTDIR, and a failing step does not
+# stop the next.
 #
 #   bash scripts/gpu_checks.sh [OUTDIR]
 set -u
@@ -34,4 +35,19 @@ step tests "${TESTS_LIMIT:-300}" $python -m pytest -m gpu -p no:cacheprovider -q
 # shellcheck disable=SC2086
 step bench_gpu "${BENCH_LIMIT:-240}" $python scripts/bench_gpu.py --json "$out/bench_gpu.json" ${BENCH_ARGS:-}
 step bench_kv_ipc "${IPC_LIMIT:-90}" $python scripts/bench_kv_ipc.py --json "$out/bench_kv_ipc.json"
+# What loading every kernel at start (instances' default) costs in device memory, against CUDA's
+# lazy default: a process that has run a matrix product and SDPA, each way.
+for mode in LAZY EAGER; do
+    step "module_loading_$mode" 60 env CUDA_MODULE_LOADING=$mode $python -c "
+import torch, torch.nn.functional as F
+x = torch.randn(8, 1024, 1024, device='cuda', dtype=torch.bfloat16)
+F.scaled_dot_product_attention(x[None], x[None], x[None], is_causal=True); x @ x
+torch.cuda.synchronize(); free, total = torch.cuda.mem_get_info()
+print('$mode: device memory in use', round((total - free) / 2**20), 'MiB')"
+done
+# Role changes with kernels loaded lazily and at start (needs Ray).
+for mode in LAZY EAGER; do
+    step "role_change_$mode" "${ROLE_LIMIT:-150}" env CUDA_MODULE_LOADING=$mode $python scripts/bench_role_change.py \
+        --device cuda --model llama-3-8b --load-format dummy --changes 16 --rate 10
+done
 cat "$out/summary.txt"

@@ -227,10 +227,12 @@ def test_a_new_kind_of_request_moves_roles_by_the_forecast_from_the_instances_st
     # Colocated instances chunk prompts 32 tokens a step beside decoding; the requests' TPOT SLO
     # (0.1 ms) no step meets, a decode-only step least badly. Memory is empty, a tick is a minute
     # away and a window needs 50 requests: only the forecast, from the step times the instances
-    # measured while roles were fixed, can move them, and it does on the third arrival.
+    # measured while roles were fixed, can move them, and it does on the third arrival. Warm-up
+    # prompts of 64 tokens or more: wherever one lands it runs chunk steps beside decode steps,
+    # steps of sizes far enough apart for the instance to fit its line.
     control = {"mode": "fixed", "slo_ttft": 100.0, "slo_tpot": 1e-4, "interval": 60.0, "min_requests": 50,
                "min_dwell": 0.0}  # fmt: skip
-    warmup = random_prompts([40, 9, 120, 64, 17, 88], llama.config.vocab_size, seed=17)
+    warmup = random_prompts([120, 96, 64, 88, 100, 72, 110, 80], llama.config.vocab_size, seed=17)
     prompts = random_prompts([30, 50, 20, 40], llama.config.vocab_size, seed=19)
 
     async def main() -> tuple[list[list[int]], list, list[float], list]:
