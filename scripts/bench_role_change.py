@@ -80,21 +80,22 @@ def _steps(instance) -> list[tuple[float, str, str, int, int, float, str]]:
 
 def _like(step: tuple, others: list[tuple]) -> list[float]:
     """The seconds of the steps of the same role and kind with 0.8-1.25x its tokens."""
-    _, role, kind, batch, tokens, *_ = step
+    _, role, kind, _, tokens, *_ = step
     return [o[5] for o in others if o[1:3] == (role, kind) and 0.8 <= o[4] / tokens <= 1.25]
 
 
 def report_first_steps(names: list[str], steps: list[list], changes: list[float], first: int = 3) -> None:
     """An instance's first steps after each change (the new role's first steps) against the median of
     like steps (same role and kind, about as many tokens) over the run: a first step far above it
-    pays a one-time cost of the new role's shapes (on a GPU, compiling a kernel variant). Then the
+    pays a one-time cost of the new role's shapes (on a GPU, loading or compiling kernels). Then the
     slowest steps of the run, with the change they followed."""
     for name, mine in zip(names, steps):
         ratios = []
         for at in changes:
             after = [s for s in mine if s[0] > at][:first]
-            like = [(s[5] / statistics.median(_like(s, mine))) for s in after if len(_like(s, mine)) >= 3]
-            ratios += like[:1] and [max(like)]
+            against_like = [s[5] / statistics.median(like) for s in after if len(like := _like(s, mine)) >= 3]
+            if against_like:
+                ratios.append(max(against_like))
         if ratios:
             print(f"{name}: the slowest of the first {first} steps after a change against like steps' median: "
                   f"median {statistics.median(ratios):.1f}x, max {max(ratios):.1f}x, over 3x after "
