@@ -20,17 +20,13 @@ import tempfile
 import time
 
 from distserve import SamplingParams
+from distserve.benchmark.metrics import Stats
 from distserve.core.config import EngineConfig
 from distserve.engine.llm_engine import LLMEngine
 from distserve.model_executor.tiny_models import BENCH_LLAMA_SHAPE, write_llama_shape
 from distserve.scheduling.scheduler import TPOT_SLO_SHARE
 
 CHUNK_TOKENS = 256
-
-
-def quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[int(q * (len(ordered) - 1))]
 
 
 def main(args: argparse.Namespace) -> None:
@@ -60,20 +56,20 @@ def main(args: argparse.Namespace) -> None:
         if line is not None and record.is_prefill and record.batch_size > 1:
             mixed.append((record, line.seconds(record.num_tokens)))
     aim = TPOT_SLO_SHARE * args.slo_tpot
-    actual = [record.total for record, _ in mixed]
-    ratios = [record.total / predicted for record, predicted in mixed]
+    actual = Stats.of([record.total for record, _ in mixed])
+    ratios = Stats.of([record.total / predicted for record, predicted in mixed])
     print(f"{args.rate:g} req/s for {args.seconds:g} s, one thread: {engine.stats.num_steps} steps, {len(mixed)} of "
           f"them decode tokens beside prompt chunks ({statistics.median(r.num_tokens for r, _ in mixed):.0f} tokens "
           f"at the median)")
-    print(f"those steps: median {statistics.median(actual) * 1e3:.1f} ms, 90th percentile "
-          f"{quantile(actual, 0.9) * 1e3:.1f} ms against the aim of {aim * 1e3:.1f} ms; actual / predicted: median "
-          f"{statistics.median(ratios):.2f}, 90th percentile {quantile(ratios, 0.9):.2f}; over the aim: "
-          f"{sum(a > aim for a in actual)}")
+    print(f"those steps: median {actual.median * 1e3:.1f} ms, 90th percentile {actual.p90 * 1e3:.1f} ms against "
+          f"the aim of {aim * 1e3:.1f} ms; actual / predicted: median {ratios.median:.2f}, 90th percentile "
+          f"{ratios.p90:.2f}; over the aim: {sum(record.total > aim for record, _ in mixed)}")
+    # From the steps' ends (the engine alone: token arrival times are the orchestrator's to keep).
     tpots = [(s.metrics.steps[-1][1] - s.metrics.steps[0][1]) / (len(s.metrics.steps) - 1) for s in seqs
              if len(s.metrics.steps) > 1]  # fmt: skip
-    print(f"TPOT of {len(tpots)} requests: median {statistics.median(tpots) * 1e3:.1f} ms, 90th percentile "
-          f"{quantile(tpots, 0.9) * 1e3:.1f} ms; within the SLO of {args.slo_tpot * 1e3:.1f} ms: "
-          f"{sum(t <= args.slo_tpot for t in tpots)}")
+    tpot = Stats.of(tpots)
+    print(f"TPOT of {len(tpots)} requests: median {tpot.median * 1e3:.1f} ms, 90th percentile {tpot.p90 * 1e3:.1f} "
+          f"ms; within the SLO of {args.slo_tpot * 1e3:.1f} ms: {sum(t <= args.slo_tpot for t in tpots)}")
 
 
 if __name__ == "__main__":

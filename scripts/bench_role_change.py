@@ -22,6 +22,7 @@ import asyncio
 import random
 import statistics
 import time
+from typing import NamedTuple
 
 import ray
 import torch
@@ -29,6 +30,18 @@ import torch
 from distserve import AsyncCluster, SamplingParams
 from distserve.core.role import Role
 from distserve.engine.ray_runtime import one_gpu_shared_options
+
+
+class StepLog(NamedTuple):
+    """One step of an instance, as the benchmark keeps it."""
+
+    end: float  # time.time() when it was recorded
+    role: str
+    kind: str  # prefill (prompt tokens in it) or decode
+    seqs: int
+    tokens: int
+    seconds: float
+    where: str  # its phases over 5 ms and the device allocations it made
 
 
 def _time_engine_swaps(instance) -> None:
@@ -41,17 +54,16 @@ def _time_engine_swaps(instance) -> None:
         # cudaMalloc calls so far: a step that makes many grows the allocator's pool
         return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_initialized() else 0
 
-    allocations = [device_allocations()]
+    allocations = device_allocations()
 
     def recorded(record):
-        kind = "prefill" if record.is_prefill else "decode"
-        now = device_allocations()
+        nonlocal allocations
+        before, allocations = allocations, device_allocations()
         phases = ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in record.seconds.items() if seconds > 0.005)
-        instance.bench_steps.append(
-            (time.time(), str(engine.role.role), kind, record.batch_size, record.num_tokens, record.total,
-             f"{phases or 'no phase over 5'} ms; {now - allocations[0]} device allocations")
-        )
-        allocations[0] = now
+        where = f"{phases or 'no phase over 5'} ms; {allocations - before} device allocations"
+        kind = "prefill" if record.is_prefill else "decode"
+        instance.bench_steps.append(StepLog(time.time(), str(engine.role.role), kind, record.batch_size,
+                                            record.num_tokens, record.total, where))  # fmt: skip
         return add(record)
 
     engine.stats.add = recorded
@@ -72,19 +84,18 @@ def _engine_figures(instance) -> tuple[list[float], int, float]:
     return instance.bench_swaps, stats.num_steps, sum(stats.totals.values())
 
 
-def _steps(instance) -> list[tuple[float, str, str, int, int, float, str]]:
-    """Run in an instance actor: every step's (end time, role, kind, sequences, tokens, seconds,
-    where its time went)."""
+def _steps(instance) -> list[StepLog]:
+    """Run in an instance actor: every step it ran."""
     return instance.bench_steps
 
 
-def _like(step: tuple, others: list[tuple]) -> list[float]:
+def _like(step: StepLog, others: list[StepLog]) -> list[float]:
     """The seconds of the steps of the same role and kind with 0.8-1.25x its tokens."""
-    _, role, kind, _, tokens, *_ = step
-    return [o[5] for o in others if o[1:3] == (role, kind) and 0.8 <= o[4] / tokens <= 1.25]
+    return [o.seconds for o in others
+            if (o.role, o.kind) == (step.role, step.kind) and 0.8 <= o.tokens / step.tokens <= 1.25]  # fmt: skip
 
 
-def report_first_steps(names: list[str], steps: list[list], changes: list[float], first: int = 3) -> None:
+def report_first_steps(names: list[str], steps: list[list[StepLog]], changes: list[float], first: int = 3) -> None:
     """An instance's first steps after each change (the new role's first steps) against the median of
     like steps (same role and kind, about as many tokens) over the run: a first step far above it
     pays a one-time cost of the new role's shapes (on a GPU, loading or compiling kernels). Then the
@@ -92,22 +103,21 @@ def report_first_steps(names: list[str], steps: list[list], changes: list[float]
     for name, mine in zip(names, steps):
         ratios = []
         for at in changes:
-            after = [s for s in mine if s[0] > at][:first]
-            against_like = [s[5] / statistics.median(like) for s in after if len(like := _like(s, mine)) >= 3]
+            after = [s for s in mine if s.end > at][:first]
+            against_like = [s.seconds / statistics.median(like) for s in after if len(like := _like(s, mine)) >= 3]
             if against_like:
                 ratios.append(max(against_like))
         if ratios:
             print(f"{name}: the slowest of the first {first} steps after a change against like steps' median: "
                   f"median {statistics.median(ratios):.1f}x, max {max(ratios):.1f}x, over 3x after "
                   f"{sum(r > 3 for r in ratios)} of {len(ratios)} changes")
-        start = mine[0][0] if mine else 0.0
-        for step in sorted(mine, key=lambda s: -s[5])[:8]:
-            end, role, kind, batch, tokens, seconds, where = step
-            before = [i for i, at in enumerate(changes) if at < end]
-            since = f"{end - changes[before[-1]]:.2f} s after change {before[-1] + 1}" if before else "before changes"
-            like = _like(step, mine)
-            print(f"  {seconds * 1e3:8.1f} ms ({seconds / statistics.median(like):.1f}x like steps) at "
-                  f"{end - start:6.2f} s, {role}, {kind} {batch} seqs {tokens} tokens, {since}: {where}")
+        start = mine[0].end if mine else 0.0
+        for step in sorted(mine, key=lambda s: -s.seconds)[:8]:
+            before = [i for i, at in enumerate(changes) if at < step.end]
+            since = f"{step.end - changes[before[-1]]:.2f} s after change {len(before)}" if before else "before changes"
+            print(f"  {step.seconds * 1e3:8.1f} ms ({step.seconds / statistics.median(_like(step, mine)):.1f}x like "
+                  f"steps) at {step.end - start:6.2f} s, {step.role}, {step.kind} {step.seqs} seqs {step.tokens} "
+                  f"tokens, {since}: {step.where}")
 
 
 async def main(args: argparse.Namespace) -> None:
