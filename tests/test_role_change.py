@@ -935,3 +935,22 @@ def test_role_control_is_checked():
     ]:
         with pytest.raises(ValueError, match=message):
             ClusterConfig.from_pools(ClusterConfig().engine, {"role_control": options})
+
+
+def test_a_layout_whose_queue_outlasts_a_window_after_its_change_is_judged_from_the_change_on():
+    config = RoleControlConfig("adaptive", slo_ttft=0.1, slo_tpot=0.01, window=10.0, min_requests=4)
+    controller = RoleController(None, config)
+    controller.last_change, controller.settled_at, controller._previous_done_at = 100.0, None, None
+    cc = {"a": C, "b": C}
+    backlog = [_in_flight(99.0, False)] + [_in_flight(100.5 + i, False) for i in range(6)]  # never drains
+    controller.settle(backlog, now=109.0)
+    assert controller.settled_at is None  # within a window of the change: the change's transient
+    for i in range(6):  # what arrived after the change missed its TTFT (TPOT near its SLO, no room)
+        controller.observe(FinishedRequest(100.5 + i, 600, 60, finished=109.5, ttft=0.5, tpot=0.008))
+    controller.settle(backlog, now=110.0)
+    assert controller.settled_at == 100.0  # a window on, the queue is this layout's
+    assert [r.arrival for r in controller.window(110.0)] == [100.5 + i for i in range(6)]
+    started = controller.known_in_flight([_in_flight(106.0, False), _in_flight(99.0, False)], now=110.0)
+    assert [r.arrival for r in started] == [106.0]  # queued past its TTFT SLO since the change
+    roles, _, from_memory = controller.propose_now(cc, controller.window(110.0), 110.0, started=started)
+    assert roles == {"a": D, "b": P} and not from_memory  # judged now, not once the queue drains

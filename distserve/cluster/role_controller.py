@@ -2,22 +2,23 @@
 colocated and disaggregated (prefill + decode) layouts from the latency SLOs' live attainment.
 
 Every ``interval`` seconds it looks at the requests that finished in the last ``window`` seconds
-(or the last ``min_requests``, under a load too light to fill a window) and arrived once the
-layout had settled, each judged by its own SLOs (a request may carry them) or the cluster's; only
-those of the kind now arriving when the window also holds the kind that came before a change of
-workload, which would hide the new kind's misses. A layout has settled once the work from before
-its change is done and the queue that formed meanwhile has been prefilled: requests that arrive
-earlier wait behind the change, not the layout. Until a whole window has passed since, only memory
-(below) moves it. An SLO counts as missed when its attainment is under the target by more than the
-window's sampling noise. TTFT missed while TPOT holds means too little prefill: one decode
-instance fewer, or all colocated when one is left, if decode steps have room for prompt chunks
-beside them (the TPOT quantile well within its SLO; then TTFT near its SLO is enough, before a
-window misses); without that room colocating would trade TTFT misses for TPOT ones. Colocated
-already and without that room, prompts wait behind decoding in mixed steps, and half the instances
-prefill alone. TPOT missed while TTFT holds means prefill interferes with decoding, or too little
-decode: from colocated to half prefill, half decode, else one decode instance more. Both met: no
-change. Both missed (an overload, or the wrong layout for the load): the other of colocated and
-disaggregated is tried.
+(or the last ``min_requests``, under a load too light to fill a window) and arrived once the layout
+had settled, each judged by its own SLOs (a request may carry them) or the cluster's; only those of
+the kind now arriving when the window also holds the kind that came before a change of workload,
+which would hide the new kind's misses. A layout has settled once the work from before its change
+is done and the queue that formed meanwhile has been prefilled: requests that arrive earlier wait
+behind the change, not the layout. A queue that lasts a whole window past the change is the
+layout's own (a load at its capacity), and the layout is judged from the change on. Until a whole
+window has passed since, only memory (below) moves it. An SLO counts as missed when its attainment
+is under the target by more than the window's sampling noise. TTFT missed while TPOT holds means
+too little prefill: one decode instance fewer, or all colocated when one is left, if decode steps
+have room for prompt chunks beside them (the TPOT quantile well within its SLO; then TTFT near its
+SLO is enough, before a window misses); without that room colocating would trade TTFT misses for
+TPOT ones. Colocated already and without that room, prompts wait behind decoding in mixed steps,
+and half the instances prefill alone. TPOT missed while TTFT holds means prefill interferes with
+decoding, or too little decode: from colocated to half prefill, half decode, else one decode
+instance more. Both met: no change. Both missed (an overload, or the wrong layout for the load):
+the other of colocated and disaggregated is tried.
 
 The controller remembers how the requests each layout served did (how many met both SLOs) under the
 load they came in: the typical ratio of prompt to requested output tokens, of TPOT to TTFT SLO, and
@@ -583,7 +584,13 @@ class RoleController:
     def settle(self, in_flight: list[InFlight], now: float) -> None:
         """The layout has settled once no request that arrived before the last change is in flight,
         and then none that arrived before that moment still waits for its first token (the queue
-        that formed during the change)."""
+        that formed during the change). One that has not a whole window after its change counts as
+        settled at the change: a queue that outlasts the change's transient is this layout's under
+        this load (a load at its capacity), and waiting for it to drain would leave every window
+        empty while it grows - under a backlog, for as long as the phase that needs another layout."""
+        if now - self.last_change >= self.config.window:
+            self.settled_at = self.last_change
+            return
         if self._previous_done_at is None and all(r.request.arrival >= self.last_change for r in in_flight):
             self._previous_done_at = now
         done = self._previous_done_at
