@@ -381,6 +381,9 @@ def test_the_controller_moves_capacity_to_the_phase_that_misses_its_slo():
     # Colocated, TTFT missed while TPOT holds near its SLO: prompts wait behind decoding in mixed steps.
     roles, why = propose(cc, _seen(0.5, 1.0, levels=(1.3, 0.8)), 0.9)
     assert roles == {"a": D, "b": P} and why.endswith("prompts wait behind decoding, disaggregating")
+    # Unless a forecast for the load ranks all colocated above disaggregated.
+    assert propose(cc, _seen(0.5, 1.0, levels=(1.3, 0.8)), 0.9, disaggregated_better=False) is None
+    assert propose(cc, _seen(0.5, 1.0, levels=(1.3, 0.8)), 0.9, disaggregated_better=True)[0] == {"a": D, "b": P}
     assert propose(cc, _seen(0.5, 1.0), 0.9) is None  # with room: prefill is short, which halving it would not mend
     for layout in (pd, cc):
         assert propose(layout, _seen(0.95, 0.95, levels=(0.7, 0.7)), 0.9) is None  # both met
@@ -954,3 +957,30 @@ def test_a_layout_whose_queue_outlasts_a_window_after_its_change_is_judged_from_
     assert [r.arrival for r in started] == [106.0]  # queued past its TTFT SLO since the change
     roles, _, from_memory = controller.propose_now(cc, controller.window(110.0), 110.0, started=started)
     assert roles == {"a": D, "b": P} and not from_memory  # judged now, not once the queue drains
+
+
+def test_a_colocated_window_short_of_prefill_disaggregates_only_where_the_forecast_ranks_it_better():
+    # The 58M Llama's step times on one thread; 1024-token prompts, 64 out, at 0.67 req/s. Steps cut
+    # to a TPOT SLO run near it by design: TTFT missed with TPOT at 75% of its SLO, colocated.
+    forecast_from = (StepCost(0.060, 0.00125), ChunkedPrefill(256, 16, tpot_aware=True))
+    cc = {"a": C, "b": C}
+    for slo, disaggregated_better in ((RequestSLO(3.34, 0.262), False), (RequestSLO(12.5, 0.0645), True)):
+        config = RoleControlConfig("adaptive", slo_ttft=3.34, slo_tpot=0.262, min_requests=8, memory=600)
+        controller = RoleController(None, config)
+        start = controller.settled_at
+        for i in range(10):
+            controller.observe_arrival(Arrival(start + 1.5 * i, 1024, 64, slo))
+            ttft = slo.ttft * (1.3 if i % 3 == 0 else 0.5)  # 6 of 10 met
+            controller.observe(
+                FinishedRequest(start + 1.5 * i, 1024, 64, slo, finished=start + 15, ttft=ttft, tpot=0.75 * slo.tpot)
+            )
+        now = start + 15.0
+        controller._forecast_mix = controller.arriving(now)  # forecast for this kind already: windows judge
+        arriving = controller.arriving(now)
+        assert controller.disaggregated_better(cc, arriving, now, forecast_from) is disaggregated_better
+        assert controller.disaggregated_better({"a": D, "b": P}, arriving, now, forecast_from) is None
+        window = controller.window(now)
+        ranked = controller.propose_now(cc, window, now, forecast_from=forecast_from)
+        assert (ranked is not None and ranked[0] == {"a": D, "b": P}) == disaggregated_better
+        unranked = controller.propose_now(cc, window, now)  # no step times: the TPOT's hint stands
+        assert unranked[0] == {"a": D, "b": P} and unranked[1].endswith("prompts wait behind decoding, disaggregating")

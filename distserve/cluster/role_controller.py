@@ -325,9 +325,13 @@ def miss_margin(target: float, num_requests: int) -> float:
     return 1.645 * math.sqrt(target * (1 - target) / num_requests)
 
 
-def propose(layout: dict[str, Role], seen: Attainment, target: float) -> tuple[dict[str, Role], str] | None:
+def propose(
+    layout: dict[str, Role], seen: Attainment, target: float, disaggregated_better: bool | None = None
+) -> tuple[dict[str, Role], str] | None:
     """The roles to move to (with why), or None to stay. ``layout``: each healthy instance's role,
-    most loaded first (the instances that become decode keep the requests they decode)."""
+    most loaded first (the instances that become decode keep the requests they decode).
+    ``disaggregated_better``: whether a forecast for the load (``layout_forecast``) says the
+    disaggregated layout would serve it better than all colocated; None: no forecast."""
     names = list(layout)
     decode = [n for n in names if layout[n] is Role.DECODE]
     # Each SLO's noise is of the requests it judges: a window's requests in flight have a TTFT only.
@@ -351,7 +355,10 @@ def propose(layout: dict[str, Role], seen: Attainment, target: float) -> tuple[d
     if missing_ttft and len(decode) > 1:
         return {**layout, decode[-1]: Role.PREFILL}, f"{why}: too little prefill, one decode instance fewer"
     colocated = len(names) > 1 and all(r is Role.COLOCATED for r in layout.values())
-    if missing_ttft and not missing_tpot and colocated and not decode_has_room:
+    # Whether half the instances prefilling alone beats all of them prefilling beside decoding turns
+    # on decoding's share of the steps, which a TPOT near its SLO only hints at: steps cut to fit
+    # the TPOT SLO (tpot_aware_chunking) run near it by design. A forecast, where there is one, says.
+    if missing_ttft and not missing_tpot and colocated and not decode_has_room and disaggregated_better is not False:
         return _disaggregated(names), f"{why}: prompts wait behind decoding, disaggregating"
     if missing_tpot and not decode and len(names) > 1:
         return _disaggregated(names), f"{why}: prefill interferes with decoding, disaggregating"
@@ -441,15 +448,20 @@ class RoleController:
         return Share(sum(o.met for o in alike), sum(o.num_requests for o in alike))
 
     def consider(
-        self, layout: dict[str, Role], seen: Attainment, load: Load, now: float
+        self,
+        layout: dict[str, Role],
+        seen: Attainment,
+        load: Load,
+        now: float,
+        disaggregated_better: bool | None = None,
     ) -> tuple[dict[str, Role], str] | None:
         """The roles to move to (with why) after ``layout`` did ``seen`` under ``load``, or None: none
         is proposed; or this layout's requests met the target under a similar load as remembered,
         so the window is a dip, not this layout failing the load (under bursty arrivals misses
         come in runs, and a window of them is not the layout's share), counting only loads at this
         rate or above; or the proposed layout did no better under a similar load lately than this
-        one, in this window or as remembered."""
-        proposal = propose(layout, seen, self.config.target)
+        one, in this window or as remembered. ``disaggregated_better``: as ``propose``."""
+        proposal = propose(layout, seen, self.config.target, disaggregated_better)
         if proposal is None:
             return None
         # Met under this load or a heavier one: a rising rate is not held by what a lower one met.
@@ -650,12 +662,12 @@ class RoleController:
         started: Iterable[FinishedRequest] = (),
         forecast_from: tuple[StepCost, ChunkedPrefill] | None = None,
     ) -> tuple[dict[str, Role], str, bool] | None:
-        """A change for the load arriving now, from memory, else from a forecast by
-        ``forecast_from`` (``forecast_change``); else, on a ``tick``, one from the attainment of the
+        """A change for the load arriving now, from memory, else from a forecast by ``forecast_from``
+        (``forecast_change``) when one is due; else, on a ``tick``, one from the attainment of the
         requests in ``window`` and of those ``started`` (in flight, their TTFT known:
-        ``known_in_flight``). The flag: whether it is from memory or a forecast, which need no
-        patience (they rest on every request remembered, or on the instances' step times, not on one
-        window)."""
+        ``known_in_flight``), the forecast's ranking of the layouts beside it. The flag: whether it
+        is from memory or a forecast, which need no patience (they rest on every request remembered,
+        or on the instances' step times, not on one window)."""
         arriving = self.arriving(now)
         # A layout's first requests after a change wait behind the backlog of the one before, an
         # overload's most of all: until a whole window has passed since it settled, the current
@@ -664,7 +676,8 @@ class RoleController:
         if arriving and (recalled := self.recall(layout, arriving, now, self.last_change if fresh else math.inf)):
             self.verdicts["recalled"] += 1
             return *recalled, True
-        if arriving and forecast_from and (forecast := self.forecast_change(layout, arriving, now, *forecast_from)):
+        due = forecast_from and self.forecast_due(now)
+        if arriving and due and (forecast := self.forecast_change(layout, arriving, now, *forecast_from)):
             self.verdicts["forecast"] += 1
             return *forecast, True
         if not tick or fresh:
@@ -674,7 +687,8 @@ class RoleController:
         if len(judged) < self.config.min_requests:
             return None
         seen = attainment(judged, self.config.slo_ttft, self.config.slo_tpot, self.config.target)
-        proposal = self.consider(layout, seen, Load.of(judged, self.cluster_slo), now)
+        better = self.disaggregated_better(layout, arriving, now, forecast_from)
+        proposal = self.consider(layout, seen, Load.of(judged, self.cluster_slo), now, better)
         self._judged = ([], [])
         if proposal:
             in_flight = {id(r) for r in started}  # never remembered: they have not finished
@@ -724,6 +738,21 @@ class RoleController:
             f"{there} {'disaggregated' if colocated else 'colocated'}"
         )
         return other, why
+
+    def disaggregated_better(
+        self,
+        layout: dict[str, Role],
+        arriving: Load | None,
+        now: float,
+        forecast_from: tuple[StepCost, ChunkedPrefill] | None,
+    ) -> bool | None:
+        """Whether the forecast for the arriving load ranks the disaggregated layout above all
+        colocated; None without a forecast (no step times, no arrivals) or from other layouts."""
+        colocated = len(layout) > 1 and all(r is Role.COLOCATED for r in layout.values())
+        if not (colocated and arriving and forecast_from):
+            return None
+        demand, num = self.demand(now, arriving), len(layout)
+        return forecast(False, num, demand, *forecast_from) < forecast(True, num, demand, *forecast_from)
 
     def demand(self, now: float, arriving: Load) -> Demand:
         """What the arriving mix asks, each request by its own SLOs or the cluster's, at the highest
@@ -820,7 +849,10 @@ class RoleController:
         self.record(layout, window, now)
         if now - self.last_change < config.min_dwell:
             return
-        forecast_from = await self.forecast_inputs(live) if self.forecast_due(now) else None
+        # Step times for a forecast that is due, and on a tick for ranking a colocated layout's way out.
+        colocated = all(r is Role.COLOCATED for r in layout.values())
+        ranking = tick and colocated and config.forecast
+        forecast_from = await self.forecast_inputs(live) if ranking or self.forecast_due(now) else None
         proposal = self.propose_now(layout, window, now, tick, self.known_in_flight(in_flight, now), forecast_from)
         if not tick and proposal is None:
             return  # a window's proposal needs its ticks in a row: an arrival between them is not one
