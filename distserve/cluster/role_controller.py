@@ -15,10 +15,11 @@ too little prefill: one decode instance fewer, or all colocated when one is left
 have room for prompt chunks beside them (the TPOT quantile well within its SLO; then TTFT near its
 SLO is enough, before a window misses); without that room colocating would trade TTFT misses for
 TPOT ones. Colocated already and without that room, prompts wait behind decoding in mixed steps,
-and half the instances prefill alone. TPOT missed while TTFT holds means prefill interferes with
-decoding, or too little decode: from colocated to half prefill, half decode, else one decode
-instance more. Both met: no change. Both missed (an overload, or the wrong layout for the load):
-the other of colocated and disaggregated is tried.
+and half the instances prefill alone (unless the forecast below ranks colocation above for the load
+arriving: steps cut to the TPOT SLO run near it by design). TPOT missed while TTFT holds means
+prefill interferes with decoding, or too little decode: from colocated to half prefill, half
+decode, else one decode instance more. Both met: no change. Both missed (an overload, or the wrong
+layout for the load): the other of colocated and disaggregated is tried.
 
 The controller remembers how the requests each layout served did (how many met both SLOs) under the
 load they came in: the typical ratio of prompt to requested output tokens, of TPOT to TTFT SLO, and
