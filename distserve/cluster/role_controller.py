@@ -355,7 +355,7 @@ def propose(
         return {n: Role.COLOCATED for n in names}, f"{why}: too little prefill, colocating"
     if missing_ttft and len(decode) > 1:
         return {**layout, decode[-1]: Role.PREFILL}, f"{why}: too little prefill, one decode instance fewer"
-    colocated = len(names) > 1 and all(r is Role.COLOCATED for r in layout.values())
+    colocated = _all_colocated(layout)
     # Whether half the instances prefilling alone beats all of them prefilling beside decoding turns
     # on decoding's share of the steps, which a TPOT near its SLO only hints at: steps cut to fit
     # the TPOT SLO (tpot_aware_chunking) run near it by design. A forecast, where there is one, says.
@@ -367,6 +367,11 @@ def propose(
     if missing_tpot and len(prefill) > 1:
         return {**layout, prefill[-1]: Role.DECODE}, f"{why}: too little decode, one decode instance more"
     return None
+
+
+def _all_colocated(layout: dict[str, Role]) -> bool:
+    """More than one instance, every one colocated: the layout the controller disaggregates."""
+    return len(layout) > 1 and all(r is Role.COLOCATED for r in layout.values())
 
 
 def _disaggregated(names: list[str]) -> dict[str, Role]:
@@ -718,7 +723,7 @@ class RoleController:
         arrives: then windows judge the layout, and one that shows the forecast wrong wins."""
         self._forecast_mix = arriving
         names = list(layout)
-        colocated = all(r is Role.COLOCATED for r in layout.values())
+        colocated = _all_colocated(layout)
         if len(names) < 2 or not (colocated or _layout_key(layout) == _layout_key(_disaggregated(names))):
             return None  # one instance, or a layout of other proportions: windows judge
         demand = self.demand(now, arriving)
@@ -749,8 +754,7 @@ class RoleController:
     ) -> bool | None:
         """Whether the forecast for the arriving load ranks the disaggregated layout above all
         colocated; None without a forecast (no step times, no arrivals) or from other layouts."""
-        colocated = len(layout) > 1 and all(r is Role.COLOCATED for r in layout.values())
-        if not (colocated and arriving and forecast_from):
+        if not (_all_colocated(layout) and arriving and forecast_from):
             return None
         demand, num = self.demand(now, arriving), len(layout)
         return forecast(False, num, demand, *forecast_from) < forecast(True, num, demand, *forecast_from)
@@ -851,8 +855,7 @@ class RoleController:
         if now - self.last_change < config.min_dwell:
             return
         # Step times for a forecast that is due, and on a tick for ranking a colocated layout's way out.
-        colocated = all(r is Role.COLOCATED for r in layout.values())
-        ranking = tick and colocated and config.forecast
+        ranking = tick and config.forecast and _all_colocated(layout)
         forecast_from = await self.forecast_inputs(live) if ranking or self.forecast_due(now) else None
         proposal = self.propose_now(layout, window, now, tick, self.known_in_flight(in_flight, now), forecast_from)
         if not tick and proposal is None:
