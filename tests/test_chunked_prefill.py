@@ -110,6 +110,12 @@ def test_step_time_model_learns_the_line_of_its_steps():
     for _ in range(300):  # steps cut to one size: the line they were cut by stands
         model.observe(40, 0.052)
     assert model.line()[1] == pytest.approx(0.001, rel=0.05)
+    late = StepTimeModel()  # first asked after a long stretch of decode steps alone: the line stands
+    for tokens in (64, 1, 200, 2, 128, 3, 32, 1):
+        late.observe(tokens, 0.010 + 0.001 * tokens)
+    for _ in range(300):
+        late.observe(1, 0.011)
+    assert late.line() == pytest.approx((0.010, 0.001))
 
 
 @pytest.mark.parametrize(

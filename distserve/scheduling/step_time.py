@@ -47,19 +47,25 @@ class StepTimeModel:
         self._xx = d * self._xx + num_tokens * num_tokens
         self._xy = d * self._xy + num_tokens * seconds
         self.num_steps += 1
+        self._fit()
 
-    def line(self) -> StepCost | None:
-        """(fixed seconds per step, seconds per token), or None until enough steps of different
-        sizes have been seen to tell them apart. While the recent steps are all of about one size
-        (steps cut to fit an SLO are), the line fitted when they last differed stands."""
+    def _fit(self) -> None:
+        """Fit the line to the steps seen, if they differ enough in size to say its slope: on every
+        step, so that the line of the last steps that differed stands however late it is asked for
+        (a decode-only stretch alone would otherwise leave it unknown)."""
         if self.num_steps < MIN_STEPS:
-            return None
+            return
         mean_x, mean_y = self._x / self._w, self._y / self._w
         variance = self._xx / self._w - mean_x * mean_x
         if variance >= MIN_TOKENS_SPREAD**2:
             per_token = (self._xy / self._w - mean_x * mean_y) / variance
             if per_token > 0:  # else noise over steps that differ too little: the last line stands
                 self._line = StepCost(max(0.0, mean_y - per_token * mean_x), per_token)
+
+    def line(self) -> StepCost | None:
+        """(fixed seconds per step, seconds per token), or None until enough steps of different
+        sizes have been seen to tell them apart. While the recent steps are all of about one size
+        (steps cut to fit an SLO are), the line fitted when they last differed stands."""
         return self._line
 
     def tokens_within(self, seconds: float) -> int | None:
