@@ -456,18 +456,25 @@ def test_clusters_one_after_another_reuse_the_ray_they_start(clusters):
 
 
 @pytest.mark.parametrize(
-    "policy, order", [("deadline", ["tight", "cluster", "loose"]), ("fcfs", ["loose", "cluster", "tight"])]
+    "policy, tight, order",
+    [
+        ("deadline", 5.0, ["tight", "cluster", "loose"]),
+        ("fcfs", 5.0, ["loose", "cluster", "tight"]),
+        ("deadline", 0.001, ["tight", "cluster", "loose"]),
+        ("deadline-feasible", 0.001, ["cluster", "loose", "tight"]),
+    ],
 )
-def test_the_orchestrator_gives_each_run_its_ttft_deadline(ray_cluster, llama, policy, order):
+def test_the_orchestrator_gives_each_run_its_ttft_deadline(ray_cluster, llama, policy, tight, order):
     """Three prompts wait for the blocks a long request holds (each needs more than are free): one
     with a loose TTFT SLO of its own, one with none (the cluster's, tighter), one with a tight one,
     arriving in that order. The deadline policy prefills them by arrival plus SLO, fcfs by arrival;
-    outputs stay greedy."""
+    the feasible deadline policy runs one whose deadline passed while it waited after the others.
+    Outputs stay greedy."""
     from distserve.cluster.role_controller import RequestSLO
 
     # 100 blocks of 8 tokens: the long request's 600 + 200 tokens fill them all; the others need 26.
     long_prompt, *prompts = random_prompts([600, 208, 208, 208], 1024, seed=11)
-    slos = {"loose": RequestSLO(ttft=60.0), "cluster": None, "tight": RequestSLO(ttft=5.0)}
+    slos = {"loose": RequestSLO(ttft=60.0), "cluster": None, "tight": RequestSLO(ttft=tight)}
 
     async def main():
         cluster = await AsyncCluster.start(

@@ -1,4 +1,6 @@
-"""Prefill policies (FCFS order, SJF with aging, priority, TTFT deadline) and the token budget."""
+"""Prefill policies (FCFS order, SJF with aging, priority, TTFT deadline, feasible deadline) and the token budget."""
+
+import time
 
 import pytest
 from conftest import assert_engine_idle
@@ -7,6 +9,7 @@ from distserve.core.config import SchedulerConfig
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.sequence import Sequence
 from distserve.scheduling.block_manager import BlockManager
+from distserve.scheduling.step_time import StepTimeModel
 from distserve.scheduling.waiting_queue import WaitingQueue
 
 
@@ -75,6 +78,46 @@ def test_deadline_policy_admits_chunks_by_deadline():
     sched.add(loose)
     sched.add(tight)
     assert [(s, n) for s, n in sched.admit(max_seqs=8, budget=48)] == [(tight, 40), (loose, 8)]
+
+
+def _order(sched: WaitingQueue, seqs: list[Sequence]) -> list[int]:
+    """The indices in ``seqs`` of the sequences in the order the queue prefills them."""
+    for s in seqs:
+        sched.add(s)
+    order = []
+    while len(sched):
+        order += _run_step(sched)
+    return [seqs.index(s) for s in order]
+
+
+def test_deadline_feasible_policy_puts_prompts_past_their_deadline_last():
+    """Due first but already late: plain earliest-deadline-first runs it first, and the prompt
+    still on time waits behind it; the feasible order runs the one on time first, then those
+    without a deadline, then the late ones by deadline."""
+    now = time.time()
+    deadlines = (now + 30.0, now - 1.0, None, now - 2.0, now + 60.0)
+    for policy, order in (("deadline", [3, 1, 0, 4, 2]), ("deadline-feasible", [0, 4, 2, 3, 1])):
+        sched = _scheduler(policy=policy, max_num_batched_tokens=5)
+        assert _order(sched, [_seq(5, ttft_deadline=d) for d in deadlines]) == order
+
+
+def test_deadline_feasible_policy_counts_a_prompt_late_whose_prefill_outlasts_its_deadline():
+    """A 200-token prompt due in 1 s where the instance's steps take 10 ms a token (2 s alone) can
+    no longer make it; a 20-token one due as soon can (0.2 s). Until the step times are known,
+    both count as on time."""
+    step_time = StepTimeModel()
+    for tokens in (1, 200) * 8:
+        step_time.observe(tokens, 0.01 * tokens)
+    now = time.time()
+    for known, order in ((step_time, [1, 0]), (None, [0, 1])):
+        config = SchedulerConfig(policy="deadline-feasible", max_num_batched_tokens=256)
+        sched = WaitingQueue(config, BlockManager(4096, 16, enable_prefix_caching=False), known)
+        big, small = _seq(200, ttft_deadline=now + 1.0), _seq(20, ttft_deadline=now + 1.5)
+        assert sched.is_late(big, time.time()) is (known is not None)
+        assert not sched.is_late(small, time.time())
+        sched.add(big)
+        sched.add(small)
+        assert [[big, small].index(s) for s in sched.schedule(max_seqs=1)] == order[:1]
 
 
 def _steps_until_long_prompt_runs(aging: float, limit: int = 60) -> int | None:

@@ -79,7 +79,7 @@ def test_duplicate_request_id(llm):
         ({"model": "llama-2-7b"}, "'llama-2-7b' is a preset .* add --load-format dummy"),
         ({"model": "tiny-llama", "max_model_len": 5000}, "exceeds the model's context of 1024"),
         ({"model": "tiny-llama", "block_size": 0}, "block_size must be at least 1"),
-        ({"model": "tiny-llama", "policy": "lifo"}, "policy must be one of fcfs, sjf, priority, deadline"),
+        ({"model": "tiny-llama", "policy": "lifo"}, "policy must be one of fcfs, sjf, priority, deadline,"),
         ({"model": "tiny-llama", "dtype": "int3"}, "dtype must be one of"),
         ({"model": "tiny-llama", "bogus": 1}, "unknown engine option 'bogus'"),
     ],

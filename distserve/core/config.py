@@ -20,7 +20,7 @@ LOAD_FORMATS = ("auto", "dummy")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpp", "compiled", "triton", "sdpa")
-POLICIES = ("fcfs", "sjf", "priority", "deadline")
+POLICIES = ("fcfs", "sjf", "priority", "deadline", "deadline-feasible")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 
 

@@ -111,7 +111,7 @@ class DecodeRole(InstanceRole):
 
     def __init__(self, engine: LLMEngine) -> None:
         config = engine.config.scheduler
-        super().__init__(engine, PrefillFirstScheduler(config, engine.block_manager))
+        super().__init__(engine, PrefillFirstScheduler(config, engine.block_manager, engine.step_time))
         self.admission = DecodeAdmission(engine.block_manager, config.max_num_seqs)
 
     def add(self, seq: Sequence) -> None:

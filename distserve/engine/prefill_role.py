@@ -29,7 +29,7 @@ class PrefillRole(InstanceRole):
         if finishing:
             scheduler = colocated_scheduler(engine)
         else:
-            scheduler = PrefillOnlyScheduler(engine.config.scheduler, engine.block_manager)
+            scheduler = PrefillOnlyScheduler(engine.config.scheduler, engine.block_manager, engine.step_time)
         super().__init__(engine, scheduler)
         self.finishing = finishing
         self.num_throttled_steps = 0

@@ -109,7 +109,7 @@ def colocated_scheduler(engine: LLMEngine) -> Scheduler:
     config = engine.config.scheduler
     if config.enable_chunked_prefill:
         return ChunkedPrefillScheduler(config, engine.block_manager, engine.step_time)
-    return PrefillFirstScheduler(config, engine.block_manager)
+    return PrefillFirstScheduler(config, engine.block_manager, engine.step_time)
 
 
 class ColocatedRole(InstanceRole):

@@ -70,9 +70,11 @@ class Scheduler(Protocol):
 
 
 class PrefillFirstScheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, step_time: StepTimeModel | None = None
+    ) -> None:
         self.block_manager = block_manager
-        self.waiting = WaitingQueue(config, block_manager)
+        self.waiting = WaitingQueue(config, block_manager, step_time)
         self.running = RunningBatch(block_manager, config.max_num_seqs)
 
     @property
@@ -139,7 +141,7 @@ class ChunkedPrefillScheduler(PrefillFirstScheduler):
     def __init__(
         self, config: SchedulerConfig, block_manager: BlockManager, step_time: StepTimeModel | None = None
     ) -> None:
-        super().__init__(config, block_manager)
+        super().__init__(config, block_manager, step_time)
         self.budget = config.max_num_batched_tokens
         self.step_time = step_time if config.tpot_aware_chunking else None
         self.chunks: list[tuple[Sequence, int]] = []  # the last step's prompt chunks: (sequence, first token)
@@ -183,9 +185,11 @@ class ChunkedPrefillScheduler(PrefillFirstScheduler):
 
 
 class PrefillOnlyScheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, step_time: StepTimeModel | None = None
+    ) -> None:
         self.block_manager = block_manager
-        self.waiting = WaitingQueue(config, block_manager)
+        self.waiting = WaitingQueue(config, block_manager, step_time)
         self.max_num_seqs = config.max_num_seqs
 
     num_preemptions = 0  # a prefill batch allocates all its blocks up front: nothing to preempt

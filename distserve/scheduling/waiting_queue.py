@@ -4,19 +4,27 @@ Policies: ``fcfs`` (arrival order), ``sjf`` (fewest tokens first, with aging: ea
 a prompt waits makes it count ``sjf_aging_tokens`` shorter, so long prompts cannot starve),
 ``priority`` (lowest ``priority`` value first, then arrival) and ``deadline`` (earliest TTFT
 deadline first: a request's arrival plus its TTFT SLO, so that a request with a tight one is not
-queued behind earlier ones with loose ones; those without a deadline after, in arrival order).
+queued behind earlier ones with loose ones; those without a deadline after, in arrival order) and
+``deadline-feasible`` (the same order among the prompts that can still meet their deadline, then
+those that cannot: a prompt whose deadline has passed, or is nearer than its prefill alone takes by
+the instance's step times, goes after the others, still in deadline order). Under plain earliest
+deadline first an overload cascades: the prompt due first is late already, runs first and makes
+the next one late. Late prompts then wait for a step no feasible prompt needs: a sustained
+overload starves them until it passes.
 Preempted sequences come back through ``resume`` and go before all others: they already waited once.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 
 from distserve.core.config import SchedulerConfig
 from distserve.core.sequence import Sequence, SequenceStatus
 from distserve.scheduling.block_manager import BlockManager
+from distserve.scheduling.step_time import StepTimeModel
 
 
 def policy_key(config: SchedulerConfig) -> Callable[[Sequence], tuple]:
@@ -25,16 +33,20 @@ def policy_key(config: SchedulerConfig) -> Callable[[Sequence], tuple]:
         return lambda s: (s.num_tokens - aging * s.prefill_steps_waited, s.arrival_time, s.seq_id)
     if config.policy == "priority":
         return lambda s: (s.priority, s.arrival_time, s.seq_id)
-    if config.policy == "deadline":
+    if config.policy in ("deadline", "deadline-feasible"):
         return lambda s: (math.inf if s.ttft_deadline is None else s.ttft_deadline, s.arrival_time, s.seq_id)
     return lambda s: (s.arrival_time, s.seq_id)
 
 
 class WaitingQueue:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, step_time: StepTimeModel | None = None
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.key = policy_key(config)
+        self.late_last = config.policy == "deadline-feasible"
+        self.step_time = step_time  # the instance's step times: how long a prompt's prefill takes
         self.waiting: list[Sequence] = []
         self.resumed: deque[Sequence] = deque()
 
@@ -105,7 +117,24 @@ class WaitingQueue:
         if max_seqs <= 0:
             return []
         self.waiting.sort(key=self.key)
+        if self.late_last:
+            now = time.time()
+            self.waiting.sort(key=lambda seq: self.is_late(seq, now))  # stable: deadline order within
         return [*self.resumed, *self.waiting]
+
+    def is_late(self, seq: Sequence, now: float) -> bool:
+        """Whether ``seq`` can no longer meet its TTFT deadline (wall-clock ``now``): it has passed,
+        or is nearer than the prefill of its uncached tokens takes in a step of their own, once the
+        step times are known (a lower bound: queued with others, it takes longer)."""
+        if seq.ttft_deadline is None:
+            return False
+        if now >= seq.ttft_deadline:
+            return True
+        line = self.step_time.line() if self.step_time is not None else None
+        if line is None:
+            return False
+        uncached = seq.num_tokens - max(seq.num_computed_tokens, self.block_manager.num_cached_tokens(seq))
+        return now + line.seconds(uncached) > seq.ttft_deadline
 
     def _taken(self, batch: list[Sequence]) -> None:
         """Drop the scheduled sequences from the queues; the others waited one more step."""
