@@ -330,6 +330,7 @@ def test_cancellation_at_every_stage_frees_blocks_within_a_second(ray_cluster):
                 left_at = stage(cluster, request_id)
                 await stream.aclose()
                 return left_at
+        return "finished"  # its outputs came batched into fewer chunks than it waited for
 
     async def scenario():
         cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=600)
@@ -337,7 +338,8 @@ def test_cancellation_at_every_stage_frees_blocks_within_a_second(ray_cluster):
             chunks = [0, 1, 2, 10]
             left_at = await asyncio.gather(*(leave_after(cluster, i, p, chunks[i % 4]) for i, p in enumerate(prompts)))
             await wait_nothing_in_use_async(cluster, timeout=1.0)  # within a second of the last one leaving
-            assert set(left_at) == {"queued or prefilling", "KV held or migrating", "decoding"}, left_at
+            stages = set(left_at) - {"finished"}
+            assert stages == {"queued or prefilling", "KV held or migrating", "decoding"}, left_at
         finally:
             await cluster.shutdown()
 
