@@ -43,7 +43,8 @@ def prefill_seconds(engine: LLMEngine, repeats: int = 3) -> float:
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     times = []
     for i in range(repeats):
-        prompt = [random.Random(i).randrange(3, 1000) for _ in range(sum(PROMPT_TOKENS) // 2)]
+        rng = random.Random(i)  # another prompt each time: no prefix-cache hit shortens it
+        prompt = [rng.randrange(3, 1000) for _ in range(sum(PROMPT_TOKENS) // 2)]
         start = time.time()
         engine.add_sequence(engine.make_sequence(prompt, params))
         while engine.has_unfinished_requests():
