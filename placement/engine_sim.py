@@ -3,12 +3,15 @@ engine makes, and records its whole ``RequestTimeline``.
 
 Each rule is the engine's (module or function in ``distserve/`` in brackets):
 
-* Routing (``cluster/routing.py`` ``Router.least_loaded``): a request goes to the instance of its
-  pool with the least load, counted as ``prompt_len + output_len`` (its ``max_tokens``) on every
-  instance it was sent to until it finishes (``cluster/orchestrator.py`` ``Orchestrator._assign`` /
-  ``unassign``); ties go to the lowest index. Prompts are taken to share no prefix, so
-  ``pick_prefill`` never prefers a cache hit. All instances of a pool have the same KV size, so load
-  per KV token orders them as load does.
+* Routing (``cluster/routing.py`` ``Router``): a prompt goes to the instance of the entry pool
+  with room for it in its KV cache (any, when none has) that has the fewest prompt tokens to
+  prefill, counted from its routing to the end of its prefill (``Orchestrator._prefilled``); ties to
+  the least loaded. A hand-over goes to the decode instance with the least load. Load is
+  ``prompt_len + output_len`` (its ``max_tokens``) on every instance a request was sent to until it
+  finishes (``cluster/orchestrator.py`` ``Orchestrator._assign`` / ``unassign``); ties go to the
+  lowest index. Prompts are taken to share no prefix, so no prefix cache shortens a prefill's
+  count. All instances of a pool have the same KV size, so load per KV token orders them as load
+  does.
 * Step loop (``cluster/instance.py`` ``Instance._run``): an instance runs one batch at a time (pipeline
   stages take turns, so ``stage_time`` has no place here); between batches it ticks its role, then
   schedules. Whatever reaches it during a batch waits for the batch's end.
@@ -86,6 +89,7 @@ class _Engine:
         self.step_time = step_time  # None: never decodes (prefill instances)
         self.busy = False
         self.load_tokens = 0  # the router's load
+        self.prefill_tokens = 0  # prompt tokens routed here and not yet prefilled
 
     def next_batch(self) -> tuple[list[SimSeq], list[int] | None, list[SimSeq]]:
         return self.scheduler.schedule()
@@ -179,13 +183,20 @@ class _EngineSim:
 
     def route(self, pool: list[_E], r: int) -> _E:
         inst = min(pool, key=lambda e: e.load_tokens)
+        return self.assign(inst, r)
+
+    def assign(self, inst: _E, r: int) -> _E:
         inst.load_tokens += self.reqs[r].prompt_len + self.reqs[r].output_len
         self.assigned[r].append(inst)
         self.dirty.add(inst.index)
         return inst
 
     def arrive(self, now: float, r: int) -> None:
-        inst = self.route(self.entry, r)
+        req = self.reqs[r]
+        capacity = self.entry[0].pool.num_blocks * self.entry[0].pool.block_size
+        roomy = [e for e in self.entry if e.load_tokens + req.prompt_len + req.output_len <= capacity] or self.entry
+        inst = self.assign(min(roomy, key=lambda e: (e.prefill_tokens + req.prompt_len, e.load_tokens)), r)
+        inst.prefill_tokens += req.prompt_len
         inst.scheduler.waiting.append(SimSeq(r, self.reqs[r].prompt_len))
         self.timelines[r].prefill_queued = now
         self.timelines[r].prefill_instance = inst.name
@@ -262,6 +273,7 @@ class _EngineSim:
             seq.num_tokens += 1
             timeline.token_times.append(delivered)
             if step.computed is not None and timeline.prefill_end is None:
+                inst.prefill_tokens -= req.prompt_len
                 if timeline.prefill_start is None or not chunked:
                     timeline.prefill_start = step.start
                 timeline.prefill_end = sampled

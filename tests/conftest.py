@@ -85,12 +85,18 @@ def wait_nothing_in_use(read_infos, frontend=None, timeout: float = 10.0) -> Non
 
 
 async def wait_nothing_in_use_async(cluster, timeout: float = 10.0) -> None:
-    """``wait_nothing_in_use`` for an ``AsyncCluster`` on the running loop; its orchestrator tracks no request."""
+    """``wait_nothing_in_use`` for an ``AsyncCluster`` on the running loop; its orchestrator tracks no request
+    and counts no load or prompt to prefill on any instance."""
     deadline = time.monotonic() + timeout
     while True:
         found = in_use(await cluster.info())
         if cluster.orchestrator.requests:
             found.append(f"orchestrator: {len(cluster.orchestrator.requests)} requests")
+        found += [
+            f"routing: {s.name} counts {s.load_tokens} tokens of load, {s.prefill_tokens} to prefill"
+            for s in cluster.orchestrator.instances
+            if s.load_tokens or s.prefill_tokens
+        ]
         if not found:
             return
         assert time.monotonic() < deadline, "still in use:\n" + "\n".join(found)

@@ -163,12 +163,16 @@ def test_chunked_colocated_timeline_by_hand():
     )  # fmt: skip
 
 
-def test_colocated_routing_is_least_loaded():
-    # Load is prompt + output tokens while a request is on an instance: B goes to the empty instance,
-    # then C to B's (20 tokens) rather than A's (110).
-    reqs = [SimRequest(0.0, 100, 10), SimRequest(0.0, 10, 10), SimRequest(0.0, 10, 10)]
+def test_colocated_routing_follows_prefill_work():
+    # Prefill work decides, load only ties: A (10 prompt tokens, 200 out) goes to instance 0, B (100)
+    # to instance 1, whose queue is A's prompt shorter. At 1.5 s A is prefilled (0-1.1) and decoding,
+    # B still prefilling (0-2.0): C goes to instance 0, the more loaded (A's 210 tokens against B's
+    # 102) but with no prompt to prefill.
+    reqs = [SimRequest(Fraction(0), 10, 200), SimRequest(Fraction(0), 100, 2), SimRequest(Fraction(3, 2), 10, 2)]
     results = simulate_colocated(reqs, colocated_spec(count=2, max_batch_tokens=4096))
-    assert [r.timeline.prefill_instance for r in results] == ["colocated-0", "colocated-1", "colocated-1"]
+    assert [r.timeline.prefill_instance for r in results] == ["colocated-0", "colocated-1", "colocated-0"]
+    c = results[2].timeline
+    assert c.prefill_start == Fraction(3, 2)  # had it gone by load, it would have waited for B's prefill to end at 2.0
 
 
 def test_decode_preemption_by_hand():

@@ -63,6 +63,7 @@ class RequestState:
     decode: InstanceState | None = None
     source: InstanceState | None = None  # an instance holding its KV for the next decode instance
     move_to: InstanceState | None = None  # where its prompt goes if given back to even out the queues
+    to_prefill: int = 0  # prompt tokens its prefill instance counts on computing, until its first token
     finished: bool = False
     cancelled: bool = False
     attempt: int = 0  # the current run: 0, then one more per re-run
@@ -248,9 +249,10 @@ class Orchestrator:
         """Send the request's current run to a prefill (or colocated) instance, waiting for a
         replacement when none is healthy."""
         pool = await self.failover.healthy(self.entry_pool)
-        entry = self.router.pick_prefill(pool, state.prompt_token_ids, state.move_to)
+        entry, state.to_prefill = self.router.pick_prefill(pool, state.prompt_token_ids, state.load, state.move_to)
         state.move_to = None
         self._assign(state, entry, "prefill")
+        entry.prefill_tokens += state.to_prefill
         attempt, slo = state.attempt, self.slo(state)
         ttft_deadline = state.metrics.arrival_time + slo.ttft if slo.ttft else None  # a re-run keeps the first's
         try:
@@ -310,10 +312,18 @@ class Orchestrator:
 
     def unassign(self, state: RequestState) -> None:
         """The request no longer counts towards its instances' load."""
+        self._prefilled(state)
         for entry in (state.prefill, state.decode):
             if entry is not None:
                 entry.load_tokens -= state.load
         state.prefill = state.decode = state.source = None
+
+    @staticmethod
+    def _prefilled(state: RequestState) -> None:
+        """Its prompt is no longer work its prefill instance has before it."""
+        if state.prefill is not None:
+            state.prefill.prefill_tokens -= state.to_prefill
+        state.to_prefill = 0
 
     async def _cancel(self, state: RequestState) -> None:
         """Abort wherever the request may be: both instances free its blocks."""
@@ -373,6 +383,7 @@ class Orchestrator:
             return
         if delta.first:  # prefilled where it was: a plan to move its prompt is void
             state.move_to = None
+            self._prefilled(state)
         now = time.time()
         # A re-run repeats tokens the request already has: time only the ones past them.
         num_tokens = len(state.run.output_token_ids) + len(delta.new_token_ids)

@@ -1,9 +1,17 @@
-"""Which instance gets a request: prefill goes where the prompt's prefix is likely cached unless
-that instance is much busier, decode goes to the instance with the most room. When instances that
-take prompts are added (a role change), the prompts queued at the others are spread over them all.
+"""Which instance gets a request: a prompt goes where its first token comes soonest, the instance
+with the fewest prompt tokens still to prefill, counting this prompt's own less the prefix cached
+there; decode goes to the instance with the most room. When instances that take prompts are added
+(a role change), the prompts queued at the others are spread over them all.
+
+Prefill work, not load, picks the prompt's instance: a colocated instance's load is mostly the
+requests it decodes, which slow its next prefill little (their tokens ride in the same steps),
+while every prompt queued ahead delays it by a whole prefill. Routed by load, two colocated
+instances serve a stream of long prompts as two queues drawn at random; routed by prefill work,
+as one queue with two servers.
 
 Load is counted in tokens (prompt plus the most a request may generate) per KV token an
-instance can hold, so instances of different sizes fill alike.
+instance can hold, so instances of different sizes fill alike; a prompt goes to an instance
+without room for it only when none has room.
 """
 
 from __future__ import annotations
@@ -17,9 +25,6 @@ from distserve.core.config import EngineConfig
 from distserve.core.errors import InstanceFailure
 from distserve.core.role import Role
 
-# A prefix-cache hit wins over a less loaded instance unless its load (per KV token) is higher by more.
-PREFIX_LOAD_SLACK = 0.25
-
 
 @dataclass(eq=False)  # one per instance, told apart by identity
 class InstanceState:
@@ -31,12 +36,18 @@ class InstanceState:
     info: InstanceInfo
     config: EngineConfig  # what a replacement is started with
     load_tokens: int = 0  # tokens of the requests assigned to it and not yet done with it
+    prefill_tokens: int = 0  # prompt tokens sent to it that it has still to compute (prefix hits left out)
     failure: str | None = None
     changing_to: Role | None = None  # a role change under way: it gets no new work meanwhile
 
     @property
+    def capacity(self) -> int:
+        """Tokens its KV cache holds."""
+        return self.info.num_blocks * self.info.block_size
+
+    @property
     def load(self) -> float:
-        return self.load_tokens / (self.info.num_blocks * self.info.block_size)
+        return self.load_tokens / self.capacity
 
 
 class Router:
@@ -44,22 +55,28 @@ class Router:
         self.prefix_index = PrefixIndex(block_size)
 
     def pick_prefill(
-        self, pool: list[InstanceState], prompt_token_ids: list[int], chosen: InstanceState | None = None
-    ) -> InstanceState:
-        """``chosen`` when it is in ``pool``; else the instance of ``pool`` that was sent the longest
-        prefix of this prompt, unless it is much busier than the least loaded one, which gets the
-        request otherwise."""
+        self, pool: list[InstanceState], prompt_token_ids: list[int], tokens: int, chosen: InstanceState | None = None
+    ) -> tuple[InstanceState, int]:
+        """``chosen`` when it is in ``pool``; else, of the instances with room for the request's
+        ``tokens`` (all, when none has), the one with the fewest prompt tokens to prefill once this
+        prompt joins them (less the longest prefix of it sent there before), the least loaded of
+        those that tie. Returns the instance and the prompt tokens it is expected to compute."""
         hashes = self.prefix_index.block_hashes(prompt_token_ids)
+
+        def to_prefill(entry: InstanceState) -> int:
+            cached = self.prefix_index.matched_blocks(entry.name, hashes) * self.prefix_index.block_size
+            return len(prompt_token_ids) - min(cached, len(prompt_token_ids) - 1)  # the last token is always computed
+
         if chosen in pool:
             entry = chosen
         else:
-            least = self.least_loaded(pool)
-            matched = {s.name: self.prefix_index.matched_blocks(s.name, hashes) for s in pool}
-            best = max(pool, key=lambda s: (matched[s.name], -s.load))
-            hit = matched[best.name] > 0
-            entry = best if hit and best.load <= least.load + PREFIX_LOAD_SLACK else least
+            if not pool:
+                raise InstanceFailure("no instance is available to serve the request")
+            roomy = [s for s in pool if s.load_tokens + tokens <= s.capacity] or pool
+            entry = min(roomy, key=lambda s: (s.prefill_tokens + to_prefill(s), s.load))
+        tokens_to_compute = to_prefill(entry)
         self.prefix_index.add(entry.name, hashes)
-        return entry
+        return entry, tokens_to_compute
 
     def pick_decode(self, pool: list[InstanceState]) -> InstanceState:
         """The decode instance with the most room for a handed-over request."""
