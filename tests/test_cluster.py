@@ -207,8 +207,11 @@ def test_async_cluster_streams(ray_cluster):
         cluster = await AsyncCluster.start(model="tiny-llama", prefill={}, decode={}, stream_interval=0)
         try:
             chunks = [out async for out in cluster.generate("Hello", _greedy(6))]
-            assert [len(c.output_token_ids) for c in chunks] == list(range(1, len(chunks) + 1))
-            assert chunks[-1].finished
+            # The first token (the prefill instance's) comes alone; decode tokens come as the steps
+            # give them, though a poll that finds several waiting (a loaded machine) brings them at once.
+            lengths = [len(c.output_token_ids) for c in chunks]
+            assert lengths[0] == 1 and lengths[-1] == 6 and lengths == sorted(set(lengths)), lengths
+            assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
         finally:
             await cluster.shutdown()
 
