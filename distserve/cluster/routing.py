@@ -5,9 +5,8 @@ there; decode goes to the instance with the most room. When instances that take 
 
 Prefill work, not load, picks the prompt's instance: a colocated instance's load is mostly the
 requests it decodes, which slow its next prefill little (their tokens ride in the same steps),
-while every prompt queued ahead delays it by a whole prefill. Routed by load, two colocated
-instances serve a stream of long prompts as two queues drawn at random; routed by prefill work,
-as one queue with two servers.
+while every prompt queued ahead delays it by a whole prefill. Routed by load, a prompt could
+wait behind another's prefill while the other instance had none to do.
 
 Load is counted in tokens (prompt plus the most a request may generate) per KV token an
 instance can hold, so instances of different sizes fill alike; a prompt goes to an instance
