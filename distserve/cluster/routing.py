@@ -61,21 +61,18 @@ class Router:
         prompt joins them (less the longest prefix of it sent there before), the least loaded of
         those that tie. Returns the instance and the prompt tokens it is expected to compute."""
         hashes = self.prefix_index.block_hashes(prompt_token_ids)
-
-        def to_prefill(entry: InstanceState) -> int:
-            cached = self.prefix_index.matched_blocks(entry.name, hashes) * self.prefix_index.block_size
-            return len(prompt_token_ids) - min(cached, len(prompt_token_ids) - 1)  # the last token is always computed
-
         if chosen in pool:
-            entry = chosen
+            candidates = [chosen]
         else:
-            if not pool:
-                raise InstanceFailure("no instance is available to serve the request")
-            roomy = [s for s in pool if s.load_tokens + tokens <= s.capacity] or pool
-            entry = min(roomy, key=lambda s: (s.prefill_tokens + to_prefill(s), s.load))
-        tokens_to_compute = to_prefill(entry)
+            candidates = [s for s in _available(pool) if s.load_tokens + tokens <= s.capacity] or pool
+        # Per candidate: the prompt's tokens less the prefix sent there; the last token is always computed.
+        to_prefill: dict[InstanceState, int] = {}
+        for entry in candidates:
+            cached = self.prefix_index.matched_blocks(entry.name, hashes) * self.prefix_index.block_size
+            to_prefill[entry] = len(prompt_token_ids) - min(cached, len(prompt_token_ids) - 1)
+        entry = min(to_prefill, key=lambda s: (s.prefill_tokens + to_prefill[s], s.load))
         self.prefix_index.add(entry.name, hashes)
-        return entry, tokens_to_compute
+        return entry, to_prefill[entry]
 
     def pick_decode(self, pool: list[InstanceState]) -> InstanceState:
         """The decode instance with the most room for a handed-over request."""
@@ -83,9 +80,14 @@ class Router:
 
     @staticmethod
     def least_loaded(pool: list[InstanceState]) -> InstanceState:
-        if not pool:
-            raise InstanceFailure("no instance is available to serve the request")
-        return min(pool, key=lambda s: s.load)
+        return min(_available(pool), key=lambda s: s.load)
+
+
+def _available(pool: list[InstanceState]) -> list[InstanceState]:
+    """``pool``, which must hold an instance to route to."""
+    if not pool:
+        raise InstanceFailure("no instance is available to serve the request")
+    return pool
 
 
 Entry = TypeVar("Entry")
