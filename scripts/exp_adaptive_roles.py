@@ -411,6 +411,8 @@ def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) ->
                             if result["started"] <= c.started <= result["ended"]
                         ]
                         probes[name].append(result)
+                        # A run of an hour or more keeps what it measured if it is stopped part way.
+                        (args.out / "probes.json").write_text(json.dumps({workload: probes}, default=str))
             for name in names:
                 best = grid_best(probes[name], args.target)
                 changes = [c for p in probes[name] for c in p["role_changes"]]
