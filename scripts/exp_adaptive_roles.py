@@ -374,6 +374,7 @@ def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) ->
     names = args.deployments.split(",")
     rates = [float(r) for r in args.rates.split(",")]
     results: dict = {}
+    measured: dict[str, dict[str, list[dict]]] = {}  # workload: deployment: probes, as they end
     with Client(running.grpc_address) as client:
         instances = [i.name for i in client.cluster_info().instances]
         for workload in args.workloads.split(","):
@@ -387,7 +388,7 @@ def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) ->
                              scratch, oracle, seed)  # fmt: skip
 
             run_probe(args.rate_high / 4, warmup)  # the cluster's first requests of this workload
-            probes: dict[str, list[dict]] = {name: [] for name in names}
+            probes = measured.setdefault(workload, {name: [] for name in names})
             for repeat in range(args.repeats):
                 adaptive_roles = None  # adaptive's roles when its last turn ended
                 for turn, rate in enumerate(rates):
@@ -412,7 +413,7 @@ def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) ->
                         ]
                         probes[name].append(result)
                         # A run of an hour or more keeps what it measured if it is stopped part way.
-                        (args.out / "probes.json").write_text(json.dumps({workload: probes}, default=str))
+                        (args.out / "probes.json").write_text(json.dumps(measured, default=str))
             for name in names:
                 best = grid_best(probes[name], args.target)
                 changes = [c for p in probes[name] for c in p["role_changes"]]
