@@ -81,7 +81,7 @@ ORACLE_LAYOUTS = {"long": ("colocated", "colocated"), "short": ("prefill", "deco
 ONE_CLUSTER_LAYOUTS = {"chunked": ("colocated", "colocated"), "disaggregated": ("prefill", "decode"),
                        "oracle": None, "staged-oracle": None, "adaptive": ("prefill", "decode")}  # fmt: skip
 ROLE_CONTROL = {"interval": 0.5, "window": 3.0, "min_requests": 8, "patience": 2, "min_dwell": 3.0,
-                "arrival_window": 1.0, "forecast": True}  # fmt: skip
+                "arrival_window": 1.0, "mix_arrivals": 3, "forecast": True}  # fmt: skip
 WORKLOADS = ("long", "short", "alternating")
 _probe_count = itertools.count()  # each probe's prompts are its own
 

@@ -910,6 +910,29 @@ def test_the_arriving_mix_is_of_the_last_few_arrivals_when_few_come_in_its_windo
     assert load.tokens_ratio == pytest.approx(40 / 128) and (load.rate, load.arrivals) == (1.0, 10)
 
 
+def test_with_one_mix_arrival_a_change_of_kind_is_followed_on_its_first_arrival():
+    cluster_slo = RequestSLO(ttft=3.0, tpot=0.05)
+    summary_slo = RequestSLO(ttft=1.5, tpot=0.2)  # TTFT tight, TPOT loose: colocation's
+    pd, cc = {"a": P, "b": D}, {"a": C, "b": C}
+    for fewest, follows in [(3, False), (1, True)]:
+        config = RoleControlConfig("adaptive", 3.0, 0.05, memory=600, arrival_window=0.5, mix_arrivals=fewest)
+        controller = RoleController(None, config)
+        summaries = Load.of([Arrival(t, 600, 60, summary_slo) for t in (0.0, 1.0, 2.0)], cluster_slo)
+        controller.remember(pd, summaries.at_rate_of(Load(10.0, 1.0)), met=4, num_requests=20, now=0.0)
+        controller.remember(cc, summaries.at_rate_of(Load(10.0, 1.0)), met=20, num_requests=20, now=1.0)
+        for t in range(100, 110):  # a phase of chat requests (the cluster's SLOs) at 1 req/s...
+            controller.observe_arrival(Arrival(float(t), 600, 60))
+        controller.observe_arrival(Arrival(110.0, 600, 60, summary_slo))  # ...then the first summary
+        arriving = controller.arriving(110.1)
+        assert (arriving.slo_ratio == pytest.approx(summaries.slo_ratio)) is follows
+        recalled = controller.recall(pd, arriving, now=110.1)
+        assert (recalled is not None and recalled[0] == cc) is follows
+    with pytest.raises(ValueError, match="role_control.mix_arrivals must be an integer >= 1, got 0"):
+        RoleControlConfig(mix_arrivals=0)
+    with pytest.raises(ValueError, match="role_control.mix_arrivals must be an integer >= 1, got 1.5"):
+        RoleControlConfig(mix_arrivals=1.5)
+
+
 def test_requests_of_one_length_but_other_slos_are_another_load():
     # A summarisation class (TTFT tight, TPOT loose) and a chat class of the same lengths.
     summaries = [Arrival(t, 600, 60, RequestSLO(ttft=1.5, tpot=0.2)) for t in (0.0, 0.5, 1.0)]

@@ -36,7 +36,7 @@ Finished requests tell late: a request is judged only once it has all its tokens
 them must fill after a change. So a window also counts the requests in flight whose TTFT is known
 (their first token came, or they have queued past their TTFT SLO: a miss whatever comes), and the
 controller also looks at the load arriving now (the mix of the last ``arrival_window`` seconds of
-arrivals, or of the last ``MIX_ARRIVALS``): when the current layout's requests fell short of the
+arrivals, or of the last ``mix_arrivals``): when the current layout's requests fell short of the
 target under a load like it (or, none recorded at a rate like it, under a lighter one) and another
 layout's did clearly better under one at this rate or above (or the current layout served none
 like it, and another surely met the target), it moves there at once. It looks on every arrival
@@ -73,6 +73,7 @@ from statistics import fmean
 from typing import TYPE_CHECKING, Literal
 
 from distserve.cluster.layout_forecast import ChunkedPrefill, Demand, forecast
+from distserve.core.config import is_int
 from distserve.core.role import Role
 from distserve.scheduling.step_time import StepCost
 
@@ -90,9 +91,7 @@ LOAD_SIMILARITY = 1.5  # loads whose token ratios and rates are within this fact
 # misses for TPOT ones, and prompts in mixed steps are better served apart.
 DECODE_ROOM = 0.6
 NEAR_SLO = 0.9  # a quantile this close to its SLO is pressure on it, before a window misses
-# The arriving mix is of at least this many arrivals, however few came in ``arrival_window``: a
-# few tell one kind of request from another (the rate, from the whole window, needs more), and one
-# of another kind among them moves the mix off both kinds, so a lone stray moves nothing.
+# A rate, and what a layout did under it, is said by no fewer arrivals or requests than this.
 MIX_ARRIVALS = 3
 
 
@@ -109,6 +108,11 @@ class RoleControlConfig:
     min_dwell: float = 10.0  # seconds after a change before the next
     memory: float = 120.0  # seconds a layout's measured attainment is trusted for a similar load
     arrival_window: float = 2.0  # seconds of arrivals that say what load is coming
+    # The arriving mix is of at least this many arrivals, however few came in ``arrival_window``.
+    # With three, one of another kind among them moves the mix off both kinds, so a lone stray
+    # moves nothing; with one, a workload that changes kind is followed on the first arrival of
+    # the new kind, and a stray (or a workload of kinds interleaved) moves it too.
+    mix_arrivals: int = 3
     # A kind of request that memory says nothing of is met at once by the layout a forecast from the
     # instances' step times favours (``layout_forecast``), before a window shows the misses.
     forecast: bool = True
@@ -127,8 +131,11 @@ class RoleControlConfig:
         for name in ("interval", "window", "arrival_window"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"role_control.{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.min_requests < 1 or self.patience < 1 or self.min_dwell < 0:
-            raise ValueError("role_control.min_requests and patience must be >= 1 and min_dwell >= 0")
+        for name in ("min_requests", "patience", "mix_arrivals"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"role_control.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.min_dwell < 0:
+            raise ValueError(f"role_control.min_dwell must be >= 0 seconds, got {self.min_dwell}")
 
 
 @dataclass(frozen=True)
@@ -568,7 +575,7 @@ class RoleController:
 
     def arriving(self, now: float) -> Load | None:
         """The load coming in: the mix of the last ``arrival_window`` seconds of arrivals, or of the
-        last ``MIX_ARRIVALS`` if fewer came (a change of the mix shows at once), at the rate of the
+        last ``mix_arrivals`` if fewer came (a change of the mix shows at once), at the rate of the
         last ``window`` seconds (a short window's rate is too noisy to compare), which carries how
         many arrivals it was measured from; None when fewer than ``MIX_ARRIVALS`` came in the
         window. After a quiet spell the first few arrivals say what kind of load is coming, seconds
@@ -581,10 +588,11 @@ class RoleController:
         """The arrivals whose mix is the load coming in (``arriving``), none when too few came."""
         while self.arrivals and self.arrivals[0].arrival < now - max(self.config.window, self.config.arrival_window):
             self.arrivals.popleft()
-        if len(self.arrivals) < MIX_ARRIVALS:
+        if len(self.arrivals) < MIX_ARRIVALS:  # too few for a rate
             return []
         recent = [a for a in self.arrivals if a.arrival >= now - self.config.arrival_window]
-        return recent if len(recent) >= MIX_ARRIVALS else list(self.arrivals)[-MIX_ARRIVALS:]
+        fewest = self.config.mix_arrivals
+        return recent if len(recent) >= fewest else list(self.arrivals)[-fewest:]
 
     def window(self, now: float) -> list[FinishedRequest]:
         """The requests that finished in the last ``window`` seconds, or the last ``min_requests`` if
