@@ -206,16 +206,36 @@ def probe(
         "--classes", classes, "--seed", str(seed), "--salt", str(next(_probe_count)),
         *(["--oracle", oracle] if oracle else []),
     ]  # fmt: skip
+    before = machine_ms()
     started = time.time()
     subprocess.run(command, check=True)
+    ended = time.time()
     records = json.loads(out.read_text())
-    result = {"rate": rate, "started": started, "ended": time.time(), "requests": len(records),
-              "attainment": _share(records), "records": records}  # fmt: skip
+    result = {"rate": rate, "started": started, "ended": ended, "requests": len(records),
+              "attainment": _share(records), "machine_ms": (before, machine_ms()), "records": records}  # fmt: skip
     for cls in CLASS_NAMES:
         mine = [r for r in records if r["class"] == cls]
         if mine:
             result[cls] = {"attainment": _share(mine), "ttft_p50": _p50(mine, "ttft"), "tpot_p50": _p50(mine, "tpot")}
     return result
+
+
+def machine_ms() -> float:
+    """The machine's speed while the cluster is idle: milliseconds of one thread's 1024 x 1024
+    matmul, the median of seven. This machine's speed drifts by tens of percent over minutes,
+    more than the deployments compared differ by; a probe is read beside the speed it ran at."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a = torch.randn(1024, 1024)
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        a @ a
+        times.append(1e3 * (time.perf_counter() - start))
+    torch.set_num_threads(threads)
+    return statistics.median(times)
 
 
 def _share(records: list[dict]) -> float:
