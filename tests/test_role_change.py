@@ -51,8 +51,8 @@ def llama(reference_model):
     return reference_model("tiny-llama")
 
 
-async def _final(cluster: AsyncCluster, prompt: list[int], max_tokens: int) -> list[int]:
-    async for output in cluster.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0)):
+async def _final(cluster: AsyncCluster, prompt: list[int], max_tokens: int, slo: RequestSLO | None = None) -> list[int]:
+    async for output in cluster.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), slo=slo):
         last = output
     assert last.finished and last.finish_reason == "length"
     return last.output_token_ids
@@ -223,27 +223,42 @@ def test_arrivals_of_a_remembered_load_change_roles_without_waiting_for_a_tick(r
         assert tokens == reference_greedy(llama, prompt, 6)
 
 
-def test_a_new_kind_of_request_moves_roles_by_the_forecast_from_the_instances_step_times(ray_cluster, llama):
-    # Colocated instances chunk prompts 32 tokens a step beside decoding; the requests' TPOT SLO
-    # (0.1 ms) no step meets, a decode-only step least badly. Memory is empty, a tick is a minute
-    # away and a window needs 50 requests: only the forecast, from the step times the instances
-    # measured while roles were fixed, can move them, and it does on the third arrival. Warm-up
-    # prompts of 64 tokens or more: wherever one lands it runs chunk steps beside decode steps,
-    # steps of sizes far enough apart for the instance to fit its line.
+# Prompts of 64 tokens or more: wherever one lands it runs chunk steps beside decode steps, steps
+# of sizes far enough apart for the instance to fit its line.
+FORECAST_WARMUP = [120, 96, 64, 88, 100, 72, 110, 80]
+
+
+def _forecasting_cluster(**control) -> AsyncCluster:
+    """Two instances, chunked prefill of 32 tokens a step, and SLOs no colocated step meets: a TPOT
+    of 0.1 ms, a decode-only step least badly. A tick is a minute away and a window needs 50
+    requests: only memory or the forecast can move roles."""
     control = {"mode": "fixed", "slo_ttft": 100.0, "slo_tpot": 1e-4, "interval": 60.0, "min_requests": 50,
-               "min_dwell": 0.0}  # fmt: skip
-    warmup = random_prompts([120, 96, 64, 88, 100, 72, 110, 80], llama.config.vocab_size, seed=17)
+               "min_dwell": 0.0, **control}  # fmt: skip
+    return AsyncCluster(model="tiny-llama", prefill={}, decode={}, enable_chunked_prefill=True,
+                        max_num_batched_tokens=32, role_control=control)  # fmt: skip
+
+
+async def _colocated_with_step_lines(cluster: AsyncCluster, warmup: list[list[int]]) -> tuple[list, list]:
+    """Both instances colocated by hand, each with its step-time line from ``warmup`` (their outputs
+    and the lines), then roles handed to the controller."""
+    await cluster.set_roles({i.name: C for i in await cluster.info()})
+    outputs = await asyncio.gather(*(_final(cluster, p, 8) for p in warmup))
+    lines = [await s.handle.step_line.remote() for s in cluster.orchestrator.instances]
+    assert cluster.role_changes[-1].reason == "operator"
+    await cluster.set_roles({}, role_control="adaptive")
+    return outputs, lines
+
+
+def test_a_new_kind_of_request_moves_roles_by_the_forecast_from_the_instances_step_times(ray_cluster, llama):
+    # Colocated instances under SLOs no colocated step meets, memory empty: only the forecast, from
+    # the step times the instances measured while roles were fixed, can move them, and it does on
+    # the third arrival.
+    warmup = random_prompts(FORECAST_WARMUP, llama.config.vocab_size, seed=17)
     prompts = random_prompts([30, 50, 20, 40], llama.config.vocab_size, seed=19)
 
     async def main() -> tuple[list[list[int]], list, list[float], list]:
-        async with AsyncCluster(model="tiny-llama", prefill={}, decode={}, enable_chunked_prefill=True,
-                                max_num_batched_tokens=32, role_control=control) as cluster:  # fmt: skip
-            names = [i.name for i in await cluster.info()]
-            await cluster.set_roles({name: C for name in names})
-            outputs = await asyncio.gather(*(_final(cluster, p, 8) for p in warmup))
-            lines = [await s.handle.step_line.remote() for s in cluster.orchestrator.instances]
-            assert cluster.role_changes[-1].reason == "operator"
-            await cluster.set_roles({}, role_control="adaptive")
+        async with _forecasting_cluster() as cluster:
+            outputs, lines = await _colocated_with_step_lines(cluster, warmup)
             tasks, sent = [], []
             for prompt in prompts:
                 tasks.append(asyncio.create_task(_final(cluster, prompt, 8)))
@@ -261,6 +276,37 @@ def test_a_new_kind_of_request_moves_roles_by_the_forecast_from_the_instances_st
         r.reason.startswith("arriving requests (") and r.reason.endswith("disaggregated") for r in history
     ), history[0].reason
     for prompt, tokens in zip(warmup + prompts, outputs):
+        assert tokens == reference_greedy(llama, prompt, 8)
+
+
+def test_with_one_mix_arrival_the_forecast_moves_roles_on_the_first_request_of_a_new_kind(ray_cluster, llama):
+    # Three requests whose own SLOs colocation meets (the forecast keeps the layout), then one of the
+    # cluster's SLOs, which it does not: with the mix of one arrival (and an arrival window too short
+    # to hold two), that one moves the roles, before a second of its kind comes.
+    warmup = random_prompts(FORECAST_WARMUP, llama.config.vocab_size, seed=17)
+    loose = random_prompts([30, 50, 20], llama.config.vocab_size, seed=19)
+    tight = random_prompts([40], llama.config.vocab_size, seed=23)
+
+    async def main() -> tuple[list[list[int]], list, float]:
+        async with _forecasting_cluster(mix_arrivals=1, arrival_window=0.05) as cluster:
+            outputs, _ = await _colocated_with_step_lines(cluster, warmup)
+            tasks = []
+            for prompt in loose:
+                tasks.append(asyncio.create_task(_final(cluster, prompt, 8, RequestSLO(100.0, 10.0))))
+                await asyncio.sleep(0.2)
+            outputs += await asyncio.gather(*tasks)
+            assert len(cluster.role_changes) == 2  # the operator's only: the loose kind is served colocated
+            sent = time.time()
+            outputs.append(await _final(cluster, tight[0], 8))
+            await _until(cluster, lambda infos: [i.role for i in infos] in ([P, D], [D, P]), timeout=10.0)
+            await wait_nothing_in_use_async(cluster)
+            return outputs, cluster.role_changes[2:], sent
+
+    outputs, history, sent = asyncio.run(main())
+    assert sorted((r.old_role, r.new_role) for r in history) == [(C, D), (C, P)]
+    assert all(sent <= r.started < sent + 5.0 for r in history)
+    assert all(r.reason.startswith("arriving requests (40 prompt tokens") for r in history), history[0].reason
+    for prompt, tokens in zip(warmup + loose + tight, outputs):
         assert tokens == reference_greedy(llama, prompt, 8)
 
 
