@@ -222,8 +222,9 @@ def probe(
 
 def machine_ms() -> float:
     """The machine's speed while the cluster is idle: milliseconds of one thread's 1024 x 1024
-    matmul, the median of seven. This machine's speed drifts by tens of percent over minutes,
-    more than the deployments compared differ by; a probe is read beside the speed it ran at."""
+    matmul, the median of seven, timed around each probe. This machine's speed drifts by tens of
+    percent over minutes, more than the deployments compared differ by; this is only a proxy for
+    it, and the loaded cluster's slowdowns need not show in it."""
     import torch
 
     threads = torch.get_num_threads()
