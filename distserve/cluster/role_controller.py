@@ -132,8 +132,9 @@ class RoleControlConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"role_control.{name} must be > 0 seconds, got {getattr(self, name)}")
         for name in ("min_requests", "patience", "mix_arrivals"):
-            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise ValueError(f"role_control.{name} must be an integer >= 1, got {getattr(self, name)!r}")
+            count = getattr(self, name)
+            if not is_int(count) or count < 1:
+                raise ValueError(f"role_control.{name} must be an integer >= 1, got {count!r}")
         if self.min_dwell < 0:
             raise ValueError(f"role_control.min_dwell must be >= 0 seconds, got {self.min_dwell}")
 
