@@ -196,23 +196,25 @@ def probe(
     out: Path,
     oracle: str,
     seed: int = 0,
+    instances: list | None = None,
 ) -> dict:
     """One run of the load at ``rate`` (arrivals and lengths drawn from ``seed``, prompts new to the
-    cluster): its attainment, per class too, and each request's record (class, when it was sent,
-    TTFT, TPOT, met)."""
+    cluster): its attainment, per class too, each request's record (class, when it was sent, TTFT,
+    TPOT, met) and, from the ``instances`` (the orchestrator's), every step they ran meanwhile."""
     command = [
         sys.executable, __file__, "drive", "--server", address, "--workload", workload, "--rate", str(rate),
         "--seconds", str(seconds), "--phase", str(phase), "--slos", json.dumps(slos), "--out", str(out),
         "--classes", classes, "--seed", str(seed), "--salt", str(next(_probe_count)),
         *(["--oracle", oracle] if oracle else []),
     ]  # fmt: skip
-    before = machine_ms()
+    steps_before = step_counts(instances or [])
     started = time.time()
     subprocess.run(command, check=True)
     ended = time.time()
     records = json.loads(out.read_text())
     result = {"rate": rate, "started": started, "ended": ended, "requests": len(records),
-              "attainment": _share(records), "machine_ms": (before, machine_ms()), "records": records}  # fmt: skip
+              "attainment": _share(records), "steps": steps_since(instances or [], steps_before),
+              "records": records}  # fmt: skip
     for cls in CLASS_NAMES:
         mine = [r for r in records if r["class"] == cls]
         if mine:
@@ -220,23 +222,46 @@ def probe(
     return result
 
 
-def machine_ms() -> float:
-    """The machine's speed while the cluster is idle: milliseconds of one thread's 1024 x 1024
-    matmul, the median of seven, timed around each probe. This machine's speed drifts by tens of
-    percent over minutes, more than the deployments compared differ by; this is only a proxy for
-    it, and the loaded cluster's slowdowns need not show in it."""
-    import torch
+def step_counts(instances: list) -> dict[str, int]:
+    """Each instance's steps so far, by name."""
+    import ray
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    a = torch.randn(1024, 1024)
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        a @ a
-        times.append(1e3 * (time.perf_counter() - start))
-    torch.set_num_threads(threads)
-    return statistics.median(times)
+    counts = ray.get([s.handle.recent_steps.remote(1 << 62) for s in instances])
+    return {s.name: count for s, (count, _) in zip(instances, counts)}
+
+
+def steps_since(instances: list, counts: dict[str, int]) -> dict[str, list[tuple]]:
+    """Each instance's steps since ``counts``, by name: (whether it ran prompts, sequences, tokens,
+    seconds) a step."""
+    import ray
+
+    recent = ray.get([s.handle.recent_steps.remote(counts.get(s.name, 0)) for s in instances])
+    return {s.name: [(r.is_prefill, r.batch_size, r.num_tokens, round(r.total, 6)) for r in records]
+            for s, (_, records) in zip(instances, recent)}  # fmt: skip
+
+
+def step_speed(probes: list[dict]) -> list[float | None]:
+    """Each probe's step speed against the run's: the median, over its steps, of a step's seconds
+    over the median seconds of the run's steps alike (the same kind, sequences and tokens to 32),
+    those of every deployment. The layouts run steps of other sizes, so their step times cannot be
+    compared whole; step for like step, 1.2 says this probe's steps ran a fifth slower than the
+    run's did, whatever slowed them (the machine, or the instances' processes)."""
+    cells: dict[tuple, list[float]] = {}
+
+    def cell(step: list) -> tuple:
+        return step[0], step[1], step[2] // 32
+
+    for p in probes:
+        for steps in p.get("steps", {}).values():
+            for step in steps:
+                cells.setdefault(cell(step), []).append(step[3])
+    typical = {key: statistics.median(times) for key, times in cells.items() if len(times) >= 5}
+    speeds = []
+    for p in probes:
+        ratios = [step[3] / typical[cell(step)] for steps in p.get("steps", {}).values() for step in steps
+                  if cell(step) in typical]  # fmt: skip
+        speeds.append(statistics.median(ratios) if ratios else None)
+    return speeds
 
 
 def _share(records: list[dict]) -> float:
@@ -406,7 +431,7 @@ def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) ->
                 rate: float, duration: float = seconds, oracle: str = "", seed: int = 0, workload: str = workload
             ) -> dict:
                 return probe(running.grpc_address, workload, rate, duration, args.phase_seconds, slos, args.classes,
-                             scratch, oracle, seed)  # fmt: skip
+                             scratch, oracle, seed, running.cluster.orchestrator.instances)  # fmt: skip
 
             run_probe(args.rate_high / 4, warmup)  # the cluster's first requests of this workload
             probes = measured.setdefault(workload, {name: [] for name in names})
@@ -423,7 +448,8 @@ def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) ->
                         else:
                             layout = ONE_CLUSTER_LAYOUTS[name]
                             client.set_roles(dict(zip(instances, layout)) if layout else {}, role_control="fixed")
-                        result = run_probe(rate, oracle=name if name in ORACLES else "", seed=repeat)
+                        seed = 0 if args.same_arrivals else repeat
+                        result = run_probe(rate, oracle=name if name in ORACLES else "", seed=seed)
                         if name == "adaptive":
                             client.set_roles({}, role_control="fixed")  # stays as it is until set again
                             adaptive_roles = {i.name: i.role for i in client.cluster_info().instances}
@@ -482,6 +508,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="bisection steps per goodput")
     parser.add_argument("--rates", default="", help="probe this grid of rates (comma-separated) instead of bisecting")
     parser.add_argument("--repeats", type=int, default=2, help="with --rates: probes per rate, other arrivals each")
+    parser.add_argument(
+        "--same-arrivals",
+        action="store_true",
+        help="with --one-cluster: every repeat the same arrivals, so that repeats differ only in when they ran",
+    )
     parser.add_argument("--slos-from", type=Path, help="take the SLOs from an earlier run's summary.json")
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     parser.add_argument(
@@ -592,7 +623,8 @@ def main() -> None:
                         seed: int = 0,
                     ) -> dict:
                         return probe(running.grpc_address, workload, rate, seconds, args.phase_seconds, slos,
-                                     args.classes, scratch, oracle, seed)  # fmt: skip
+                                     args.classes, scratch, oracle, seed,
+                                     running.cluster.orchestrator.instances)  # fmt: skip
 
                     # Adaptive roles settle into a steady workload's layout, and see each class of an
                     # alternating one (a cycle), before it is measured.
@@ -634,6 +666,16 @@ def report(summary: dict, out: Path, tag: str = "") -> None:
         slos = ", ".join(f"{c} {t * 1e3:.0f}/{p * 1e3:.1f} ms" for c, (t, p) in summary["slos"].items())
         title = f"{summary['model']}, {workload} prompts, 2 instances\nSLOs (TTFT/TPOT): {slos}"
         print(f"  {plot_attainment_vs_rate(series, summary['target'], out / f'{workload}-rate{tag}.png', title)}")
+    for workload, by_deployment in results.items():
+        probes = [p for r in by_deployment.values() for p in r["probes"]]
+        if not any(p.get("steps") for p in probes):
+            continue
+        speed = dict(zip(map(id, probes), step_speed(probes)))
+        print(f"{workload}, each probe as rate:attainment@step time against the run's, like step for like step:")
+        for name, r in by_deployment.items():
+            cells = " ".join(f"{p['rate']:g}:{p['attainment']:.1%}@{speed[id(p)] or float('nan'):.2f}"
+                             for p in r["probes"])  # fmt: skip
+            print(f"  {name:<14} {cells}")
     mixes = alternating_from_classes(results, summary["target"])
     if mixes:
         print("alternating, from the single-class probes (long and short averaged at each rate):")

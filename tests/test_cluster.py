@@ -96,6 +96,27 @@ def test_small_decode_pool_throttles_prefill_and_loses_nothing(small_cluster, ll
     wait_nothing_in_use(small_cluster.info)
 
 
+def test_an_instance_reports_the_steps_it_ran_since_a_count(small_cluster):
+    # New prompts (nothing cached): the prefill instance computes each prompt token once, in prompt
+    # steps, and the decode instance each output token after the first, in decode steps; the steps
+    # each instance reports since its count before the requests add up to exactly that.
+    instances = small_cluster._async.orchestrator.instances
+    before = [small_cluster._run(_call(s.handle.recent_steps, 1 << 62)) for s in instances]
+    assert all(steps == [] for _, steps in before)
+    prompts = random_prompts([40, 70, 25], 1024, seed=31)
+    outputs = small_cluster.generate(prompts, _greedy(10))
+    after = [small_cluster._run(_call(s.handle.recent_steps, n)) for s, (n, _) in zip(instances, before)]
+    steps = {}
+    for state, (count_before, _), (count, mine) in zip(instances, before, after):
+        assert len(mine) == count - count_before > 0
+        assert all(step.total > 0 and step.batch_size >= 1 for step in mine)
+        steps[state.role] = mine
+    assert all(step.is_prefill for step in steps["prefill"])
+    assert sum(step.num_tokens for step in steps["prefill"]) == sum(map(len, prompts))
+    assert not any(step.is_prefill for step in steps["decode"])
+    assert sum(step.num_tokens for step in steps["decode"]) == sum(len(o.output_token_ids) - 1 for o in outputs)
+
+
 def test_cancellation_at_every_stage_frees_every_block(small_cluster):
     """Requests left at random points: before their first token (queued or prefilling), right after
     it (waiting for decode room or migrating, behind two long requests that fill decode), or while

@@ -26,6 +26,7 @@ from distserve.core.handover import Handover
 from distserve.core.outputs import RequestDelta, coalesce
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
+from distserve.core.step_metrics import StepRecord
 from distserve.engine.executor import cluster_device
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.ray_runtime import cuda_actor_options
@@ -39,6 +40,8 @@ logger = logging.getLogger(__name__)
 
 IDLE_HEALTH_CHECK_S = 1.0  # an idle instance pings its workers this often, so a death is seen without traffic
 MAX_CONCURRENT_CALLS = 16  # threads serving actor calls: long polls must not block submissions
+# Steps an instance keeps for recent_steps(): a few minutes of a loaded instance's, a few MB.
+RECENT_STEPS = 8192
 
 
 @dataclass
@@ -74,7 +77,7 @@ class RoleChange:
 class Instance:
     def __init__(self, config: EngineConfig, name: str) -> None:
         self.name = name
-        self.engine = LLMEngine(config, name=name)
+        self.engine = LLMEngine(config, max_step_records=RECENT_STEPS, name=name)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._lock = threading.Lock()
@@ -140,6 +143,16 @@ class Instance:
         what the role controller forecasts layouts by. Read between the step loop's updates without
         a lock: one landing midway moves the fit by a step's weight."""
         return self.engine.step_time.line()
+
+    def recent_steps(self, since: int = 0) -> tuple[int, list[StepRecord]]:
+        """The steps run so far, counted from the first, and those from step ``since`` on that are
+        still kept (the last RECENT_STEPS): what each ran (prompt or decode, sequences, tokens) and
+        how long each phase of it took. Read beside the step loop without a lock: a step landing
+        during the call may shift the records returned by one."""
+        stats = self.engine.stats
+        records = list(stats.records)
+        first = stats.num_steps - len(records)
+        return stats.num_steps, records[max(0, since - first) :]
 
     def give_back(self, runs: list[tuple[str, int]]) -> None:
         """Give back those of these runs (request id, attempt) whose prompts have not started here:
