@@ -458,11 +458,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-# The Cluster case is a slow scenario: the asyncio.run-on-threads case reuses Ray the same way.
+# Slow scenarios: a process starting and stopping clusters twice, Ray included.
 @pytest.mark.parametrize(
     "clusters",
     [
-        pytest.param(code, id=name, marks=[pytest.mark.slow] if name == "Cluster" else [])
+        pytest.param(code, id=name, marks=[pytest.mark.slow])
         for name, code in _TWO_CLUSTERS.items()
     ],
 )
@@ -482,7 +482,8 @@ def test_clusters_one_after_another_reuse_the_ray_they_start(clusters):
 @pytest.mark.parametrize(
     "policy, tight, order",
     [
-        ("deadline", 5.0, ["tight", "cluster", "loose"]),
+        # a slow scenario: the 0.001 case below orders deadline-first the same way
+        pytest.param("deadline", 5.0, ["tight", "cluster", "loose"], marks=pytest.mark.slow),
         ("fcfs", 5.0, ["loose", "cluster", "tight"]),
         ("deadline", 0.001, ["tight", "cluster", "loose"]),
         ("deadline-feasible", 0.001, ["cluster", "loose", "tight"]),

@@ -106,7 +106,10 @@ async def _rerun_scenario(prompts, expected, role: str, stage, kill, **options) 
         await cluster.shutdown()
 
 
-@pytest.mark.parametrize("stage", STAGES)
+# decode-during-decode is a slow scenario: decode-during-migration re-runs decoding requests too.
+@pytest.mark.parametrize(
+    "stage", [pytest.param(s, marks=pytest.mark.slow) if s == "decode-during-decode" else s for s in STAGES]
+)
 def test_killed_instance_requests_rerun_to_the_same_output(ray_cluster, llama, stage):
     role, reached = STAGES[stage]
     prompts = random_prompts([40, 300, 120, 500, 80, 250, 16, 400], 1024, seed=len(stage))

@@ -210,7 +210,10 @@ def test_launch_cli_exits_2_on_bad_settings(tmp_path):
     assert "unknown key(s) grpc_prot in section 'server'" in result.stderr
 
 
-@pytest.mark.parametrize("moment", ["starting a local Ray", r"starting \d+ instances"])
+# The Ray case is a slow scenario: stopping during the instances' start stops more of what started.
+@pytest.mark.parametrize(
+    "moment", [pytest.param("starting a local Ray", marks=pytest.mark.slow), r"starting \d+ instances"]
+)
 def test_sigint_during_start_up_stops_what_started_and_exits_130(moment):
     launched = Launched("--model", "tiny-llama", serving=False)
     try:

@@ -54,11 +54,14 @@ def _stop(ray, handle) -> None:
     ray.kill(handle)
 
 
+# qwen2-tp2xpp2 and opt-tp2 are slow scenarios: llama-tp2xpp2-chunked16, qwen2-pp2 and the TP=3
+# OPT case below run the same sharding.
 @pytest.mark.parametrize(
     "family, tp, pp, chunk",
-    [("tiny-llama", 2, 1, 0), ("tiny-qwen2", 1, 2, 0), ("tiny-qwen2", 2, 2, 0), ("tiny-opt", 2, 1, 0),
-     ("tiny-llama", 2, 2, 16)],
-    ids=["llama-tp2", "qwen2-pp2", "qwen2-tp2xpp2", "opt-tp2", "llama-tp2xpp2-chunked16"],
+    [pytest.param("tiny-llama", 2, 1, 0, id="llama-tp2"), pytest.param("tiny-qwen2", 1, 2, 0, id="qwen2-pp2"),
+     pytest.param("tiny-qwen2", 2, 2, 0, id="qwen2-tp2xpp2", marks=pytest.mark.slow),
+     pytest.param("tiny-opt", 2, 1, 0, id="opt-tp2", marks=pytest.mark.slow),
+     pytest.param("tiny-llama", 2, 2, 16, id="llama-tp2xpp2-chunked16")],
 )  # fmt: skip
 def test_parallel_instance_greedy_equals_transformers(ray_cluster, reference_model, family, tp, pp, chunk):
     """Mixed lengths in a KV pool that forces preemption; tiny-qwen2 has one KV head, replicated at TP=2.
@@ -117,7 +120,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("busy", [True, False], ids=["while-decoding", "while-idle"])
+# The idle case is a slow scenario: test_faults replaces an idle instance whose worker died.
+@pytest.mark.parametrize(
+    "busy", [pytest.param(True, id="while-decoding"), pytest.param(False, id="while-idle", marks=pytest.mark.slow)]
+)
 def test_dead_worker_fails_the_instance_promptly(ray_cluster, busy):
     ray = ray_cluster
     handle = _launch(ray, "tiny-llama", 2, 1, f"dies-{busy}")
@@ -248,7 +254,8 @@ SIX_HEADS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("family", SIX_HEADS)
+# The Llama case is a slow scenario: the OPT one splits the same way and ties its embeddings too.
+@pytest.mark.parametrize("family", [pytest.param("tiny-llama", marks=pytest.mark.slow), "tiny-opt"])
 def test_tp3_keeps_an_uneven_vocabulary_whole_and_equals_transformers(ray_cluster, tmp_path, family):
     from transformers import AutoModelForCausalLM
 

@@ -60,6 +60,7 @@ def test_disaggregation_wins_long_prompts_under_a_tight_tpot(tmp_path, capsys):
     assert set(document["cluster"]) == {"prefill", "decode"} and notes["comparison"]["winner"] == "disaggregated"
 
 
+@pytest.mark.slow  # simulates minutes of overload; the search below runs the same simulator
 def test_a_colocated_instance_meets_the_slos_unloaded_and_misses_them_overloaded():
     args = search_parser().parse_args([*BASE, "--slo-ttft", "0.25", "--slo-tpot", "0.2"])
     problem = build_problem(search_notes(args))
