@@ -403,6 +403,32 @@ def alternating_from_classes(results: dict, target: float) -> dict[str, tuple[fl
     return {name: (highest_met(mix, target), mix) for name, mix in mixes.items()}
 
 
+def at_typical_speed(
+    by_deployment: dict, speed: dict[int, float | None]
+) -> dict[float, tuple[float, dict[str, float]]]:
+    """At each rate where every deployment has two probes or more with a step speed: each one's
+    attainment at speed 1.0 (the run's typical step times), from one least-squares line per
+    deployment of attainment against speed, all of one slope (fitted within deployments). The
+    probes of one deployment at a rate differ in little but when they ran; the slope says how much
+    of that the speed explains, and the deployments are then compared as if they had all run at
+    one speed. Rate: (the slope, attainment a unit of speed; each deployment's attainment)."""
+    by_rate: dict[float, dict[str, list[tuple[float, float]]]] = {}
+    for name, r in by_deployment.items():
+        for p in r["probes"]:
+            if speed.get(id(p)) is not None:
+                by_rate.setdefault(p["rate"], {}).setdefault(name, []).append((speed[id(p)], p["attainment"]))
+    fitted = {}
+    for rate, points in sorted(by_rate.items()):
+        if len(points) < len(by_deployment) or min(map(len, points.values())) < 2:
+            continue
+        means = {name: tuple(map(statistics.fmean, zip(*xy))) for name, xy in points.items()}
+        sxy = sum((x - means[n][0]) * (y - means[n][1]) for n, xy in points.items() for x, y in xy)
+        sxx = sum((x - means[n][0]) ** 2 for n, xy in points.items() for x, _ in xy)
+        slope = sxy / sxx if sxx > 0 else 0.0
+        fitted[rate] = slope, {name: my + slope * (1.0 - mx) for name, (mx, my) in means.items()}
+    return fitted
+
+
 def _change_row(c) -> tuple:
     """A role change as summary.json keeps it."""
     return (c.instance, c.old_role, c.new_role, c.started, c.seconds, c.reason)
@@ -676,6 +702,9 @@ def report(summary: dict, out: Path, tag: str = "") -> None:
             cells = " ".join(f"{p['rate']:g}:{p['attainment']:.1%}@{speed[id(p)] or float('nan'):.2f}"
                              for p in r["probes"])  # fmt: skip
             print(f"  {name:<14} {cells}")
+        for rate, (slope, at_speed) in at_typical_speed(by_deployment, speed).items():
+            print(f"  at {rate:g} req/s, steps 10% slower: {slope / 10:+.1%} attainment; at the run's typical "
+                  "step time: " + ", ".join(f"{name} {met:.1%}" for name, met in at_speed.items()))  # fmt: skip
     mixes = alternating_from_classes(results, summary["target"])
     if mixes:
         print("alternating, from the single-class probes (long and short averaged at each rate):")
