@@ -26,7 +26,10 @@ With ``--one-cluster``, all but colocated are one cluster (the adaptive deployme
 and role control are set by hand before each probe, every deployment in turn at each rate, in
 another order at each: the comparison is then not between separately started processes, whose speed
 differs by a few points of attainment from one start to the next, nor between minutes apart, over
-which this machine's speed drifts by as much.
+which this machine's speed drifts by as much. Each probe keeps the steps its instances ran, and the
+report gives its step time against the run's, like step for like step, and each deployment's
+attainment at the run's typical step time; ``--same-arrivals`` sends every repeat the same
+requests, so that a deployment's repeats differ only in when they ran.
 
 ``--report --rejudge`` judges a finished run's static deployments by other SLO scales (their
 latencies do not depend on the SLOs): which scales pull the classes apart, and, from the long and
