@@ -243,8 +243,8 @@ def steps_since(instances: list, counts: dict[str, int]) -> dict[str, list[tuple
             for s, (_, records) in zip(instances, recent)}  # fmt: skip
 
 
-def step_speed(probes: list[dict]) -> list[float | None]:
-    """Each probe's step speed against the run's: the median, over its steps, of a step's seconds
+def relative_step_times(probes: list[dict]) -> list[float | None]:
+    """Each probe's step time against the run's: the median, over its steps, of a step's seconds
     over the median seconds of the run's steps alike (the same kind, sequences and tokens to 32),
     those of every deployment. The layouts run steps of other sizes, so their step times cannot be
     compared whole; step for like step, 1.2 says this probe's steps ran a fifth slower than the
@@ -259,12 +259,12 @@ def step_speed(probes: list[dict]) -> list[float | None]:
             for step in steps:
                 cells.setdefault(cell(step), []).append(step[3])
     typical = {key: statistics.median(times) for key, times in cells.items() if len(times) >= 5}
-    speeds = []
+    times = []
     for p in probes:
         ratios = [step[3] / typical[cell(step)] for steps in p.get("steps", {}).values() for step in steps
                   if cell(step) in typical]  # fmt: skip
-        speeds.append(statistics.median(ratios) if ratios else None)
-    return speeds
+        times.append(statistics.median(ratios) if ratios else None)
+    return times
 
 
 def _share(records: list[dict]) -> float:
@@ -406,20 +406,20 @@ def alternating_from_classes(results: dict, target: float) -> dict[str, tuple[fl
     return {name: (highest_met(mix, target), mix) for name, mix in mixes.items()}
 
 
-def at_typical_speed(
-    by_deployment: dict, speed: dict[int, float | None]
+def at_typical_step_time(
+    by_deployment: dict, step_time: dict[int, float | None]
 ) -> dict[float, tuple[float, dict[str, float]]]:
-    """At each rate where every deployment has two probes or more with a step speed: each one's
-    attainment at speed 1.0 (the run's typical step times), from one least-squares line per
-    deployment of attainment against speed, all of one slope (fitted within deployments). The
+    """At each rate where every deployment has two probes or more with a relative step time: each
+    one's attainment at 1.0 (the run's typical step times), from one least-squares line per
+    deployment of attainment against step time, all of one slope (fitted within deployments). The
     probes of one deployment at a rate differ in little but when they ran; the slope says how much
-    of that the speed explains, and the deployments are then compared as if they had all run at
-    one speed. Rate: (the slope, attainment a unit of speed; each deployment's attainment)."""
+    of that the machine's speed explains, and the deployments are then compared as if they had all
+    run at one speed. Rate: (the slope, attainment a unit of step time; each deployment's)."""
     by_rate: dict[float, dict[str, list[tuple[float, float]]]] = {}
     for name, r in by_deployment.items():
         for p in r["probes"]:
-            if speed.get(id(p)) is not None:
-                by_rate.setdefault(p["rate"], {}).setdefault(name, []).append((speed[id(p)], p["attainment"]))
+            if step_time.get(id(p)) is not None:
+                by_rate.setdefault(p["rate"], {}).setdefault(name, []).append((step_time[id(p)], p["attainment"]))
     fitted = {}
     for rate, points in sorted(by_rate.items()):
         if len(points) < len(by_deployment) or min(map(len, points.values())) < 2:
@@ -699,15 +699,15 @@ def report(summary: dict, out: Path, tag: str = "") -> None:
         probes = [p for r in by_deployment.values() for p in r["probes"]]
         if not any(p.get("steps") for p in probes):
             continue
-        speed = dict(zip(map(id, probes), step_speed(probes)))
+        step_time = dict(zip(map(id, probes), relative_step_times(probes)))
         print(f"{workload}, each probe as rate:attainment@step time against the run's, like step for like step:")
         for name, r in by_deployment.items():
-            cells = " ".join(f"{p['rate']:g}:{p['attainment']:.1%}@{speed[id(p)] or float('nan'):.2f}"
+            cells = " ".join(f"{p['rate']:g}:{p['attainment']:.1%}@{step_time[id(p)] or float('nan'):.2f}"
                              for p in r["probes"])  # fmt: skip
             print(f"  {name:<14} {cells}")
-        for rate, (slope, at_speed) in at_typical_speed(by_deployment, speed).items():
-            print(f"  at {rate:g} req/s, steps 10% slower: {slope / 10:+.1%} attainment; at the run's typical "
-                  "step time: " + ", ".join(f"{name} {met:.1%}" for name, met in at_speed.items()))  # fmt: skip
+        for rate, (slope, at_one) in at_typical_step_time(by_deployment, step_time).items():
+            print(f"  at {rate:g} req/s, steps 10% slower: {slope * 10:+.1f} points of attainment; at the run's "
+                  "typical step time: " + ", ".join(f"{name} {met:.1%}" for name, met in at_one.items()))  # fmt: skip
     mixes = alternating_from_classes(results, summary["target"])
     if mixes:
         print("alternating, from the single-class probes (long and short averaged at each rate):")
