@@ -199,7 +199,7 @@ def probe(
     out: Path,
     oracle: str,
     seed: int = 0,
-    instances: list | None = None,
+    instances: list | tuple = (),
 ) -> dict:
     """One run of the load at ``rate`` (arrivals and lengths drawn from ``seed``, prompts new to the
     cluster): its attainment, per class too, each request's record (class, when it was sent, TTFT,
@@ -210,13 +210,13 @@ def probe(
         "--classes", classes, "--seed", str(seed), "--salt", str(next(_probe_count)),
         *(["--oracle", oracle] if oracle else []),
     ]  # fmt: skip
-    steps_before = step_counts(instances or [])
+    steps_before = step_counts(instances)
     started = time.time()
     subprocess.run(command, check=True)
     ended = time.time()
     records = json.loads(out.read_text())
     result = {"rate": rate, "started": started, "ended": ended, "requests": len(records),
-              "attainment": _share(records), "steps": steps_since(instances or [], steps_before),
+              "attainment": _share(records), "steps": steps_since(instances, steps_before),
               "records": records}  # fmt: skip
     for cls in CLASS_NAMES:
         mine = [r for r in records if r["class"] == cls]
@@ -225,15 +225,15 @@ def probe(
     return result
 
 
-def step_counts(instances: list) -> dict[str, int]:
+def step_counts(instances: list | tuple) -> dict[str, int]:
     """Each instance's steps so far, by name."""
     import ray
 
-    counts = ray.get([s.handle.recent_steps.remote(1 << 62) for s in instances])
+    counts = ray.get([s.handle.recent_steps.remote(1 << 62) for s in instances])  # past any step: the count alone
     return {s.name: count for s, (count, _) in zip(instances, counts)}
 
 
-def steps_since(instances: list, counts: dict[str, int]) -> dict[str, list[tuple]]:
+def steps_since(instances: list | tuple, counts: dict[str, int]) -> dict[str, list[tuple]]:
     """Each instance's steps since ``counts``, by name: (whether it ran prompts, sequences, tokens,
     seconds) a step."""
     import ray
