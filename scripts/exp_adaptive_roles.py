@@ -27,9 +27,9 @@ and role control are set by hand before each probe, every deployment in turn at 
 another order at each: the comparison is then not between separately started processes, whose speed
 differs by a few points of attainment from one start to the next, nor between minutes apart, over
 which this machine's speed drifts by as much. Each probe keeps the steps its instances ran, and the
-report gives its step time against the run's, like step for like step, and each deployment's
-attainment at the run's typical step time; ``--same-arrivals`` sends every repeat the same
-requests, so that a deployment's repeats differ only in when they ran.
+report gives its step time against the run's, like step for like step. ``--same-arrivals`` sends
+every repeat the same requests, so that a deployment's repeats differ only in when they ran; only
+then does the report fit each deployment's attainment at the run's typical step time.
 
 ``--report --rejudge`` judges a finished run's static deployments by other SLO scales (their
 latencies do not depend on the SLOs): which scales pull the classes apart, and, from the long and
@@ -676,7 +676,8 @@ def main() -> None:
     finally:
         ray.shutdown()
     summary = {"model": args.model, "classes": args.classes, "policy": args.policy, "target": args.target, "slos": slos,
-               "unloaded": unloaded, "role_control": {**ROLE_CONTROL, **role_control(args.role_control)},
+               "same_arrivals": args.same_arrivals, "unloaded": unloaded,
+               "role_control": {**ROLE_CONTROL, **role_control(args.role_control)},
                "results": results}  # fmt: skip
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     report(summary, args.out)
@@ -705,6 +706,8 @@ def report(summary: dict, out: Path, tag: str = "") -> None:
             cells = " ".join(f"{p['rate']:g}:{p['attainment']:.1%}@{step_time[id(p)] or float('nan'):.2f}"
                              for p in r["probes"])  # fmt: skip
             print(f"  {name:<14} {cells}")
+        if not summary.get("same_arrivals"):
+            continue  # repeats on other arrivals differ by more than the machine's speed: no fit
         for rate, (slope, at_one) in at_typical_step_time(by_deployment, step_time).items():
             print(f"  at {rate:g} req/s, steps 10% slower: {slope * 10:+.1f} points of attainment; at the run's "
                   "typical step time: " + ", ".join(f"{name} {met:.1%}" for name, met in at_one.items()))  # fmt: skip
