@@ -43,7 +43,7 @@ def test_colocation_wins_a_loose_tpot_and_its_plan_launches_and_re_predicts(tmp_
     assert len(engines) == 2 and all(e.scheduler.role == "colocated" and e.scheduler.enable_chunked_prefill
                                      and e.parallel.tensor_parallel_size == 2 for e in engines)  # fmt: skip
 
-    code, out, err = _place(["simulate", "--plan", str(plan), "--rates", "20,200", "--json"], capsys)
+    code, out, err = _place(["simulate", "--plan", str(plan), "--rates", "20,40", "--json"], capsys)
     assert code == 0, err
     points = json.loads(out.strip().splitlines()[-1])
     assert points[0]["attainment"] == pytest.approx(notes["predicted"]["attainment_at_rate"], abs=1e-4)
