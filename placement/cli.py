@@ -133,7 +133,10 @@ def build_problem(notes: dict[str, Any]) -> PhaseProblem:
     arrivals = arrival_times(pool, 1.0, notes["burstiness"], notes["seed"])
     slo = notes["slo"]
     return PhaseProblem(
-        models, tuple(requests), tuple(arrivals), Objective(slo["ttft"], slo["tpot"], slo["target"]),
+        models,
+        tuple(requests),
+        tuple(arrivals),
+        Objective(slo["ttft"], slo["tpot"], slo["target"]),
         notes["num_requests"],
     )
 
@@ -324,12 +327,18 @@ def cmd_search(args: argparse.Namespace) -> int:
     )
     ranked = []
     if "high" in affinities:
-        print(format_table("high node-affinity (instances placed independently, KV over the network):",
-                           result.high, args.top))
+        print(
+            format_table(
+                "high node-affinity (instances placed independently, KV over the network):", result.high, args.top
+            )
+        )
         ranked += result.high[: args.top]
     if "low" in affinities:
-        print(format_table("low node-affinity (prefill and decode stages share nodes, KV over NVLink):",
-                           result.low, args.top))
+        print(
+            format_table(
+                "low node-affinity (prefill and decode stages share nodes, KV over NVLink):", result.low, args.top
+            )
+        )
         ranked += result.low[: args.top]
     ranked.sort(key=lambda c: -c.per_gpu)
     colocated = [] if args.no_colocated else search_colocated(problem, args.chunk_tokens, args.processes or 1)
@@ -358,8 +367,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         print(f"  node {i}: {', '.join(segments) if segments else '(free)'}")
     notes.update(
         rate=args.rate,
-        instance_goodput={"prefill": _instance_goodput(result, "prefill", deployment.prefill),
-                          "decode": _instance_goodput(result, "decode", deployment.decode)},
+        instance_goodput={
+            "prefill": _instance_goodput(result, "prefill", deployment.prefill),
+            "decode": _instance_goodput(result, "decode", deployment.decode),
+        },
         predicted={
             "attainment_at_rate": None if prediction is None else round(prediction.attainment, 4),
             "goodput": round(goodput, 4),
@@ -369,8 +380,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         nodes={f"node-{i}": segments for i, segments in enumerate(layout)},
     )
     if args.out:
-        document = plan_document(deployment, args.model, cluster.gpus_per_node, args.max_num_batched_tokens,
-                                 args.max_num_seqs, notes)
+        document = plan_document(
+            deployment, args.model, cluster.gpus_per_node, args.max_num_batched_tokens, args.max_num_seqs, notes
+        )
         write_plan(args.out, document)
         print(f"wrote {args.out}: serve it with `distserve launch --plan {args.out}`")
     if args.plot:
@@ -505,8 +517,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         delays = compare.fit_delays(calibration)
         if not setup.colocated_instances:
             setup.transfer_fixed, setup.transfer_per_token = compare.fit_transfer(calibration)
-        print(f"calibrated from {args.calibrate}: transfer {setup.transfer_fixed * 1e3:.2f} ms + "
-              f"{setup.transfer_per_token * 1e6:.2f} us/token; {delays}; contention {contention}")
+        print(
+            f"calibrated from {args.calibrate}: transfer {setup.transfer_fixed * 1e3:.2f} ms + "
+            f"{setup.transfer_per_token * 1e6:.2f} us/token; {delays}; contention {contention}"
+        )
     sim = compare.simulate_like(run, setup, fitted.prefill_time, fitted.decode_time, contention, delays)
     if args.sim_out:
         write_jsonl(args.sim_out, sim)
@@ -567,12 +581,19 @@ def search_parser(prog: str = "distserve place") -> argparse.ArgumentParser:
     )
     p.set_defaults(prog=prog)
     p.add_argument(
-        "--model", required=True, help=f"model directory (config.json), preset ({', '.join(MODEL_PRESETS)}) or "
+        "--model",
+        required=True,
+        help=f"model directory (config.json), preset ({', '.join(MODEL_PRESETS)}) or "
         f"built-in tiny model ({', '.join(TINY_MODEL_PRESETS)})",
     )
     hw = p.add_argument_group("cluster")
-    hw.add_argument("--gpu", default="A100-80GB", type=_gpu_name, choices=sorted(GPUS),
-                    help="GPU type, in any case (default: A100-80GB)")
+    hw.add_argument(
+        "--gpu",
+        default="A100-80GB",
+        type=_gpu_name,
+        choices=sorted(GPUS),
+        help="GPU type, in any case (default: A100-80GB)",
+    )
     hw.add_argument("--nodes", type=_positive(int), default=1, help="nodes (default: 1)")
     hw.add_argument("--gpus-per-node", type=_positive(int), default=8, help="GPUs per node (default: 8)")
     hw.add_argument("--intra-node-bandwidth", type=_positive(float), help="bytes/s per GPU within a node")
@@ -594,10 +615,18 @@ def search_parser(prog: str = "distserve place") -> argparse.ArgumentParser:
         "--rate", type=_positive(float), help="expected req/s to size the plan for (default: fill the cluster)"
     )
     srch = p.add_argument_group("search")
-    srch.add_argument("--affinity", choices=("auto", "high", "low"), default="auto",
-                      help="node-affinity algorithm; auto runs both and picks the plan (default: auto)")
-    srch.add_argument("--profile", action="append", type=Path,
-                      help="fitted latency file from `distserve profile` (repeat per TP,PP); default: roofline")
+    srch.add_argument(
+        "--affinity",
+        choices=("auto", "high", "low"),
+        default="auto",
+        help="node-affinity algorithm; auto runs both and picks the plan (default: auto)",
+    )
+    srch.add_argument(
+        "--profile",
+        action="append",
+        type=Path,
+        help="fitted latency file from `distserve profile` (repeat per TP,PP); default: roofline",
+    )
     for name, what in (("compute", "peak FLOP/s"), ("memory", "memory bandwidth"), ("communication", "link bandwidth")):
         default = getattr(Efficiency, name)
         srch.add_argument(f"--{name}-efficiency", type=_positive(float), default=default,
@@ -612,11 +641,18 @@ def search_parser(prog: str = "distserve place") -> argparse.ArgumentParser:
     srch.add_argument("--seed", type=int, default=0, help="seed of the workload and arrival draws (default: 0)")
     srch.add_argument("--processes", type=_positive(int), help="worker processes (default: CPU count)")
     srch.add_argument("--top", type=_positive(int), default=5, help="rows per table (default: 5)")
-    srch.add_argument("--chunk-tokens", type=_positive(int), default=DEFAULT_CHUNK_TOKENS,
-                      help="colocated instances: tokens per chunked-prefill step, as the engine's "
-                      f"max_num_batched_tokens with --enable-chunked-prefill (default: {DEFAULT_CHUNK_TOKENS})")
-    srch.add_argument("--no-colocated", action="store_true",
-                      help="plan disaggregated deployments only, without simulating colocated ones to compare")
+    srch.add_argument(
+        "--chunk-tokens",
+        type=_positive(int),
+        default=DEFAULT_CHUNK_TOKENS,
+        help="colocated instances: tokens per chunked-prefill step, as the engine's "
+        f"max_num_batched_tokens with --enable-chunked-prefill (default: {DEFAULT_CHUNK_TOKENS})",
+    )
+    srch.add_argument(
+        "--no-colocated",
+        action="store_true",
+        help="plan disaggregated deployments only, without simulating colocated ones to compare",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--out", help="plan file to write (YAML for distserve launch --plan)")
     out.add_argument("--plot", help="PNG of predicted attainment against rate for the plan")

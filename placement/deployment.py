@@ -58,18 +58,25 @@ class Deployment:
         """
         segments: list[tuple[int, list[str]]] = []
         if self.affinity == "high":
-            for role, par, count in (("prefill", self.prefill, self.prefill_instances),
-                                     ("decode", self.decode, self.decode_instances)):
+            for role, par, count in (
+                ("prefill", self.prefill, self.prefill_instances),
+                ("decode", self.decode, self.decode_instances),
+            ):
                 for i in range(count):
                     for stage in range(par.pp):
                         segments.append((par.tp, [f"{role}-{i} stage {stage}: {par.tp} GPUs"]))
         else:
             for i in range(self.prefill_instances):
                 for stage in range(self.prefill.pp):
-                    segments.append((self.prefill.tp + self.decode.tp, [
-                        f"prefill-{i} stage {stage}: {self.prefill.tp} GPUs",
-                        f"decode-{i} stage {stage}: {self.decode.tp} GPUs",
-                    ]))
+                    segments.append(
+                        (
+                            self.prefill.tp + self.decode.tp,
+                            [
+                                f"prefill-{i} stage {stage}: {self.prefill.tp} GPUs",
+                                f"decode-{i} stage {stage}: {self.decode.tp} GPUs",
+                            ],
+                        )
+                    )
         free = [gpus_per_node] * num_nodes
         nodes: list[list[str]] = [[] for _ in range(num_nodes)]
         for size, labels in sorted(segments, key=lambda s: -s[0]):

@@ -75,9 +75,15 @@ def _later(time: float, delay: float) -> float:
 class _Engine:
     """One instance's engine as the simulation drives it; the base runs ``PrefillFirstScheduler``."""
 
-    def __init__(self, name: str, scheduler: BatchScheduler, batch_time: Callable[[list[int]], float],
-                 step_time: Callable[[int, int], float] | None, contention: Contention,
-                 prefill_contention: Contention | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        scheduler: BatchScheduler,
+        batch_time: Callable[[list[int]], float],
+        step_time: Callable[[int, int], float] | None,
+        contention: Contention,
+        prefill_contention: Contention | None = None,
+    ) -> None:
         self.name = name
         self.contention = contention  # of the batches it runs; of its decode steps when the next is given
         self.prefill_contention = prefill_contention or contention
@@ -116,8 +122,14 @@ class _Prefill(_Engine):
 
 
 class _Decode(_Engine):
-    def __init__(self, name: str, scheduler: BatchScheduler, batch_time: Callable[[list[int]], float],
-                 step_time: Callable[[int, int], float], contention: Contention) -> None:
+    def __init__(
+        self,
+        name: str,
+        scheduler: BatchScheduler,
+        batch_time: Callable[[list[int]], float],
+        step_time: Callable[[int, int], float],
+        contention: Contention,
+    ) -> None:
         super().__init__(name, scheduler, batch_time, step_time, contention)
         self.pending: deque[tuple[SimSeq, _Prefill]] = deque()  # hand-overs, with where their KV is held
         self.pulling = 0
@@ -135,8 +147,14 @@ _E = TypeVar("_E", bound=_Engine)
 
 
 class _EngineSim:
-    def __init__(self, requests: Sequence[SimRequest], entry: list[_Engine], decodes: list[_Decode],
-                 transfer_time: Callable[[int], float], delays: ServingDelays) -> None:
+    def __init__(
+        self,
+        requests: Sequence[SimRequest],
+        entry: list[_Engine],
+        decodes: list[_Decode],
+        transfer_time: Callable[[int], float],
+        delays: ServingDelays,
+    ) -> None:
         self.reqs = requests
         self.delays = delays
         self.entry, self.decodes, self.transfer_time = entry, decodes, transfer_time
@@ -323,8 +341,13 @@ def _check_fits(requests: Sequence[SimRequest], pools: list[BlockPool]) -> None:
                              f"{smallest.num_blocks} blocks of {smallest.block_size} tokens")  # fmt: skip
 
 
-def simulate_blocks(requests: Sequence[SimRequest], prefill: PrefillInstanceSpec, decode: DecodeInstanceSpec,
-                    transfer_time: Callable[[int], float], delays: ServingDelays = NO_DELAYS) -> list[SimResult]:
+def simulate_blocks(
+    requests: Sequence[SimRequest],
+    prefill: PrefillInstanceSpec,
+    decode: DecodeInstanceSpec,
+    transfer_time: Callable[[int], float],
+    delays: ServingDelays = NO_DELAYS,
+) -> list[SimResult]:
     """Disaggregated deployment in block mode; results (with timelines) in request order."""
     if prefill.block_size is None or decode.block_size is None:
         raise ValueError("block mode needs block_size on both the prefill and the decode spec")
@@ -348,8 +371,9 @@ def simulate_blocks(requests: Sequence[SimRequest], prefill: PrefillInstanceSpec
     return _EngineSim(requests, prefills, decodes, transfer_time, delays).run()
 
 
-def simulate_colocated(requests: Sequence[SimRequest], spec: ColocatedInstanceSpec,
-                       delays: ServingDelays = NO_DELAYS) -> list[SimResult]:
+def simulate_colocated(
+    requests: Sequence[SimRequest], spec: ColocatedInstanceSpec, delays: ServingDelays = NO_DELAYS
+) -> list[SimResult]:
     """Colocated instances (``PrefillFirstScheduler``); results (with timelines) in request order."""
     if spec.count < 1:
         raise ValueError("need at least one colocated instance")

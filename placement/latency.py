@@ -137,4 +137,3 @@ class InstanceModels:
         bandwidth = (c.intra_node_bandwidth if same_node else c.inter_node_bandwidth) * self.efficiency.communication
         model, dtype_bytes = self.model, self.dtype_bytes
         return lambda tokens: kv_transfer_time(model, tokens, bandwidth, dtype_bytes)
-

@@ -42,10 +42,15 @@ def plan_document(
     return {
         "model": _model_section(model),
         "cluster": {
-            "prefill": _pool(deployment.prefill, deployment.prefill_instances, gpus_per_node,
-                             {"max_num_batched_tokens": max_batch_tokens}),
-            "decode": _pool(deployment.decode, deployment.decode_instances, gpus_per_node,
-                            {"max_num_seqs": max_batch_size}),
+            "prefill": _pool(
+                deployment.prefill,
+                deployment.prefill_instances,
+                gpus_per_node,
+                {"max_num_batched_tokens": max_batch_tokens},
+            ),
+            "decode": _pool(
+                deployment.decode, deployment.decode_instances, gpus_per_node, {"max_num_seqs": max_batch_size}
+            ),
         },
         "plan": {"affinity": deployment.affinity, **notes},
     }

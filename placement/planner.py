@@ -29,9 +29,7 @@ def deployment_for_rate(candidate: Candidate, rate: float) -> Deployment:
     if candidate.affinity == "low":
         units = math.ceil(rate / min(p.goodput, d.goodput))
         return Deployment("low", p.parallelism, units, d.parallelism, units)
-    return Deployment(
-        "high", p.parallelism, math.ceil(rate / p.goodput), d.parallelism, math.ceil(rate / d.goodput)
-    )
+    return Deployment("high", p.parallelism, math.ceil(rate / p.goodput), d.parallelism, math.ceil(rate / d.goodput))
 
 
 @dataclass(frozen=True)

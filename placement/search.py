@@ -243,12 +243,7 @@ def high_affinity(goodputs: Iterable[PhaseGoodput], cluster: ClusterSpec) -> lis
 
 def low_affinity_pairs(candidates: Sequence[Parallelism], gpus_per_node: int) -> list[tuple[Parallelism, Parallelism]]:
     """(prefill, decode) pairs of equal PP whose stage segments fit on one node together."""
-    return [
-        (p, d)
-        for p in candidates
-        for d in candidates
-        if p.pp == d.pp and p.tp + d.tp <= gpus_per_node
-    ]
+    return [(p, d) for p in candidates for d in candidates if p.pp == d.pp and p.tp + d.tp <= gpus_per_node]
 
 
 def low_affinity(goodputs: Iterable[PhaseGoodput], cluster: ClusterSpec) -> list[Candidate]:

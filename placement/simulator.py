@@ -101,8 +101,14 @@ class _Decode:
 
 
 class _Simulation:
-    def __init__(self, requests: Sequence[SimRequest], prefill: PrefillInstanceSpec, decode: DecodeInstanceSpec,
-                 transfer_time: Callable[[int], float], trace: bool) -> None:
+    def __init__(
+        self,
+        requests: Sequence[SimRequest],
+        prefill: PrefillInstanceSpec,
+        decode: DecodeInstanceSpec,
+        transfer_time: Callable[[int], float],
+        trace: bool,
+    ) -> None:
         self.reqs = requests
         self.pspec, self.dspec, self.transfer_time = prefill, decode, transfer_time
         self.timelines = [r.new_timeline(i) for i, r in enumerate(requests)] if trace else None
@@ -278,7 +284,7 @@ class _Simulation:
     def merge(self, into: _Cohort, other: _Cohort) -> None:
         for members in other.finishing.values():
             for r in members:
-                done = other.times[self.offset[r]:]
+                done = other.times[self.offset[r] :]
                 self.trace_steps(other, r)
                 self.join(into, r, self.reqs[r].prompt_len + 1 + len(self.tokens[r]) + len(done), done)
 
@@ -290,7 +296,7 @@ class _Simulation:
         cohort.context += cohort.size
         for r in cohort.finishing.pop(len(cohort.times), ()):
             req = self.reqs[r]
-            self.tokens[r].extend(cohort.times[self.offset[r]:])
+            self.tokens[r].extend(cohort.times[self.offset[r] :])
             self.trace_steps(cohort, r)
             cohort.size -= 1
             cohort.context -= req.prompt_len + req.output_len
@@ -319,8 +325,13 @@ class _Simulation:
         return out
 
 
-def simulate(requests: Sequence[SimRequest], prefill: PrefillInstanceSpec, decode: DecodeInstanceSpec,
-             transfer_time: Callable[[int], float], trace: bool = False) -> list[SimResult]:
+def simulate(
+    requests: Sequence[SimRequest],
+    prefill: PrefillInstanceSpec,
+    decode: DecodeInstanceSpec,
+    transfer_time: Callable[[int], float],
+    trace: bool = False,
+) -> list[SimResult]:
     """Simulate the deployment until every request finishes; results are in request order.
 
     ``trace``: give each result its ``RequestTimeline`` (block mode always does: it keeps them anyway)."""

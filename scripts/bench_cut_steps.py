@@ -58,18 +58,24 @@ def main(args: argparse.Namespace) -> None:
     aim = TPOT_SLO_SHARE * args.slo_tpot
     actual = Stats.of([record.total for record, _ in mixed])
     ratios = Stats.of([record.total / predicted for record, predicted in mixed])
-    print(f"{args.rate:g} req/s for {args.seconds:g} s, one thread: {engine.stats.num_steps} steps, {len(mixed)} of "
-          f"them decode tokens beside prompt chunks ({statistics.median(r.num_tokens for r, _ in mixed):.0f} tokens "
-          f"at the median)")
-    print(f"those steps: median {actual.median * 1e3:.1f} ms, 90th percentile {actual.p90 * 1e3:.1f} ms against "
-          f"the aim of {aim * 1e3:.1f} ms; actual / predicted: median {ratios.median:.2f}, 90th percentile "
-          f"{ratios.p90:.2f}; over the aim: {sum(record.total > aim for record, _ in mixed)}")
+    print(
+        f"{args.rate:g} req/s for {args.seconds:g} s, one thread: {engine.stats.num_steps} steps, {len(mixed)} of "
+        f"them decode tokens beside prompt chunks ({statistics.median(r.num_tokens for r, _ in mixed):.0f} tokens "
+        f"at the median)"
+    )
+    print(
+        f"those steps: median {actual.median * 1e3:.1f} ms, 90th percentile {actual.p90 * 1e3:.1f} ms against "
+        f"the aim of {aim * 1e3:.1f} ms; actual / predicted: median {ratios.median:.2f}, 90th percentile "
+        f"{ratios.p90:.2f}; over the aim: {sum(record.total > aim for record, _ in mixed)}"
+    )
     # From the steps' ends (the engine alone: token arrival times are the orchestrator's to keep).
     tpots = [(s.metrics.steps[-1][1] - s.metrics.steps[0][1]) / (len(s.metrics.steps) - 1) for s in seqs
              if len(s.metrics.steps) > 1]  # fmt: skip
     tpot = Stats.of(tpots)
-    print(f"TPOT of {len(tpots)} requests: median {tpot.median * 1e3:.1f} ms, 90th percentile {tpot.p90 * 1e3:.1f} "
-          f"ms; within the SLO of {args.slo_tpot * 1e3:.1f} ms: {sum(t <= args.slo_tpot for t in tpots)}")
+    print(
+        f"TPOT of {len(tpots)} requests: median {tpot.median * 1e3:.1f} ms, 90th percentile {tpot.p90 * 1e3:.1f} "
+        f"ms; within the SLO of {args.slo_tpot * 1e3:.1f} ms: {sum(t <= args.slo_tpot for t in tpots)}"
+    )
 
 
 if __name__ == "__main__":

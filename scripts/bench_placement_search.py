@@ -56,7 +56,9 @@ def main() -> None:
             best = sorted(result.high[:1] + result.low[:1], key=lambda c: -c.per_gpu)
             summary = (
                 f"{best[0].affinity}: {best[0].prefill.parallelism} / {best[0].decode.parallelism}, "
-                f"{best[0].per_gpu:.3f}" if best else "none"
+                f"{best[0].per_gpu:.3f}"
+                if best
+                else "none"
             )
             print(f"{name:<9} {'+'.join(affinities):<10} {seconds:>8.2f} {result.simulated:>9} {result.pruned:>6}  "
                   f"{summary}", flush=True)  # fmt: skip

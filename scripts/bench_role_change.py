@@ -108,16 +108,20 @@ def report_first_steps(names: list[str], steps: list[list[StepLog]], changes: li
             if against_like:
                 ratios.append(max(against_like))
         if ratios:
-            print(f"{name}: the slowest of the first {first} steps after a change against like steps' median: "
-                  f"median {statistics.median(ratios):.1f}x, max {max(ratios):.1f}x, over 3x after "
-                  f"{sum(r > 3 for r in ratios)} of {len(ratios)} changes")
+            print(
+                f"{name}: the slowest of the first {first} steps after a change against like steps' median: "
+                f"median {statistics.median(ratios):.1f}x, max {max(ratios):.1f}x, over 3x after "
+                f"{sum(r > 3 for r in ratios)} of {len(ratios)} changes"
+            )
         start = mine[0].end if mine else 0.0
         for step in sorted(mine, key=lambda s: -s.seconds)[:8]:
             before = [i for i, at in enumerate(changes) if at < step.end]
             since = f"{step.end - changes[before[-1]]:.2f} s after change {len(before)}" if before else "before changes"
-            print(f"  {step.seconds * 1e3:8.1f} ms ({step.seconds / statistics.median(_like(step, mine)):.1f}x like "
-                  f"steps) at {step.end - start:6.2f} s, {step.role}, {step.kind} {step.seqs} seqs {step.tokens} "
-                  f"tokens, {since}: {step.where}")
+            print(
+                f"  {step.seconds * 1e3:8.1f} ms ({step.seconds / statistics.median(_like(step, mine)):.1f}x like "
+                f"steps) at {step.end - start:6.2f} s, {step.role}, {step.kind} {step.seqs} seqs {step.tokens} "
+                f"tokens, {since}: {step.where}"
+            )
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -163,21 +167,28 @@ async def main(args: argparse.Namespace) -> None:
             records = await cluster.set_roles(dict(zip(names, layouts[i % 2])))
             waits.append(time.perf_counter() - started)
             swaps += [r.seconds for r in records]
-            print(f"change {i + 1:>2}: -> {'+'.join(map(str, layouts[i % 2]))} with {held} requests in instances: "
-                  f"{waits[-1] * 1e3:.1f} ms asked to done; instances "
-                  + ", ".join(f"{r.old_role}->{r.new_role} {r.seconds * 1e3:.2f} ms" for r in records), flush=True)
+            print(
+                f"change {i + 1:>2}: -> {'+'.join(map(str, layouts[i % 2]))} with {held} requests in instances: "
+                f"{waits[-1] * 1e3:.1f} ms asked to done; instances "
+                + ", ".join(f"{r.old_role}->{r.new_role} {r.seconds * 1e3:.2f} ms" for r in records),
+                flush=True,
+            )
         stop.set()
         await loader
         figures = await asyncio.gather(*[h.__ray_call__.remote(_engine_figures) for h in handles])
         step_logs = await asyncio.gather(*[h.__ray_call__.remote(_steps) for h in handles])
-    print(f"\n{args.changes} changes at {args.rate:g} req/s: asked to done median {statistics.median(waits) * 1e3:.1f} "
-          f"ms, max {max(waits) * 1e3:.1f} ms; an instance's swap median {statistics.median(swaps) * 1e3:.2f} ms, "
-          f"max {max(swaps) * 1e3:.2f} ms")
+    print(
+        f"\n{args.changes} changes at {args.rate:g} req/s: asked to done median {statistics.median(waits) * 1e3:.1f} "
+        f"ms, max {max(waits) * 1e3:.1f} ms; an instance's swap median {statistics.median(swaps) * 1e3:.2f} ms, "
+        f"max {max(swaps) * 1e3:.2f} ms"
+    )
     for name, (engine_swaps, steps, seconds), (_, steps_before, seconds_before) in zip(names, figures, halfway):
         warm_steps = steps - steps_before
-        print(f"{name}: engine swap median {statistics.median(engine_swaps) * 1e3:.2f} ms, max "
-              f"{max(engine_swaps) * 1e3:.2f} ms; {steps} steps, mean {seconds / max(steps, 1) * 1e3:.2f} ms; "
-              f"second half {warm_steps} steps, mean {(seconds - seconds_before) / max(warm_steps, 1) * 1e3:.2f} ms")
+        print(
+            f"{name}: engine swap median {statistics.median(engine_swaps) * 1e3:.2f} ms, max "
+            f"{max(engine_swaps) * 1e3:.2f} ms; {steps} steps, mean {seconds / max(steps, 1) * 1e3:.2f} ms; "
+            f"second half {warm_steps} steps, mean {(seconds - seconds_before) / max(warm_steps, 1) * 1e3:.2f} ms"
+        )
     report_first_steps(names, step_logs, asked)
     print(f"requests: {len(finished)} finished, {sum(finished)} with all their tokens, {len(lost)} failed")
 

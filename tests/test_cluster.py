@@ -461,10 +461,7 @@ def _alive(pid: int) -> bool:
 # Slow scenarios: a process starting and stopping clusters twice, Ray included.
 @pytest.mark.parametrize(
     "clusters",
-    [
-        pytest.param(code, id=name, marks=[pytest.mark.slow])
-        for name, code in _TWO_CLUSTERS.items()
-    ],
+    [pytest.param(code, id=name, marks=[pytest.mark.slow]) for name, code in _TWO_CLUSTERS.items()],
 )
 def test_clusters_one_after_another_reuse_the_ray_they_start(clusters):
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}

@@ -1,6 +1,5 @@
 """``distserve place compare``: a run's timelines against their simulation, stage by stage."""
 
-
 import pytest
 
 from placement import compare
@@ -31,7 +30,8 @@ def test_steps_are_rebuilt_from_the_requests_in_them():
     b = RequestTimeline("b", 20, 2, 0.0, steps=[(1.0, 1.5, 2)])
     c = RequestTimeline("c", 5, 2, 0.0, steps=[(3.0, 3.1, 2)])  # its step's other member is not in the run
     assert [(s.start, s.end, s.batch_size, s.context) for s in compare.real_steps([a, b, c])] == [
-        (1.0, 1.5, 2, 11 + 21), (1.5, 2.5, 1, 12)
+        (1.0, 1.5, 2, 11 + 21),
+        (1.5, 2.5, 1, 12),
     ]
     # Twice as slow as a model of 0.25 s per sequence.
     assert compare.compare_steps([a, b], lambda batch, context: 0.25 * batch).by_batch == {1: (1, 4.0), 2: (1, 1.0)}
@@ -54,8 +54,21 @@ def test_compare_command_prints_each_stage_and_attainment(tmp_path, capsys):
     slower = [RequestTimeline.from_json({**t.to_json(), "token_times": [x * 2 for x in t.token_times]}) for t in run]
     write_jsonl(tmp_path / "run.jsonl", slower)
     FITTED.save(tmp_path / "profile.json")
-    args = ["compare", "--trace", str(tmp_path / "run.jsonl"), "--profile", str(tmp_path / "profile.json"),
-            "--num-kv-blocks", "64", "--slo-ttft", "0.05", "--slo-tpot", "0.02", "--sim-out", str(tmp_path / "s.jsonl")]
+    args = [
+        "compare",
+        "--trace",
+        str(tmp_path / "run.jsonl"),
+        "--profile",
+        str(tmp_path / "profile.json"),
+        "--num-kv-blocks",
+        "64",
+        "--slo-ttft",
+        "0.05",
+        "--slo-tpot",
+        "0.02",
+        "--sim-out",
+        str(tmp_path / "s.jsonl"),
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     for stage in ("queue", "prefill", "pull", "step", "ttft", "tpot"):

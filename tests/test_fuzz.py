@@ -60,7 +60,10 @@ def _sampling() -> st.SearchStrategy[pb.SamplingParams]:
     return st.builds(
         lambda fields, stop, stop_ids, ignore_eos, include: pb.SamplingParams(
             **{k: v for k, v in fields.items() if v is not None},
-            stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, include_stop_str_in_output=include,
+            stop=stop,
+            stop_token_ids=stop_ids,
+            ignore_eos=ignore_eos,
+            include_stop_str_in_output=include,
         ),  # fmt: skip
         st.fixed_dictionaries({k: st.none() | v for k, v in optional.items()}),
         st.lists(st.text(max_size=8), max_size=3),
@@ -117,8 +120,12 @@ def _bodies(fields: list[str], required: str) -> st.SearchStrategy[bytes]:
     plausible = {
         "prompt": st.one_of(st.text(max_size=40), st.lists(st.integers(-5, 1100), max_size=20)),
         "messages": st.lists(
-            st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", ""]),
-                                   "content": st.one_of(st.text(max_size=30), JSON)}),  # fmt: skip
+            st.fixed_dictionaries(
+                {
+                    "role": st.sampled_from(["user", "system", "assistant", "tool", ""]),
+                    "content": st.one_of(st.text(max_size=30), JSON),
+                }
+            ),  # fmt: skip
             max_size=3,
         ),
         "max_tokens": st.integers(-2, 30),

@@ -291,8 +291,10 @@ def test_cli_takes_gpu_and_model_names_in_any_case(tmp_path, capsys):
         ([*SEARCH, "--prompt-len", "128"], "give both --prompt-len and --output-len"),
         ([*SEARCH, "--prompt-len", "zipf:3", "--output-len", "8"], "kind must be one of"),
         ([*SEARCH, "--trace", "/nonexistent.jsonl"], "No such file"),
-        (["--model", "opt-175b", "--gpu", "A100-40GB", "--gpus-per-node", "2", "--slo-ttft", "1", "--slo-tpot", "1"],
-         "no TP,PP of this model fits"),
+        (
+            ["--model", "opt-175b", "--gpu", "A100-40GB", "--gpus-per-node", "2", "--slo-ttft", "1", "--slo-tpot", "1"],
+            "no TP,PP of this model fits",
+        ),
         (["simulate", "--plan", "/nonexistent.yaml"], "No such file"),
     ],
 )

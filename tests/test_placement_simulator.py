@@ -83,8 +83,9 @@ def test_decode_step_time_depends_on_batch_size():
 def test_decode_kv_capacity_serializes_and_transfer_delays():
     out, transfer, step = 6, 0.5, 0.01
     reqs = [SimRequest(0.0, PROMPT, out), SimRequest(0.0, PROMPT, out)]
-    results = simulate(reqs, prefill_spec(max_batch_tokens=2 * PROMPT),
-                       decode_spec(kv=PROMPT + out), lambda n: transfer)
+    results = simulate(
+        reqs, prefill_spec(max_batch_tokens=2 * PROMPT), decode_spec(kv=PROMPT + out), lambda n: transfer
+    )
     first_done = D + transfer + (out - 1) * step
     assert results[0].finish == pytest.approx(first_done)
     assert results[1].finish == pytest.approx(first_done + transfer + (out - 1) * step)
@@ -110,8 +111,9 @@ def test_two_prefill_instances_split_load():
     rate = 0.6 / D
     one = mean_ttft(simulate(md1_requests(rate, 20_000), prefill_spec(), decode_spec(), no_transfer)) - D
     two = mean_ttft(simulate(md1_requests(rate, 20_000), prefill_spec(count=2), decode_spec(), no_transfer)) - D
-    two_double = mean_ttft(
-        simulate(md1_requests(2 * rate, 20_000), prefill_spec(count=2), decode_spec(), no_transfer)) - D
+    two_double = (
+        mean_ttft(simulate(md1_requests(2 * rate, 20_000), prefill_spec(count=2), decode_spec(), no_transfer)) - D
+    )
     assert two < one / 2
     # Shortest-queue dispatch over two servers at twice the rate beats one server at the rate.
     assert two_double < one
@@ -131,8 +133,12 @@ def test_pipelined_decode_forms_micro_batches():
     # Step 1 s, stage 0.5 s: A steps at 0..1, 1..2, ...; B (arriving while A is in flight) starts at 0.5 in its own
     # micro-batch (its prefill ends at 0.5) instead of waiting for A's step to end.
     reqs = [SimRequest(0.0, PROMPT, 4), SimRequest(0.0, PROMPT, 4)]
-    results = simulate(reqs, prefill_spec(batch_time=0.0, stage_time=0.5),
-                       decode_spec(step_time=lambda bs, ctx: 1.0, stage_time=lambda bs, ctx: 0.5), no_transfer)
+    results = simulate(
+        reqs,
+        prefill_spec(batch_time=0.0, stage_time=0.5),
+        decode_spec(step_time=lambda bs, ctx: 1.0, stage_time=lambda bs, ctx: 0.5),
+        no_transfer,
+    )
     assert results[0].token_times == [0.0, 1.0, 2.0, 3.0]
     assert results[1].token_times == [0.5, 1.5, 2.5, 3.5]
 
@@ -141,14 +147,20 @@ def test_pipelined_decode_forms_micro_batches():
 def test_many_decode_requests_conserve_tokens(stage):
     rng = np.random.default_rng(1)
     arrivals = arrival_times(2000, 20.0, 0.5, seed=1)
-    reqs = [SimRequest(float(t), int(p), int(o))
-            for t, p, o in zip(arrivals, rng.integers(10, 500, 2000), rng.integers(1, 200, 2000))]
+    reqs = [
+        SimRequest(float(t), int(p), int(o))
+        for t, p, o in zip(arrivals, rng.integers(10, 500, 2000), rng.integers(1, 200, 2000))
+    ]
 
     def run():
-        return simulate(reqs, prefill_spec(count=2, batch_time=0.02, max_batch_tokens=2048, kv=4096),
-                        decode_spec(count=2, step_time=lambda bs, ctx: 0.005 + 1e-6 * ctx, stage_time=stage,
-                                    max_batch_size=32, kv=8192),
-                        lambda n: 1e-4 * n)
+        return simulate(
+            reqs,
+            prefill_spec(count=2, batch_time=0.02, max_batch_tokens=2048, kv=4096),
+            decode_spec(
+                count=2, step_time=lambda bs, ctx: 0.005 + 1e-6 * ctx, stage_time=stage, max_batch_size=32, kv=8192
+            ),
+            lambda n: 1e-4 * n,
+        )
 
     results = run()
     for req, res in zip(reqs, results):
@@ -161,18 +173,24 @@ def test_many_decode_requests_conserve_tokens(stage):
 def test_ten_thousand_requests_are_fast():
     rng = np.random.default_rng(2)
     arrivals = arrival_times(10_000, 8.0, seed=2)
-    reqs = [SimRequest(float(t), int(p), int(o))
-            for t, p, o in zip(arrivals, rng.integers(50, 1000, 10_000), rng.integers(50, 300, 10_000))]
+    reqs = [
+        SimRequest(float(t), int(p), int(o))
+        for t, p, o in zip(arrivals, rng.integers(50, 1000, 10_000), rng.integers(50, 300, 10_000))
+    ]
     start = time.perf_counter()
-    simulate(reqs, PrefillInstanceSpec(2, lambda lens: 0.01 + 1e-4 * sum(lens), None, 4096, 100_000),
-             decode_spec(count=2, step_time=lambda bs, ctx: 0.01 + 1e-7 * ctx, max_batch_size=128, kv=200_000),
-             lambda n: 1e-5 * n)
+    simulate(
+        reqs,
+        PrefillInstanceSpec(2, lambda lens: 0.01 + 1e-4 * sum(lens), None, 4096, 100_000),
+        decode_spec(count=2, step_time=lambda bs, ctx: 0.01 + 1e-7 * ctx, max_batch_size=128, kv=200_000),
+        lambda n: 1e-5 * n,
+    )
     assert time.perf_counter() - start < 2.0
 
 
 def test_attainment_and_arrivals():
-    results = simulate([SimRequest(0.0, PROMPT, 3), SimRequest(0.0, PROMPT, 3)], prefill_spec(), decode_spec(),
-                       no_transfer)
+    results = simulate(
+        [SimRequest(0.0, PROMPT, 3), SimRequest(0.0, PROMPT, 3)], prefill_spec(), decode_spec(), no_transfer
+    )
     assert attainment(results, ttft_slo=D, tpot_slo=1.0) == 0.5
     assert attainment(results, ttft_slo=1.0, tpot_slo=0.001) == 0.0
     gaps = np.diff(arrival_times(50_000, 4.0, 0.25, seed=3))

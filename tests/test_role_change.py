@@ -284,9 +284,9 @@ def test_a_new_kind_of_request_moves_roles_by_the_forecast_from_the_instances_st
     assert all(fixed >= 0 and per_token > 0 for fixed, per_token in lines)
     assert sorted((r.old_role, r.new_role) for r in history) == [(C, D), (C, P)]
     assert all(sent[2] <= r.started < sent[2] + 5.0 for r in history)  # on the third arrival
-    assert all(
-        r.reason.startswith("arriving requests (") and r.reason.endswith("disaggregated") for r in history
-    ), history[0].reason
+    assert all(r.reason.startswith("arriving requests (") and r.reason.endswith("disaggregated") for r in history), (
+        history[0].reason
+    )
     for prompt, tokens in zip(warmup + prompts, outputs):
         assert tokens == reference_greedy(llama, prompt, 8)
 

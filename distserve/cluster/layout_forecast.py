@@ -55,9 +55,7 @@ class Forecast:
         return f"at {self.share:.0%} of their SLOs"
 
 
-def forecast(
-    colocated: bool, num_instances: int, demand: Demand, cost: StepCost, chunking: ChunkedPrefill
-) -> Forecast:
+def forecast(colocated: bool, num_instances: int, demand: Demand, cost: StepCost, chunking: ChunkedPrefill) -> Forecast:
     """``demand`` on ``num_instances`` instances all colocated, or half decode and half prefill (the
     controller's disaggregated layout; the odd one prefills)."""
     if colocated:

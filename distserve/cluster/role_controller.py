@@ -190,9 +190,7 @@ class Attainment:
     num_decoded: int  # requests whose TPOT is known (more than one token, finished)
 
 
-def attainment(
-    requests: list[FinishedRequest], slo_ttft: float, slo_tpot: float, target: float = 0.9
-) -> Attainment:
+def attainment(requests: list[FinishedRequest], slo_ttft: float, slo_tpot: float, target: float = 0.9) -> Attainment:
     """Each request judged by its own SLOs, else by ``slo_ttft`` and ``slo_tpot``."""
     ttft_ratio = [r.ttft / (r.slo.ttft or slo_ttft) for r in requests]
     tpot_ratio = [None if r.tpot is None else r.tpot / (r.slo.tpot or slo_tpot) for r in requests]
