@@ -558,12 +558,16 @@ def test_the_orchestrator_gives_each_run_its_tpot_slo(ray_cluster, llama, own, c
 
             async def decode():
                 async for output in cluster.generate(decoding, _greedy(600), slo=slo):
-                    if len(output.output_token_ids) >= 10:  # the instance knows its step times
+                    if len(output.output_token_ids) >= 10:  # its prefill and decode steps have run
                         tokens.set()
                 return output
 
             first = asyncio.create_task(decode())
             await tokens.wait()
+            # One slow step among the first few can hide the slope (the line stays unknown a while).
+            instance = cluster.orchestrator.instances[0].handle
+            while await instance.step_line.remote() is None and not first.done():
+                await asyncio.sleep(0.01)
             second = [output async for output in cluster.generate(prompt, _greedy(4))][-1]
             first = await first
             assert first.metrics.token_times[-1] > second.metrics.token_times[0]  # it ran beside the decoding one
