@@ -277,33 +277,38 @@ class _EngineSim:
         size = len(step.batch)
         sampled = turn_end - self.delays.step_gap if self.delays.step_gap else turn_end
         delivered = _later(sampled, self.delays.delivery)  # when the orchestrator has the token
+        # Hoisted out of the loop below, which runs once per sequence per step: the simulator's hottest.
         chunked = isinstance(inst.scheduler, ChunkedBatchScheduler)
+        hands_over = isinstance(inst, _Prefill)
+        computed, start = step.computed, step.start
+        decode_step = (start, sampled, size)  # one tuple shared by every timeline this step decodes
+        reqs, timelines = self.reqs, self.timelines
         for i, seq in enumerate(step.batch):
             r = seq.request
-            req, timeline = self.reqs[r], self.timelines[r]
+            req, timeline = reqs[r], timelines[r]
             if chunked:
-                seq.num_computed += step.computed[i]
+                seq.num_computed += computed[i]
                 if timeline.prefill_start is None:
-                    timeline.prefill_start = step.start
+                    timeline.prefill_start = start
                 if seq.num_computed < seq.num_tokens:  # a chunk short of the prompt's end
                     continue
                 seq.num_computed = seq.num_tokens
             seq.num_tokens += 1
             timeline.token_times.append(delivered)
-            if step.computed is not None and timeline.prefill_end is None:
+            if computed is not None and timeline.prefill_end is None:
                 inst.prefill_tokens -= req.prompt_len
                 if timeline.prefill_start is None or not chunked:
-                    timeline.prefill_start = step.start
+                    timeline.prefill_start = start
                 timeline.prefill_end = sampled
-                timeline.prefill_batch_size, timeline.prefill_batch_tokens = size, sum(step.computed)
+                timeline.prefill_batch_size, timeline.prefill_batch_tokens = size, sum(computed)
             else:
-                timeline.steps.append((step.start, sampled, size))
+                timeline.steps.append(decode_step)
             if seq.num_tokens - req.prompt_len >= req.output_len:
                 inst.finish(seq)
                 timeline.finish = delivered
                 for e in self.assigned[r]:
                     e.load_tokens -= req.prompt_len + req.output_len
-            elif isinstance(inst, _Prefill):
+            elif hands_over:
                 inst.held[r] = seq
                 inst.held_blocks += len(seq.blocks)
                 timeline.handover = delivered

@@ -11,7 +11,6 @@ ever hits when a preempted request is recomputed where its freed blocks are stil
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -72,23 +71,14 @@ class BlockPool:
         seq.blocks = list(hits)
         num_full = seq.num_tokens // self.block_size
         for i in range(len(hits), self.blocks_needed(seq.num_tokens)):
-            seq.blocks.append(self._take())
+            seq.blocks.append(self.take())
             if register and i < num_full:
-                self._register(seq, i)
+                self.register(seq, i)
 
     def register_computed(self, seq: SimSeq, from_token: int) -> None:
         """``BlockManager.register_computed``."""
         for index in range(from_token // self.block_size, seq.num_computed // self.block_size):
-            self._register(seq, index)
-
-    def can_append(self, seq: SimSeq) -> bool:
-        return len(seq.blocks) >= self.blocks_needed(seq.num_tokens) or self.num_free > 0
-
-    def append_slot(self, seq: SimSeq) -> None:
-        if len(seq.blocks) < self.blocks_needed(seq.num_tokens):
-            seq.blocks.append(self._take())
-        if seq.num_tokens % self.block_size == 0:
-            self._register(seq, seq.num_tokens // self.block_size - 1)
+            self.register(seq, index)
 
     def release(self, seq: SimSeq) -> None:
         """``BlockManager.free``: tail first, uncached blocks to the front, so the prefix stays longest."""
@@ -100,7 +90,7 @@ class BlockPool:
         seq.blocks = []
         seq.num_computed = 0
 
-    def _take(self) -> int:
+    def take(self) -> int:
         if self.uncached:
             return self.uncached.popleft()
         if self.next_unused < self.num_blocks:
@@ -112,7 +102,7 @@ class BlockPool:
             del self.by_key[key]
         return block
 
-    def _register(self, seq: SimSeq, index: int) -> None:
+    def register(self, seq: SimSeq, index: int) -> None:
         if self.prefix_caching:
             block = seq.blocks[index]
             self.key[block] = (seq.request, index)
@@ -155,31 +145,44 @@ class BatchScheduler:
 
     def schedule_decode(self) -> tuple[list[SimSeq], list[SimSeq]]:
         """``RunningBatch.schedule``: (sequences to decode, sequences preempted), most recent preempted first."""
-        batch, _, preempted = self.grow(lambda seq: True)
+        batch, _, preempted = self.grow(prompts_apart=False)
         return batch, preempted
 
-    def grow(self, decodes: Callable[[SimSeq], bool]) -> tuple[list[SimSeq], list[SimSeq], list[SimSeq]]:
-        """``RunningBatch.grow``: (sequences given a slot, the others, sequences preempted)."""
+    def grow(self, prompts_apart: bool) -> tuple[list[SimSeq], list[SimSeq], list[SimSeq]]:
+        """``RunningBatch.grow``: (sequences given a slot, the others, sequences preempted). With
+        ``prompts_apart``, only a sequence with just its newest token uncomputed decodes (chunked
+        prefill); else all do. ``BlockManager.can_append`` and ``append_slot`` are inlined: this loop
+        runs once per running sequence per step, the simulator's hottest."""
+        pool = self.pool
+        block_size, registers = pool.block_size, pool.prefix_caching
         queue = deque(self.running.values())
         batch: list[SimSeq] = []
         others: list[SimSeq] = []
         preempted: list[SimSeq] = []
         while queue:
             seq = queue.popleft()
-            if not decodes(seq):
+            if prompts_apart and seq.num_tokens - seq.num_computed != 1:
                 others.append(seq)
                 continue
-            while not self.pool.can_append(seq):
-                victim = queue.pop() if queue else others.pop() if others else seq
-                del self.running[victim.request]
-                self.pool.release(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                self.pool.append_slot(seq)
-                batch.append(seq)
+            if len(seq.blocks) * block_size < seq.num_tokens:  # its newest token starts a block
+                if not self._make_room(seq, queue, others, preempted):
+                    continue
+                seq.blocks.append(pool.take())
+            if registers and seq.num_tokens % block_size == 0:  # its newest token fills its last block
+                pool.register(seq, seq.num_tokens // block_size - 1)
+            batch.append(seq)
         return batch, others, preempted
+
+    def _make_room(self, seq: SimSeq, queue: deque[SimSeq], others: list[SimSeq], preempted: list[SimSeq]) -> bool:
+        """Preempt the most recently admitted sequences until a block is free; False if ``seq`` went too."""
+        while not self.pool.num_free:
+            victim = queue.pop() if queue else others.pop() if others else seq
+            del self.running[victim.request]
+            self.pool.release(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
 
     def schedule(self) -> tuple[list[SimSeq], list[int] | None, list[SimSeq]]:
         """``PrefillFirstScheduler.schedule``: (batch, tokens each computes for a prefill batch or None
@@ -212,7 +215,7 @@ class ChunkedBatchScheduler(BatchScheduler):
         for seq, first in self.chunks:  # their KV is in the blocks now
             if seq.blocks:
                 self.pool.register_computed(seq, first)
-        decode, prompts, preempted = self.grow(lambda seq: seq.num_tokens - seq.num_computed == 1)
+        decode, prompts, preempted = self.grow(prompts_apart=True)
         budget = max(0, self.max_batch_tokens - len(decode))
         chunks: list[tuple[SimSeq, int]] = []
         for seq in prompts:
