@@ -86,10 +86,11 @@ def test_parallel_instance_greedy_equals_transformers(ray_cluster, reference_mod
 
 
 def test_two_instances_at_once(ray_cluster, reference_model):
-    """A TP=2 and a TP=1 instance in one Ray cluster, serving at the same time."""
+    """Instances of two models in one Ray cluster, serving at the same time; a third under a name in
+    use is refused. One rank each: test_cluster's 1P-pp2+2D-tp2 runs three multi-rank groups at once."""
     ray = ray_cluster
     llama, qwen = reference_model("tiny-llama"), reference_model("tiny-qwen2")
-    a = _launch(ray, "tiny-llama", 2, 1, "two-a")
+    a = _launch(ray, "tiny-llama", 1, 1, "two-a")
     b = _launch(ray, "tiny-qwen2", 1, 1, "two-b")
     try:
         prompts_a = random_prompts(LENGTHS[:5], 1024, seed=4)
