@@ -48,6 +48,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TypeVar
 
 from placement.kv_blocks import BatchScheduler, BlockPool, ChunkedBatchScheduler, SimSeq
@@ -144,6 +145,7 @@ class _Step:
 
 
 _E = TypeVar("_E", bound=_Engine)
+_num_tokens = attrgetter("num_tokens")
 
 
 class _EngineSim:
@@ -232,11 +234,12 @@ class _EngineSim:
             return
         chunks = computed
         if computed is None:
-            duration = inst.step_time(len(batch), sum(s.num_tokens for s in batch))
+            duration = inst.step_time(len(batch), sum(map(_num_tokens, batch)))
         elif isinstance(inst.scheduler, ChunkedBatchScheduler):
-            decode = [s for s in batch if s.num_tokens - s.num_computed == 1]  # packed first, as the engine does
-            chunks = computed[len(decode) :] or None
-            duration = inst.step_time(len(decode), sum(s.num_tokens for s in decode)) if decode else 0
+            num_decode = len(batch) - len(inst.scheduler.chunks)  # packed first, as the engine does
+            chunks = computed[num_decode:] or None
+            context = sum(map(_num_tokens, batch[:num_decode]))
+            duration = inst.step_time(num_decode, context) if num_decode else 0
             duration += inst.batch_time(chunks) if chunks else 0
         else:
             duration = inst.batch_time(computed)
