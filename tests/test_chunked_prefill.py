@@ -153,6 +153,7 @@ def test_prompt_chunks_beside_a_request_with_a_tight_tpot_slo_are_cut_to_a_block
             (chunks_while_decoding if decoding_now else chunks_after).append(step.num_tokens - 1)
         for delta in deltas:
             outputs[delta.request_id] += delta.new_token_ids
+    assert added, "the step times never became known while the request decoded"
     assert outputs["decoding"] == reference_greedy(model, decoding, 120)
     assert outputs["prompt"] == reference_greedy(model, prompt, 4)
     assert_engine_idle(engine)
