@@ -154,7 +154,7 @@ class BatchScheduler:
         prefill); else all do. ``BlockManager.can_append`` and ``append_slot`` are inlined: this loop
         runs once per running sequence per step, the simulator's hottest."""
         pool = self.pool
-        block_size, registers = pool.block_size, pool.prefix_caching
+        block_size = pool.block_size
         queue = deque(self.running.values())
         batch: list[SimSeq] = []
         others: list[SimSeq] = []
@@ -168,7 +168,7 @@ class BatchScheduler:
                 if not self._make_room(seq, queue, others, preempted):
                     continue
                 seq.blocks.append(pool.take())
-            if registers and seq.num_tokens % block_size == 0:  # its newest token fills its last block
+            if seq.num_tokens % block_size == 0:  # its newest token fills its last block
                 pool.register(seq, seq.num_tokens // block_size - 1)
             batch.append(seq)
         return batch, others, preempted
