@@ -53,6 +53,19 @@ class RequestMetrics:
 
 
 @dataclass
+class TokenLogprobs:
+    """Logprobs at one position: of the token there (sampled, or the prompt's), its rank in the
+    distribution (1: the likeliest), and the ``top`` likeliest tokens', likeliest first. Values are
+    log-softmax of the model's logits, before penalties, biases, bans and temperature."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
 class RequestOutput:
     """A request's output so far, as a caller sees it."""
 
@@ -67,6 +80,11 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length", "abort" (cancelled) or "error" (could not go on) once finished
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # With SamplingParams.logprobs: one per output token so far, and those of new_token_ids.
+    logprobs: list[TokenLogprobs] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 # The RequestMetrics fields an engine stamps; a delta carries them as a tuple, which pickles in

@@ -1,11 +1,55 @@
-"""Per-request sampling and stopping parameters, validated on construction."""
+"""Per-request sampling and stopping parameters, validated on construction. Names and meanings
+follow vLLM's ``SamplingParams``."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from distserve.core.errors import RequestError
+
+MAX_LOGPROBS = 20  # top logprobs a request may ask for per token, as OpenAI allows
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a language: set exactly one of these (vLLM's names)."""
+
+    json: str | dict | None = None  # a JSON schema (as text or parsed): the output is a JSON value of it
+    regex: str | None = None  # the output matches this regular expression
+    choice: list[str] | None = None  # the output is one of these strings
+    grammar: str | None = None  # the output is a sentence of this EBNF (GBNF) grammar
+    json_object: bool | None = None  # the output is any JSON object
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise RequestError(
+                "structured outputs take exactly one of json, regex, choice, grammar or json_object, got "
+                + (", ".join(given) or "none")
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise RequestError(f"structured outputs' choice must be a non-empty list of strings, got {self.choice!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise RequestError(f"structured outputs' {name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise RequestError("structured outputs' json must be a JSON schema, as an object or its text")
+
+    @property
+    def kind(self) -> str:
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -14,6 +58,8 @@ class SamplingParams:
 
     ``temperature == 0`` or ``top_k == 1`` is greedy. ``top_k == 0`` and ``top_p == 1`` disable
     those filters. A ``seed`` makes the request's samples reproducible whatever it is batched with.
+    Penalties, biases and bans change the logits before temperature and the filters; logprobs are
+    of the model's own distribution, before any of them.
     """
 
     max_tokens: int = field(default=16, metadata={"help": "most tokens to generate"})
@@ -21,6 +67,9 @@ class SamplingParams:
     top_k: int = field(default=0, metadata={"help": "sample from the k likeliest tokens; 0 disables it"})
     top_p: float = field(
         default=1.0, metadata={"help": "sample from the smallest set of this probability; 1 disables it"}
+    )
+    min_p: float = field(
+        default=0.0, metadata={"help": "drop tokens less likely than this share of the likeliest; 0 disables it"}
     )
     seed: int | None = field(default=None, metadata={"help": "seed of this request's samples"})
     stop: list[str] = field(
@@ -34,22 +83,107 @@ class SamplingParams:
         default=False, metadata={"help": "keep the stop string that ended the text in it"}
     )
     skip_special_tokens: bool = field(default=True, metadata={"help": "leave special tokens out of the text"})
+    min_tokens: int = field(default=0, metadata={"help": "generate at least this many tokens before any stop"})
+    presence_penalty: float = field(
+        default=0.0, metadata={"help": "subtract this from the logit of every token already generated"}
+    )
+    frequency_penalty: float = field(
+        default=0.0, metadata={"help": "subtract this times its count from the logit of every generated token"}
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={"help": "divide positive (multiply negative) logits of prompt and output tokens by this; 1 is off"},
+    )
+    logit_bias: dict[int, float] | None = field(
+        default=None, metadata={"help": "token id -> value added to its logit (-100 bans it)"}
+    )
+    allowed_token_ids: list[int] | None = field(default=None, metadata={"help": "sample only among these tokens"})
+    bad_words: list[str] = field(default_factory=list, metadata={"help": "never generate this word"})
+    logprobs: int | None = field(
+        default=None, metadata={"help": "return each output token's logprob and the top N (0: the token's only)"}
+    )
+    prompt_logprobs: int | None = field(
+        default=None, metadata={"help": "return each prompt token's logprob and the top N"}
+    )
+    truncate_prompt_tokens: int | None = field(
+        default=None, metadata={"help": "keep only the prompt's last N tokens"}
+    )
+    structured_outputs: StructuredOutputsParams | None = field(
+        default=None, metadata={"help": "constrain the output to a JSON schema, regex, choice or grammar"}
+    )
+    n: int = field(default=1, metadata={"help": "samples of the prompt"})
+    # Filled in by the engine that admits the request, from its tokenizer and model.
+    all_stop_token_ids: tuple[int, ...] = field(default=(), repr=False, metadata={"internal": True})
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if not _int(self.max_tokens) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
             raise RequestError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _int(self.top_k) or self.top_k < 0:
             raise RequestError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise RequestError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
+        if not (_number(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            raise RequestError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must be non-empty")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _int(t) or t < 0 for t in self.stop_token_ids):
             raise RequestError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if not _int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_number(value) and -2.0 <= value <= 2.0):
+                raise RequestError(f"{name} must be in [-2, 2], got {value!r}")
+        if not (_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0):
+            raise RequestError(f"repetition_penalty must be in (0, 2] (1 is off), got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            self.logit_bias = self._checked_bias(self.logit_bias)
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or any(not _int(t) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise RequestError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+        if any(not isinstance(w, str) or not w for w in self.bad_words):
+            raise RequestError("bad_words must be non-empty strings")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.truncate_prompt_tokens is not None and (
+            not _int(self.truncate_prompt_tokens) or self.truncate_prompt_tokens < 1
+        ):
+            raise RequestError(f"truncate_prompt_tokens must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise RequestError("structured_outputs must be a StructuredOutputsParams")
+        if not _int(self.n) or self.n < 1:
+            raise RequestError(f"n must be an integer >= 1, got {self.n!r}")
+
+    @staticmethod
+    def _checked_bias(bias: dict) -> dict[int, float]:
+        if not isinstance(bias, dict):
+            raise RequestError(f"logit_bias must map token ids to numbers, got {bias!r}")
+        checked = {}
+        for token, value in bias.items():
+            try:
+                token_id = int(token)  # JSON keys are strings
+            except (TypeError, ValueError):
+                raise RequestError(f"logit_bias keys must be token ids, got {token!r}") from None
+            if token_id < 0 or not _number(value):
+                raise RequestError(f"logit_bias must map token ids to finite numbers, got {token!r}: {value!r}")
+            checked[token_id] = max(-100.0, min(100.0, float(value)))  # OpenAI's range
+        return checked
 
     @property
     def stop_text_holdback(self) -> int:
@@ -62,3 +196,24 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling needs the request's tokens so far (penalties, multi-token bad words)."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or any(len(w) > 1 for w in self.bad_words_token_ids)
+        )
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether anything but temperature and the top-k/top-p/min-p filters changes the logits."""
+        return (
+            self.penalized
+            or self.min_tokens > 0
+            or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
+            or bool(self.bad_words_token_ids)
+        )
