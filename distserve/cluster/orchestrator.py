@@ -40,7 +40,7 @@ from distserve.core.outputs import OutputBuilder, RequestDelta, RequestMetrics, 
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.engine.input_processor import InputProcessor
-from distserve.model_executor.model_loader import load_tokenizer, resolve_model
+from distserve.model_executor.model_loader import eos_token_ids, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ class Orchestrator:
             resolved.max_model_len,
             smallest.info.num_blocks,
             smallest.info.block_size,
+            eos_token_ids(resolved, tokenizer),
         )
         self._pollers.append(asyncio.create_task(self.controller.run()))  # it decides while adaptive
 
@@ -219,6 +220,7 @@ class Orchestrator:
         if request_id in self.requests:
             raise RequestError(f"request id '{request_id}' is already in use")
         seq = self.input_processor.process(prompt, params, request_id, priority)
+        params = seq.sampling_params
         if params.seed is None and params.temperature > 0:
             # Seeded sampling does not depend on the batch, so a re-run after a failure repeats the tokens.
             params = dataclasses.replace(params, seed=random.getrandbits(63))

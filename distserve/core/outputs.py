@@ -112,6 +112,8 @@ class RequestDelta:
     steps: list[tuple[float, float, int]] | None = None
     num_preemptions: int = 0
     first: bool = False  # the token sampled at its prompt's end: a caller waits for it most
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asks
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when the request asks
 
     def joins(self, later: RequestDelta) -> bool:
         """Whether ``later`` can be added to this delta as one: the same run's, both plain steps of
@@ -132,6 +134,8 @@ class RequestDelta:
             new_token_ids=self.new_token_ids + later.new_token_ids,
             new_text=self.new_text + later.new_text,
             first=self.first or later.first,
+            logprobs=None if self.logprobs is None else self.logprobs + (later.logprobs or []),
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
         )
 
 
@@ -165,6 +169,8 @@ class OutputBuilder:
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.text = ""
+        self.logprobs: list[TokenLogprobs] | None = None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.metrics = metrics or RequestMetrics()  # shared with the caller, who may stamp more times
 
     def add(self, delta: RequestDelta) -> RequestOutput:
@@ -177,6 +183,10 @@ class OutputBuilder:
         if delta.steps is not None:
             self.metrics.steps = delta.steps
             self.metrics.num_preemptions = delta.num_preemptions
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -189,4 +199,7 @@ class OutputBuilder:
             finish_reason=delta.finish_reason,
             num_cached_tokens=delta.num_cached_tokens,
             metrics=replace(self.metrics, token_times=list(self.metrics.token_times)),
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            new_logprobs=delta.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
         )

@@ -7,7 +7,7 @@ import itertools
 import time
 
 from distserve.core.handover import Handover
-from distserve.core.outputs import RequestMetrics
+from distserve.core.outputs import RequestMetrics, TokenLogprobs
 from distserve.core.sampling_params import SamplingParams
 
 
@@ -62,6 +62,9 @@ class Sequence:
         self.prefill_steps_waited = 0  # aging for the SJF policy
         self.num_preemptions = 0
         self.metrics = RequestMetrics()
+        # Logprobs of the prompt's tokens after the first, as its prefill chunks compute them
+        # (SamplingParams.prompt_logprobs); sent with the first output token.
+        self.prompt_logprobs: list[TokenLogprobs] = []
         # Incremental detokenization state.
         self.output_text = ""
         self.num_text_sent = 0  # characters of output_text already in deltas

@@ -1,8 +1,12 @@
 """Turns a request into a validated ``Sequence``: tokenizes a text prompt and checks the ids, the
-context length and whether the request can ever fit the KV cache. Engines and the orchestrator
-share it, so a request is refused with the same message wherever it arrives."""
+context length and whether the request can ever fit the KV cache, and fills in what its sampling
+params need of the model (stop tokens, bad words as token ids). Engines and the orchestrator share
+it, so a request is refused with the same message wherever it arrives."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
 
 from distserve.core.errors import RequestError
 from distserve.core.sampling_params import SamplingParams
@@ -10,12 +14,21 @@ from distserve.core.sequence import Sequence
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, num_kv_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        num_kv_blocks: int,
+        block_size: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        self.eos_token_ids = frozenset(eos_token_ids)
 
     def process(
         self,
@@ -39,6 +52,9 @@ class InputProcessor:
                 raise RequestError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         if not token_ids:
             raise RequestError("the prompt is empty: pass at least one token")
+        if params.truncate_prompt_tokens is not None and len(token_ids) > params.truncate_prompt_tokens:
+            text, token_ids = None, token_ids[-params.truncate_prompt_tokens :]
+        params = self.resolve(params)
         if len(token_ids) >= self.max_model_len:
             raise RequestError(
                 f"the prompt has {len(token_ids)} tokens but the model's context is {self.max_model_len}: "
@@ -54,3 +70,31 @@ class InputProcessor:
             token_ids, params, request_id=request_id, prompt=text, priority=priority, attempt=attempt,
             ttft_deadline=ttft_deadline, tpot_slo=tpot_slo,
         )  # fmt: skip
+
+    def resolve(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the model's stop tokens and the bad words' token ids filled in, and every
+        token id they name checked against the vocabulary."""
+        if params.n != 1:
+            raise RequestError(f"a request runs one sample (n=1), got n={params.n}: ask for one request per sample")
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("logit_bias", params.logit_bias or ()),
+        ):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise RequestError(f"{name} names token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        return dataclasses.replace(
+            params, all_stop_token_ids=tuple(sorted(stops)), bad_words_token_ids=self._bad_words(params.bad_words)
+        )
+
+    def _bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word's tokens as it would appear alone and after a space (vLLM bans both)."""
+        found: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    found[ids] = None
+        return tuple(found)

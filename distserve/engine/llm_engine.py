@@ -8,12 +8,10 @@ import dataclasses
 import logging
 import time
 
-from transformers import GenerationConfig
-
 from distserve.core.config import EngineConfig
 from distserve.core.errors import RequestError
 from distserve.core.handover import Handover
-from distserve.core.outputs import STAGE_FIELDS, RequestDelta
+from distserve.core.outputs import STAGE_FIELDS, RequestDelta, TokenLogprobs
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.sequence import Sequence, SequenceStatus
@@ -25,7 +23,7 @@ from distserve.engine.input_processor import InputProcessor
 from distserve.engine.kv_hold import KVHold
 from distserve.engine.prefill_role import PrefillRole
 from distserve.engine.role import ColocatedRole, InstanceRole
-from distserve.model_executor.model_loader import ResolvedModel, load_tokenizer, resolve_model
+from distserve.model_executor.model_loader import eos_token_ids, load_tokenizer, resolve_model
 from distserve.model_executor.model_runner import BatchInput, SeqInput
 from distserve.parallel.ranks import check_parallel_config
 from distserve.scheduling.block_manager import BlockManager
@@ -53,14 +51,14 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(resolved)
         self.max_model_len = resolved.max_model_len
         self.vocab_size = resolved.shape.vocab_size
-        self.eos_token_ids = self._eos_token_ids(resolved)
+        self.eos_token_ids = eos_token_ids(resolved, self.tokenizer)
         max_tokens = config.scheduler.max_num_seqs * self.max_model_len
         self.executor = make_executor(config, max_tokens, name)
         num_blocks = self.executor.num_blocks
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.input_processor = InputProcessor(
-            self.tokenizer, self.vocab_size, self.max_model_len, num_blocks, config.cache.block_size
+            self.tokenizer, self.vocab_size, self.max_model_len, num_blocks, config.cache.block_size, self.eos_token_ids
         )
         self.requests: dict[str, Sequence] = {}  # every request this engine has, by id: one run each
         self.kv_puller: KVPuller | None = None  # how a decode role pulls KV: the instance's migrator
@@ -83,19 +81,6 @@ class LLMEngine:
     @property
     def scheduler(self) -> Scheduler:
         return self.role.scheduler
-
-    def _eos_token_ids(self, resolved: ResolvedModel) -> frozenset[int]:
-        try:
-            generation_config = GenerationConfig.from_pretrained(resolved.model_dir)
-        except (OSError, TypeError):  # no generation_config.json (or no directory: a preset)
-            generation_config = GenerationConfig.from_model_config(resolved.hf_config)
-        ids = set()
-        for value in (generation_config.eos_token_id, self.tokenizer.eos_token_id):
-            if isinstance(value, int):
-                ids.add(value)
-            elif value:
-                ids.update(value)
-        return frozenset(ids)
 
     def _make_role(self, role: Role, finishing: bool = False) -> InstanceRole:
         role_class = ROLE_CLASSES[role]
@@ -303,10 +288,14 @@ class LLMEngine:
         timer.seconds["dispatch"] = timer.seconds.pop("execute") - sum(output.seconds.values())
         timer.seconds.update(output.seconds)
         tokens = iter(output.sampled_token_ids)  # one per sequence that samples, in batch order
+        logprobs = iter(output.logprobs or ())
         deltas = []
         for i, (seq, seq_input) in enumerate(zip(batch.seqs, model_input.seqs)):
+            if output.prompt_logprobs and output.prompt_logprobs[i]:
+                seq.prompt_logprobs += output.prompt_logprobs[i]
             if seq_input.sample:
-                deltas.append(self._append_token(seq, next(tokens), batch.is_prefill and i >= batch.num_decode))
+                after_prefill = batch.is_prefill and i >= batch.num_decode
+                deltas.append(self._append_token(seq, next(tokens), after_prefill, next(logprobs, None)))
             else:  # a prompt chunk short of the prompt's end
                 seq.num_computed_tokens += len(seq_input.input_token_ids)
         timer.lap("postprocess")
@@ -315,24 +304,40 @@ class LLMEngine:
         self.step_time.observe(record.num_tokens, record.total)
         return deltas
 
-    def _append_token(self, seq: Sequence, token: int, after_prefill: bool) -> RequestDelta:
+    def _append_token(
+        self, seq: Sequence, token: int, after_prefill: bool, logprobs: TokenLogprobs | None = None
+    ) -> RequestDelta:
         seq.append_token(token)
         seq.num_computed_tokens = seq.num_tokens - 1
         text = self.detokenizer.step(seq)
         params = seq.sampling_params
         reason = None
-        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+        if seq.num_output_tokens < params.min_tokens:
+            pass  # nothing but the length stops it yet (the sampler banned its stop tokens)
+        elif (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             reason = "stop"
         elif params.stop and find_stop_string(seq, text) is not None:
             reason = "stop"
         if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
+        extras = self._logprob_fields(seq, logprobs)
         if reason is not None:
             self._finish(seq, reason)
-            return self._delta(seq, [token], self._unsent_text(seq))
+            return self._delta(seq, [token], self._unsent_text(seq), **extras)
         text = self._unsent_text(seq)  # first: the hand-over says how much text was sent
         handover = self.role.after_prefill(seq) if after_prefill else None
-        return self._delta(seq, [token], text, handover, first=after_prefill)
+        return self._delta(seq, [token], text, handover, first=after_prefill, **extras)
+
+    @staticmethod
+    def _logprob_fields(seq: Sequence, logprobs: TokenLogprobs | None) -> dict:
+        """The logprobs a token's delta carries: its own, and with the first token the prompt's."""
+        params = seq.sampling_params
+        fields = {}
+        if params.logprobs is not None and logprobs is not None:
+            fields["logprobs"] = [logprobs]
+        if params.prompt_logprobs is not None and seq.num_output_tokens == 1:
+            fields["prompt_logprobs"] = [None, *seq.prompt_logprobs]
+        return fields
 
     @staticmethod
     def _unsent_text(seq: Sequence) -> str:
@@ -354,7 +359,14 @@ class LLMEngine:
         self.forget(seq)
 
     def _delta(
-        self, seq: Sequence, tokens: list[int], text: str, handover: Handover | None = None, first: bool = False
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        text: str,
+        handover: Handover | None = None,
+        first: bool = False,
+        logprobs: list[TokenLogprobs] | None = None,
+        prompt_logprobs: list[TokenLogprobs | None] | None = None,
     ) -> RequestDelta:
         finished = seq.is_finished
         return RequestDelta(
@@ -370,4 +382,6 @@ class LLMEngine:
             seq.metrics.steps if finished else None,
             seq.num_preemptions,
             first,
+            logprobs,
+            prompt_logprobs,
         )

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from distserve.core.config import ModelConfig
 from distserve.model_executor.attention import ATTN_IMPLEMENTATION
@@ -130,6 +130,21 @@ def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) 
 
 def load_tokenizer(resolved: ResolvedModel):
     return AutoTokenizer.from_pretrained(resolved.tokenizer_dir)
+
+
+def eos_token_ids(resolved: ResolvedModel, tokenizer) -> frozenset[int]:
+    """The tokens that end a generation: the generation config's and the tokenizer's."""
+    try:
+        generation_config = GenerationConfig.from_pretrained(resolved.model_dir)
+    except (OSError, TypeError):  # no generation_config.json (or no directory: a preset)
+        generation_config = GenerationConfig.from_model_config(resolved.hf_config)
+    ids = set()
+    for value in (generation_config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return frozenset(ids)
 
 
 def load_model(

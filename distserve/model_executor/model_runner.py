@@ -35,6 +35,22 @@ class SeqInput:
     sampling_params: SamplingParams
     output_index: int  # which output token the step samples (seeded sampling draws per position)
     sample: bool = True  # False for a prompt chunk short of the prompt's end: no token comes of it
+    # The request's tokens so far, prompt first: only for what needs them (penalties, multi-token
+    # bad words, prompt logprobs), so that other requests' inputs stay small.
+    token_history: list[int] | None = None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether this step computes logprobs of its prompt tokens: a first prefill that asks."""
+        return self.sampling_params.prompt_logprobs is not None and self.output_index == 0
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of logits the step needs of this sequence: every new token's with prompt logprobs,
+        else the last one's if it samples."""
+        if self.wants_prompt_logprobs:
+            return len(self.input_token_ids)
+        return 1 if self.sample else 0
 
     @classmethod
     def from_sequence(cls, seq: Sequence, is_prefill: bool, num_new_tokens: int | None = None) -> SeqInput:
@@ -43,8 +59,16 @@ class SeqInput:
         start = seq.num_computed_tokens if is_prefill else seq.num_tokens - 1
         end = seq.num_tokens if num_new_tokens is None else start + num_new_tokens
         tokens = seq.all_token_ids[start:end]
+        params = seq.sampling_params
+        needs_history = params.penalized or (is_prefill and params.prompt_logprobs is not None)
         return cls(
-            tokens, start, list(seq.block_table), seq.sampling_params, seq.num_output_tokens, end == seq.num_tokens
+            tokens,
+            start,
+            list(seq.block_table),
+            params,
+            seq.num_output_tokens,
+            end == seq.num_tokens,
+            seq.all_token_ids if needs_history else None,
         )
 
 
@@ -140,7 +164,7 @@ class ModelRunner:
         self, seqs: list[SeqInput], query_offset: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Pack the new tokens of each sequence (after ``query_offset`` tokens of others); the logit
-        row of each sequence that samples is its last token."""
+        rows of each sequence are its last ``num_logit_rows`` tokens'."""
         bs = self.block_size
         input_ids: list[int] = []
         slot_chunks: list[torch.Tensor] = []
@@ -157,9 +181,9 @@ class ModelRunner:
             slot_chunks.append(slots[start:])
             position_chunks.append(positions[start:])
             metas.append(PrefillSeqMeta(query_start, end - start, end, blocks if start > 0 else None))
+            rows = seq.num_logit_rows
             query_start += end - start
-            if seq.sample:
-                last_rows.append(query_start - 1 - query_offset)
+            last_rows.extend(range(query_start - rows - query_offset, query_start - query_offset))
         meta = AttentionMetadata(
             is_prefill=True, block_size=bs, slot_mapping=torch.cat(slot_chunks), prefill_seqs=metas
         )

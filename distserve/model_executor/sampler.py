@@ -1,4 +1,4 @@
-"""Token sampling for a batch: greedy, temperature, top-k, top-p and per-request seeds.
+"""Token sampling for a batch: greedy, temperature, top-k, top-p, min-p and per-request seeds.
 
 Seeded requests draw their noise from a generator keyed by (seed, output position), so a
 request's samples do not depend on what it is batched with or on being preempted and recomputed.
@@ -6,9 +6,20 @@ request's samples do not depend on what it is batched with or on being preempted
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from distserve.core.outputs import TokenLogprobs
 from distserve.core.sampling_params import SamplingParams
+from distserve.model_executor.logits_processors import LogitsRow, apply_logits_processors
+from distserve.model_executor.logprobs import token_logprobs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None] | None = None  # per row, for the rows whose request asks
 
 
 class Sampler:
@@ -18,14 +29,32 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int]:
         """Pick one token per row of ``logits [batch, vocab]``; ``steps[i]`` is row i's output position."""
-        logits = logits.float()
+        return self._select(logits.float(), params, steps).tolist()
+
+    def sample(self, logits: torch.Tensor, rows: list[LogitsRow]) -> SamplerOutput:
+        """One token per row, after the logits processors its request asks for, with the logprobs
+        it asks for (of the model's logits as they came)."""
+        params = [row.sampling_params for row in rows]
+        shaped = apply_logits_processors(logits.float(), rows)
+        tokens = self._select(shaped, params, [row.output_index for row in rows])
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not wanted:
+            return SamplerOutput(tokens.tolist())
+        index = torch.tensor(wanted, device=logits.device)
+        found = token_logprobs(logits[index], tokens[index], [params[i].logprobs for i in wanted])
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
+        for i, entry in zip(wanted, found):
+            logprobs[i] = entry
+        return SamplerOutput(tokens.tolist(), logprobs)
+
+    def _select(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             sampled = self._sample(logits[rows], [params[i] for i in random_rows], [steps[i] for i in random_rows])
             tokens[rows] = sampled
-        return tokens.tolist()
+        return tokens
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
         device = logits.device
@@ -35,6 +64,10 @@ class Sampler:
             probs, ids = self._filtered(logits, params)
         else:  # nothing to cut: no sort of the vocabulary (most of a decode step's sampling time)
             probs, ids = logits.softmax(dim=-1), None
+        if any(p.min_p > 0.0 for p in params):
+            # Tokens less likely than min_p times the likeliest go (after temperature, as vLLM).
+            min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
         noise = torch.empty_like(probs)
         for i, (p, step) in enumerate(zip(params, steps)):

@@ -15,12 +15,14 @@ import torch
 import torch.distributed as dist
 
 from distserve.core.config import EngineConfig
+from distserve.core.outputs import TokenLogprobs
 from distserve.core.step_metrics import StepTimer
 from distserve.kv_transfer.channel import KVTransfer
 from distserve.kv_transfer.plan import rank_layout
 from distserve.model_executor.attention import resolve_attention_backend
 from distserve.model_executor.cuda_graph import DecodeGraphs
 from distserve.model_executor.kv_cache import KVCache, KVCacheShape, determine_num_blocks
+from distserve.model_executor.logprobs import split_prompt_rows
 from distserve.model_executor.model_loader import load_model, resolve_device, resolve_dtype, resolve_model
 from distserve.model_executor.model_runner import BatchInput, ModelRunner
 from distserve.model_executor.sampler import Sampler
@@ -48,8 +50,10 @@ def keep_freed_memory() -> None:
 
 @dataclass
 class ModelOutput:
-    sampled_token_ids: list[int]  # one per sequence of the batch
+    sampled_token_ids: list[int]  # one per sequence of the batch that samples
     seconds: dict[str, float] = field(default_factory=dict)  # prepare / forward / sample on the driver rank
+    logprobs: list[TokenLogprobs | None] | None = None  # per sampled token, where its request asks
+    prompt_logprobs: list[list[TokenLogprobs] | None] | None = None  # per sequence of the batch
 
 
 class Worker:
@@ -153,10 +157,12 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # so the forward's time is not booked to sampling
         timer.lap("forward")
-        sampling = batch.sampling_seqs
-        tokens = self.sampler(out, [s.sampling_params for s in sampling], [s.output_index for s in sampling])
+        prompt_logprobs = None
+        if batch.is_prefill and any(s.wants_prompt_logprobs for s in batch.seqs):
+            out, prompt_logprobs = split_prompt_rows(out, batch.seqs)
+        sampled = self.sampler.sample(out, batch.sampling_seqs)
         timer.lap("sample")
-        return ModelOutput(tokens, timer.seconds)
+        return ModelOutput(sampled.token_ids, timer.seconds, sampled.logprobs, prompt_logprobs)
 
     def _forward(self, batch: BatchInput, timer: StepTimer) -> torch.Tensor | None:
         """Run the batch eagerly: the logits on the last stage, None on an earlier one (its

@@ -78,6 +78,8 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return []
+        if seq.sampling_params.prompt_logprobs is not None and not seq.num_output_tokens:
+            return []  # its prompt's logprobs come from computing every prompt token
         hits: list[int] = []
         for i in range((seq.num_tokens - 1) // self.block_size):
             block_id = self.hash_to_block_id.get(self._block_hash(seq, i))
