@@ -105,9 +105,7 @@ class SamplingParams:
     prompt_logprobs: int | None = field(
         default=None, metadata={"help": "return each prompt token's logprob and the top N"}
     )
-    truncate_prompt_tokens: int | None = field(
-        default=None, metadata={"help": "keep only the prompt's last N tokens"}
-    )
+    truncate_prompt_tokens: int | None = field(default=None, metadata={"help": "keep only the prompt's last N tokens"})
     structured_outputs: StructuredOutputsParams | None = field(
         default=None, metadata={"help": "constrain the output to a JSON schema, regex, choice or grammar"}
     )
@@ -154,7 +152,9 @@ class SamplingParams:
             or not self.allowed_token_ids
             or any(not _int(t) or t < 0 for t in self.allowed_token_ids)
         ):
-            raise RequestError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+            raise RequestError(
+                f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}"
+            )
         if any(not isinstance(w, str) or not w for w in self.bad_words):
             raise RequestError("bad_words must be non-empty strings")
         for name in ("logprobs", "prompt_logprobs"):
