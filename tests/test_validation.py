@@ -24,6 +24,14 @@ def llm():
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be an integer >= 0"),
         ({"stop": [""]}, "stop strings must be non-empty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": 30, "max_tokens": 10}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
     ],
 )
 def test_bad_sampling_params(options, message):
@@ -104,3 +112,16 @@ def test_missing_tokenizer(tmp_path):
 def test_directory_without_config(tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
         LLM(str(tmp_path))
+
+
+def test_prompt_forms(llm):
+    """Text, token ids, and vLLM's TextPrompt and TokensPrompt dicts, alone or in a list."""
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    ids = llm.tokenizer.encode("hello there")
+    plain = [o.output_token_ids for o in llm.generate(["hello there", ids], params)]
+    forms = [{"prompt": "hello there"}, {"prompt_token_ids": ids}]
+    assert [o.output_token_ids for o in llm.generate(forms, params)] == plain
+    assert llm.generate(forms[1], params)[0].output_token_ids == plain[1]
+    with pytest.raises(ValueError, match="a prompt dict must be"):
+        llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {}}], params)
+    assert_engine_idle(llm.engine)

@@ -99,6 +99,7 @@ class RequestState:
             output,
             new_token_ids=output.output_token_ids[self.delivered_tokens :],
             new_text=output.text[self.delivered_text :],
+            new_logprobs=None if output.logprobs is None else output.logprobs[self.delivered_tokens :],
         )
         self.delivered_tokens = max(self.delivered_tokens, len(output.output_token_ids))
         self.delivered_text = max(self.delivered_text, len(output.text))

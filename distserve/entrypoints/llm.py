@@ -10,10 +10,28 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from distserve.core.config import EngineConfig
+from distserve.core.errors import RequestError
 from distserve.core.outputs import OutputBuilder, RequestOutput
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.engine.llm_engine import LLMEngine
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+def prompt_of(prompt: Prompt) -> str | list[int]:
+    """The text or token ids of a prompt in any of the forms ``generate`` takes."""
+    if not isinstance(prompt, dict):
+        return prompt
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], list):
+        return prompt["prompt_token_ids"]
+    raise RequestError(
+        "a prompt dict must be {'prompt': text} or {'prompt_token_ids': [ids]} (vLLM's TextPrompt and "
+        f"TokensPrompt), got the keys {sorted(keys)}"
+    )
 
 
 class LLM:
@@ -40,15 +58,17 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[int] | Seq[str | list[int]],
+        prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts (text, or token id lists) to completion; outputs come back in prompt order.
+        """Run prompts to completion; outputs come back in prompt order. A prompt is text, a list
+        of token ids, or vLLM's dict forms: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
 
         Every request is validated before any is queued, so a bad one fails the call cleanly.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [prompt_of(p) for p in prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
