@@ -14,12 +14,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from conftest import in_use, make_tls_cert, random_prompts, reference_greedy, wait_nothing_in_use
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from distserve import LLM, SamplingParams
 from distserve.cluster.api import make_cluster_config
-from distserve.entrypoints.client import AsyncClient, CallError, Client, grpc_target, make_request
+from distserve.entrypoints.client import AsyncClient, CallError, Client, Completion, grpc_target, make_request
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import API_KEY_ENV, ServerConfig
 from distserve.v1 import distserve_pb2 as pb
@@ -61,6 +62,25 @@ def test_stream_equals_transformers_greedy(client, llama):
         t = last.timings
         assert 0 < t.ttft <= t.e2e and t.prefill > 0 and t.queue >= 0
         assert (t.migration > 0) == (len(tokens) > 1)  # a request done at its first token never migrates
+
+
+def test_penalties_and_logprobs_cross_the_hand_over(client, llama):
+    """The prefill instance samples the first token and the decode instance the rest: the repetition
+    penalty still counts every token, and every token has its logprobs."""
+    prompt = [3 + t % 7 for t in range(30)]
+    completion = Completion.from_chunks(
+        client.generate(prompt, max_tokens=12, temperature=0, repetition_penalty=1.8, logprobs=2, prompt_logprobs=1)
+    )
+    with torch.inference_mode():
+        want = llama.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.8)
+        assert completion.token_ids == want[0, len(prompt) :].tolist()
+        full = llama(torch.tensor([prompt + completion.token_ids])).logits[0].float().log_softmax(-1)
+    assert [lp.token_id for lp in completion.logprobs] == completion.token_ids
+    got = torch.tensor([lp.logprob for lp in completion.logprobs])
+    rows = full[len(prompt) - 1 : -1]
+    assert torch.allclose(got, rows.gather(1, torch.tensor(completion.token_ids)[:, None]).squeeze(1), atol=1e-4)
+    assert all(len(lp.top_token_ids) == 2 for lp in completion.logprobs)
+    assert [lp.token_id for lp in completion.prompt_logprobs] == prompt[1:]
 
 
 def test_text_stream_equals_offline_engine(client):

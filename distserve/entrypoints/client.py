@@ -16,6 +16,7 @@ default gRPC port, 50051.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -91,11 +92,17 @@ def make_request(
     """A GenerateRequest; ``sampling`` takes the SamplingParams fields (max_tokens, temperature, ...);
     ``timeline`` asks for the request's stage-by-stage Timeline on its last message; ``slo_ttft``
     and ``slo_tpot`` are the request's own latency objectives (seconds) for adaptive role control."""
+    structured = sampling.pop("structured_outputs", None)
+    if isinstance(structured, dict):  # {"json": schema}, {"choice": [...]}, ... as SamplingParams takes it
+        ((kind, value),) = structured.items()
+        if kind == "json" and not isinstance(value, str):
+            value = json.dumps(value)
+        structured = pb.StructuredOutputs(**{kind: pb.ChoiceList(choices=value) if kind == "choice" else value})
     request = pb.GenerateRequest(
         request_id=request_id,
         priority=priority,
         timeline=timeline,
-        sampling_params=pb.SamplingParams(**sampling),
+        sampling_params=pb.SamplingParams(**sampling, structured_outputs=structured),
         slo_ttft=slo_ttft,
         slo_tpot=slo_tpot,
     )
@@ -117,11 +124,15 @@ class Completion:
     usage: pb.Usage | None = None
     timings: pb.Timings | None = None
     timeline: pb.Timeline | None = None  # when asked for (``timeline=True``)
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # when asked for, one per token
+    prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # one per prompt token after the first
 
     def add(self, chunk: pb.GenerateResponse) -> None:
         self.request_id = chunk.request_id
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        self.prompt_logprobs.extend(chunk.prompt_logprobs)
         if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self.finish_reason = pb.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_").lower()
             self.usage, self.timings = chunk.usage, chunk.timings

@@ -13,9 +13,9 @@ from grpc_reflection.v1alpha import reflection
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.role_changes import RoleChangeRecord
 from distserve.cluster.role_controller import RequestSLO
-from distserve.core.outputs import RequestMetrics, RequestOutput
+from distserve.core.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from distserve.core.role import Role
-from distserve.core.sampling_params import SamplingParams
+from distserve.core.sampling_params import SamplingParams, StructuredOutputsParams
 from distserve.entrypoints.errors import InvalidRequest, ServingError, to_serving_error
 from distserve.entrypoints.frontend import Frontend
 from distserve.entrypoints.preflight import check_port
@@ -34,19 +34,54 @@ MAX_QUEUED_CALLS = 16384
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 MAX_ROLE_CHANGES = 50  # the latest role changes ClusterInfo carries
 _ROLES = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE, Role.COLOCATED: pb.ROLE_COLOCATED}
-_OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "skip_special_tokens")
+_OPTIONAL_PARAMS = (
+    "max_tokens", "temperature", "top_k", "top_p", "seed", "skip_special_tokens", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "truncate_prompt_tokens",
+)  # fmt: skip
 
 
 def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
     """Set fields override SamplingParams' defaults; its checks say what is wrong."""
     options = {name: getattr(message, name) for name in _OPTIONAL_PARAMS if message.HasField(name)}
+    if message.logit_bias:
+        options["logit_bias"] = dict(message.logit_bias)
+    if message.allowed_token_ids:
+        options["allowed_token_ids"] = list(message.allowed_token_ids)
+    if message.HasField("structured_outputs"):
+        options["structured_outputs"] = structured_outputs_from_proto(message.structured_outputs)
     return SamplingParams(
         stop=list(message.stop),
         stop_token_ids=list(message.stop_token_ids),
         ignore_eos=message.ignore_eos,
         include_stop_str_in_output=message.include_stop_str_in_output,
+        min_tokens=message.min_tokens,
+        bad_words=list(message.bad_words),
         **options,
     )
+
+
+def structured_outputs_from_proto(message: pb.StructuredOutputs) -> StructuredOutputsParams:
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequest(
+            "structured_outputs is set but names no kind: set json, regex, choice, grammar or json_object"
+        )
+    value = getattr(message, kind)
+    return StructuredOutputsParams(**{kind: list(value.choices) if kind == "choice" else value})
+
+
+def logprobs_to_proto(entries: list[TokenLogprobs | None]) -> list[pb.TokenLogprobs]:
+    return [
+        pb.TokenLogprobs(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            rank=e.rank,
+            top_token_ids=e.top_token_ids,
+            top_logprobs=e.top_logprobs,
+        )
+        for e in entries
+        if e is not None
+    ]
 
 
 def _prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
@@ -83,6 +118,10 @@ def timeline_to_proto(m: RequestMetrics) -> pb.Timeline:
 
 def response_from_output(output: RequestOutput, timeline: bool = False) -> pb.GenerateResponse:
     response = pb.GenerateResponse(request_id=output.request_id, token_ids=output.new_token_ids, text=output.new_text)
+    if output.new_logprobs:
+        response.logprobs.extend(logprobs_to_proto(output.new_logprobs))
+    if output.prompt_logprobs is not None and len(output.output_token_ids) == len(output.new_token_ids):
+        response.prompt_logprobs.extend(logprobs_to_proto(output.prompt_logprobs))  # the first message
     if output.finished and timeline:
         response.timeline.CopyFrom(timeline_to_proto(output.metrics))
     if output.finished:

@@ -24,55 +24,65 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64istserve/v1/distserve.proto\x12\x0c\x64istserve.v1\"\xd2\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x05\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x16\n\x14_skip_special_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x8f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.distserve.v1.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.distserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x03\x12\x15\n\x08slo_ttft\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\x08slo_tpot\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x10\n\x08timeline\x18\x06 \x01(\x08\x42\x08\n\x06promptB\x0b\n\t_slo_ttftB\x0b\n\t_slo_tpot\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x03\"e\n\x07Timings\x12\x0c\n\x04ttft\x18\x01 \x01(\x01\x12\x0c\n\x04tpot\x18\x02 \x01(\x01\x12\x0b\n\x03\x65\x32\x65\x18\x03 \x01(\x01\x12\r\n\x05queue\x18\x04 \x01(\x01\x12\x0f\n\x07prefill\x18\x05 \x01(\x01\x12\x11\n\tmigration\x18\x06 \x01(\x01\"\xa5\x05\n\x08Timeline\x12\x14\n\x07\x61rrival\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0eprefill_queued\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1a\n\rprefill_start\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x0bprefill_end\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12prefill_batch_size\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12!\n\x14prefill_batch_tokens\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x15\n\x08handover\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1c\n\x0f\x64\x65\x63ode_admitted\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1c\n\x0fmigration_start\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x1a\n\rmigration_end\x18\n \x01(\x01H\t\x88\x01\x01\x12\x13\n\x0bstep_starts\x18\x0b \x03(\x01\x12\x11\n\tstep_ends\x18\x0c \x03(\x01\x12\x18\n\x10step_batch_sizes\x18\r \x03(\x03\x12\x13\n\x0btoken_times\x18\x0e \x03(\x01\x12\x15\n\x08\x66inished\x18\x0f \x01(\x01H\n\x88\x01\x01\x12\x17\n\x0fnum_preemptions\x18\x10 \x01(\x03\x12\x18\n\x10prefill_instance\x18\x11 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x12 \x01(\tB\n\n\x08_arrivalB\x11\n\x0f_prefill_queuedB\x10\n\x0e_prefill_startB\x0e\n\x0c_prefill_endB\x15\n\x13_prefill_batch_sizeB\x17\n\x15_prefill_batch_tokensB\x0b\n\t_handoverB\x12\n\x10_decode_admittedB\x12\n\x10_migration_startB\x10\n\x0e_migration_endB\x0b\n\t_finished\"\xf0\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.distserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.distserve.v1.Usage\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.distserve.v1.Timings\x12(\n\x08timeline\x18\x07 \x01(\x0b\x32\x16.distserve.v1.Timeline\"\x17\n\x15GetClusterInfoRequest\"\xb8\x02\n\x0cInstanceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x04role\x18\x02 \x01(\x0e\x32\x12.distserve.v1.Role\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\x03\x12\x1e\n\x16pipeline_parallel_size\x18\x04 \x01(\x03\x12\x12\n\nnum_blocks\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x03\x12\x13\n\x0bnum_running\x18\t \x01(\x03\x12\x10\n\x08num_held\x18\n \x01(\x03\x12\x13\n\x0bnum_pending\x18\x0b \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x03\x12\x0f\n\x07\x66\x61ilure\x18\r \x01(\t\"\x8a\x02\n\x0b\x43lusterInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12-\n\tinstances\x18\x02 \x03(\x0b\x32\x1a.distserve.v1.InstanceInfo\x12\x1c\n\x14num_pending_requests\x18\x03 \x01(\x03\x12\x1c\n\x14max_pending_requests\x18\x04 \x01(\x03\x12\x15\n\rmax_model_len\x18\x05 \x01(\x03\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x12\n\nvocab_size\x18\x07 \x01(\x03\x12.\n\x0crole_changes\x18\x08 \x03(\x0b\x32\x18.distserve.v1.RoleChange\x12\x14\n\x0crole_control\x18\t \x01(\t\"\xab\x01\n\nRoleChange\x12\x10\n\x08instance\x18\x01 \x01(\t\x12$\n\x08old_role\x18\x02 \x01(\x0e\x32\x12.distserve.v1.Role\x12$\n\x08new_role\x18\x03 \x01(\x0e\x32\x12.distserve.v1.Role\x12\x0f\n\x07started\x18\x04 \x01(\x01\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"\xb8\x01\n\x0fSetRolesRequest\x12\x37\n\x05roles\x18\x01 \x03(\x0b\x32(.distserve.v1.SetRolesRequest.RolesEntry\x12\x19\n\x0crole_control\x18\x02 \x01(\tH\x00\x88\x01\x01\x1a@\n\nRolesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0e\x32\x12.distserve.v1.Role:\x02\x38\x01\x42\x0f\n\r_role_control\"=\n\x10SetRolesResponse\x12)\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x18.distserve.v1.RoleChange\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*S\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x12\n\x0eROLE_COLOCATED\x10\x03\x32\x91\x03\n\tDistServe\x12K\n\x08Generate\x12\x1d.distserve.v1.GenerateRequest\x1a\x1e.distserve.v1.GenerateResponse0\x01\x12P\n\x0eGetClusterInfo\x12#.distserve.v1.GetClusterInfoRequest\x1a\x19.distserve.v1.ClusterInfo\x12I\n\x08Tokenize\x12\x1d.distserve.v1.TokenizeRequest\x1a\x1e.distserve.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.distserve.v1.DetokenizeRequest\x1a .distserve.v1.DetokenizeResponse\x12I\n\x08SetRoles\x12\x1d.distserve.v1.SetRolesRequest\x1a\x1e.distserve.v1.SetRolesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x64istserve/v1/distserve.proto\x12\x0c\x64istserve.v1\"\x9a\x07\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x03H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\t \x01(\x08\x12 \n\x13skip_special_tokens\x18\n \x01(\x08H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\x0b \x01(\x01H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0c \x01(\x03\x12\x1d\n\x10presence_penalty\x18\r \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0e \x01(\x01H\x08\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\t\x88\x01\x01\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.distserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x03\x12\x11\n\tbad_words\x18\x12 \x03(\t\x12\x15\n\x08logprobs\x18\x13 \x01(\x03H\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\x03H\x0b\x88\x01\x01\x12#\n\x16truncate_prompt_tokens\x18\x15 \x01(\x03H\x0c\x88\x01\x01\x12;\n\x12structured_outputs\x18\x16 \x01(\x0b\x32\x1f.distserve.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x16\n\x14_skip_special_tokensB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x19\n\x17_truncate_prompt_tokens\"\x92\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x18.distserve.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\x03\x12\x15\n\rtop_token_ids\x18\x04 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x01\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\x8f\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.distserve.v1.TokenIdsH\x00\x12\x35\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1c.distserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x03\x12\x15\n\x08slo_ttft\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x15\n\x08slo_tpot\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\x10\n\x08timeline\x18\x06 \x01(\x08\x42\x08\n\x06promptB\x0b\n\t_slo_ttftB\x0b\n\t_slo_tpot\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x03\"e\n\x07Timings\x12\x0c\n\x04ttft\x18\x01 \x01(\x01\x12\x0c\n\x04tpot\x18\x02 \x01(\x01\x12\x0b\n\x03\x65\x32\x65\x18\x03 \x01(\x01\x12\r\n\x05queue\x18\x04 \x01(\x01\x12\x0f\n\x07prefill\x18\x05 \x01(\x01\x12\x11\n\tmigration\x18\x06 \x01(\x01\"\xa5\x05\n\x08Timeline\x12\x14\n\x07\x61rrival\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x1b\n\x0eprefill_queued\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x1a\n\rprefill_start\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x0bprefill_end\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12prefill_batch_size\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12!\n\x14prefill_batch_tokens\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x15\n\x08handover\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1c\n\x0f\x64\x65\x63ode_admitted\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1c\n\x0fmigration_start\x18\t \x01(\x01H\x08\x88\x01\x01\x12\x1a\n\rmigration_end\x18\n \x01(\x01H\t\x88\x01\x01\x12\x13\n\x0bstep_starts\x18\x0b \x03(\x01\x12\x11\n\tstep_ends\x18\x0c \x03(\x01\x12\x18\n\x10step_batch_sizes\x18\r \x03(\x03\x12\x13\n\x0btoken_times\x18\x0e \x03(\x01\x12\x15\n\x08\x66inished\x18\x0f \x01(\x01H\n\x88\x01\x01\x12\x17\n\x0fnum_preemptions\x18\x10 \x01(\x03\x12\x18\n\x10prefill_instance\x18\x11 \x01(\t\x12\x17\n\x0f\x64\x65\x63ode_instance\x18\x12 \x01(\tB\n\n\x08_arrivalB\x11\n\x0f_prefill_queuedB\x10\n\x0e_prefill_startB\x0e\n\x0c_prefill_endB\x15\n\x13_prefill_batch_sizeB\x17\n\x15_prefill_batch_tokensB\x0b\n\t_handoverB\x12\n\x10_decode_admittedB\x12\n\x10_migration_startB\x10\n\x0e_migration_endB\x0b\n\t_finished\"\xd5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.distserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.distserve.v1.Usage\x12&\n\x07timings\x18\x06 \x01(\x0b\x32\x15.distserve.v1.Timings\x12(\n\x08timeline\x18\x07 \x01(\x0b\x32\x16.distserve.v1.Timeline\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\x12\x34\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1b.distserve.v1.TokenLogprobs\"\x17\n\x15GetClusterInfoRequest\"\xb8\x02\n\x0cInstanceInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12 \n\x04role\x18\x02 \x01(\x0e\x32\x12.distserve.v1.Role\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\x03\x12\x1e\n\x16pipeline_parallel_size\x18\x04 \x01(\x03\x12\x12\n\nnum_blocks\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x03\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x03\x12\x13\n\x0bnum_running\x18\t \x01(\x03\x12\x10\n\x08num_held\x18\n \x01(\x03\x12\x13\n\x0bnum_pending\x18\x0b \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x0c \x01(\x03\x12\x0f\n\x07\x66\x61ilure\x18\r \x01(\t\"\x8a\x02\n\x0b\x43lusterInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12-\n\tinstances\x18\x02 \x03(\x0b\x32\x1a.distserve.v1.InstanceInfo\x12\x1c\n\x14num_pending_requests\x18\x03 \x01(\x03\x12\x1c\n\x14max_pending_requests\x18\x04 \x01(\x03\x12\x15\n\rmax_model_len\x18\x05 \x01(\x03\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x12\n\nvocab_size\x18\x07 \x01(\x03\x12.\n\x0crole_changes\x18\x08 \x03(\x0b\x32\x18.distserve.v1.RoleChange\x12\x14\n\x0crole_control\x18\t \x01(\t\"\xab\x01\n\nRoleChange\x12\x10\n\x08instance\x18\x01 \x01(\t\x12$\n\x08old_role\x18\x02 \x01(\x0e\x32\x12.distserve.v1.Role\x12$\n\x08new_role\x18\x03 \x01(\x0e\x32\x12.distserve.v1.Role\x12\x0f\n\x07started\x18\x04 \x01(\x01\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"\xb8\x01\n\x0fSetRolesRequest\x12\x37\n\x05roles\x18\x01 \x03(\x0b\x32(.distserve.v1.SetRolesRequest.RolesEntry\x12\x19\n\x0crole_control\x18\x02 \x01(\tH\x00\x88\x01\x01\x1a@\n\nRolesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0e\x32\x12.distserve.v1.Role:\x02\x38\x01\x42\x0f\n\r_role_control\"=\n\x10SetRolesResponse\x12)\n\x07\x63hanges\x18\x01 \x03(\x0b\x32\x18.distserve.v1.RoleChange\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02*S\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x12\n\x0eROLE_COLOCATED\x10\x03\x32\x91\x03\n\tDistServe\x12K\n\x08Generate\x12\x1d.distserve.v1.GenerateRequest\x1a\x1e.distserve.v1.GenerateResponse0\x01\x12P\n\x0eGetClusterInfo\x12#.distserve.v1.GetClusterInfoRequest\x1a\x19.distserve.v1.ClusterInfo\x12I\n\x08Tokenize\x12\x1d.distserve.v1.TokenizeRequest\x1a\x1e.distserve.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.distserve.v1.DetokenizeRequest\x1a .distserve.v1.DetokenizeResponse\x12I\n\x08SetRoles\x12\x1d.distserve.v1.SetRolesRequest\x1a\x1e.distserve.v1.SetRolesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'distserve.v1.distserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SETROLESREQUEST_ROLESENTRY']._loaded_options = None
   _globals['_SETROLESREQUEST_ROLESENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3039
-  _globals['_FINISHREASON']._serialized_end=3134
-  _globals['_ROLE']._serialized_start=3136
-  _globals['_ROLE']._serialized_end=3219
+  _globals['_FINISHREASON']._serialized_start=4015
+  _globals['_FINISHREASON']._serialized_end=4110
+  _globals['_ROLE']._serialized_start=4112
+  _globals['_ROLE']._serialized_end=4195
   _globals['_SAMPLINGPARAMS']._serialized_start=47
-  _globals['_SAMPLINGPARAMS']._serialized_end=385
-  _globals['_TOKENIDS']._serialized_start=387
-  _globals['_TOKENIDS']._serialized_end=410
-  _globals['_GENERATEREQUEST']._serialized_start=413
-  _globals['_GENERATEREQUEST']._serialized_end=684
-  _globals['_USAGE']._serialized_start=686
-  _globals['_USAGE']._serialized_end=773
-  _globals['_TIMINGS']._serialized_start=775
-  _globals['_TIMINGS']._serialized_end=876
-  _globals['_TIMELINE']._serialized_start=879
-  _globals['_TIMELINE']._serialized_end=1556
-  _globals['_GENERATERESPONSE']._serialized_start=1559
-  _globals['_GENERATERESPONSE']._serialized_end=1799
-  _globals['_GETCLUSTERINFOREQUEST']._serialized_start=1801
-  _globals['_GETCLUSTERINFOREQUEST']._serialized_end=1824
-  _globals['_INSTANCEINFO']._serialized_start=1827
-  _globals['_INSTANCEINFO']._serialized_end=2139
-  _globals['_CLUSTERINFO']._serialized_start=2142
-  _globals['_CLUSTERINFO']._serialized_end=2408
-  _globals['_ROLECHANGE']._serialized_start=2411
-  _globals['_ROLECHANGE']._serialized_end=2582
-  _globals['_SETROLESREQUEST']._serialized_start=2585
-  _globals['_SETROLESREQUEST']._serialized_end=2769
-  _globals['_SETROLESREQUEST_ROLESENTRY']._serialized_start=2688
-  _globals['_SETROLESREQUEST_ROLESENTRY']._serialized_end=2752
-  _globals['_SETROLESRESPONSE']._serialized_start=2771
-  _globals['_SETROLESRESPONSE']._serialized_end=2832
-  _globals['_TOKENIZEREQUEST']._serialized_start=2834
-  _globals['_TOKENIZEREQUEST']._serialized_end=2893
-  _globals['_TOKENIZERESPONSE']._serialized_start=2895
-  _globals['_TOKENIZERESPONSE']._serialized_end=2932
-  _globals['_DETOKENIZEREQUEST']._serialized_start=2934
-  _globals['_DETOKENIZEREQUEST']._serialized_end=3001
-  _globals['_DETOKENIZERESPONSE']._serialized_start=3003
-  _globals['_DETOKENIZERESPONSE']._serialized_end=3037
-  _globals['_DISTSERVE']._serialized_start=3222
-  _globals['_DISTSERVE']._serialized_end=3623
+  _globals['_SAMPLINGPARAMS']._serialized_end=969
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=701
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=749
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=972
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1118
+  _globals['_CHOICELIST']._serialized_start=1120
+  _globals['_CHOICELIST']._serialized_end=1149
+  _globals['_TOKENLOGPROBS']._serialized_start=1151
+  _globals['_TOKENLOGPROBS']._serialized_end=1260
+  _globals['_TOKENIDS']._serialized_start=1262
+  _globals['_TOKENIDS']._serialized_end=1285
+  _globals['_GENERATEREQUEST']._serialized_start=1288
+  _globals['_GENERATEREQUEST']._serialized_end=1559
+  _globals['_USAGE']._serialized_start=1561
+  _globals['_USAGE']._serialized_end=1648
+  _globals['_TIMINGS']._serialized_start=1650
+  _globals['_TIMINGS']._serialized_end=1751
+  _globals['_TIMELINE']._serialized_start=1754
+  _globals['_TIMELINE']._serialized_end=2431
+  _globals['_GENERATERESPONSE']._serialized_start=2434
+  _globals['_GENERATERESPONSE']._serialized_end=2775
+  _globals['_GETCLUSTERINFOREQUEST']._serialized_start=2777
+  _globals['_GETCLUSTERINFOREQUEST']._serialized_end=2800
+  _globals['_INSTANCEINFO']._serialized_start=2803
+  _globals['_INSTANCEINFO']._serialized_end=3115
+  _globals['_CLUSTERINFO']._serialized_start=3118
+  _globals['_CLUSTERINFO']._serialized_end=3384
+  _globals['_ROLECHANGE']._serialized_start=3387
+  _globals['_ROLECHANGE']._serialized_end=3558
+  _globals['_SETROLESREQUEST']._serialized_start=3561
+  _globals['_SETROLESREQUEST']._serialized_end=3745
+  _globals['_SETROLESREQUEST_ROLESENTRY']._serialized_start=3664
+  _globals['_SETROLESREQUEST_ROLESENTRY']._serialized_end=3728
+  _globals['_SETROLESRESPONSE']._serialized_start=3747
+  _globals['_SETROLESRESPONSE']._serialized_end=3808
+  _globals['_TOKENIZEREQUEST']._serialized_start=3810
+  _globals['_TOKENIZEREQUEST']._serialized_end=3869
+  _globals['_TOKENIZERESPONSE']._serialized_start=3871
+  _globals['_TOKENIZERESPONSE']._serialized_end=3908
+  _globals['_DETOKENIZEREQUEST']._serialized_start=3910
+  _globals['_DETOKENIZEREQUEST']._serialized_end=3977
+  _globals['_DETOKENIZERESPONSE']._serialized_start=3979
+  _globals['_DETOKENIZERESPONSE']._serialized_end=4013
+  _globals['_DISTSERVE']._serialized_start=4198
+  _globals['_DISTSERVE']._serialized_end=4599
 # @@protoc_insertion_point(module_scope)
