@@ -250,12 +250,16 @@ BAD_REQUESTS = [
     _case(C, _with(COMPLETION, prompt=[5] * 2000), 400, "context", "prompt-too-long"),
     _case(C, _with(COMPLETION, prompt=["ok", ""]), 400, "empty", "batch-with-empty-prompt"),
     _case(C, _with(COMPLETION, frobnicate=1), 400, "frobnicate", "unknown-field"),
-    _case(C, _with(COMPLETION, logprobs=1), 400, "logprobs", "logprobs"),
-    _case(C, _with(COMPLETION, echo=True), 400, "echo", "echo"),
+    _case(C, _with(COMPLETION, logprobs=21), 400, "logprobs", "logprobs-too-many"),
+    _case(C, _with(COMPLETION, echo="yes"), 400, "echo", "echo-string"),
     _case(C, _with(COMPLETION, best_of=3), 400, "best_of", "best_of"),
     _case(C, _with(COMPLETION, suffix="end"), 400, "suffix", "suffix"),
-    _case(C, _with(COMPLETION, logit_bias={"5": 10}), 400, "logit_bias", "logit_bias"),
-    _case(C, _with(COMPLETION, frequency_penalty=0.5), 400, "frequency_penalty", "frequency_penalty"),
+    _case(C, _with(COMPLETION, use_beam_search=True), 400, "use_beam_search", "use_beam_search"),
+    _case(C, _with(COMPLETION, logit_bias={"5": "x"}), 400, "logit_bias", "logit_bias-string"),
+    _case(C, _with(COMPLETION, logit_bias={"5000": 1}), 400, "logit_bias", "logit_bias-out-of-vocab"),
+    _case(C, _with(COMPLETION, frequency_penalty=3), 400, "frequency_penalty", "frequency_penalty"),
+    _case(C, _with(COMPLETION, prompt_logprobs=1, stream=True), 400, "prompt_logprobs", "prompt_logprobs-stream"),
+    _case(C, _with(COMPLETION, structured_outputs={"regex": "a", "choice": ["b"]}), 400, "exactly one", "two-kinds"),
     _case(C, _with(COMPLETION, model="gpt-4"), 404, "gpt-4", "wrong-model"),
     _case(C, b"{not json", 400, "JSON", "not-json"),
     _case(C, [COMPLETION], 400, "object", "body-is-a-list"),
@@ -275,9 +279,11 @@ BAD_REQUESTS = [
     _case(CH, _with(CHAT, messages=[{"role": "user", "content": "river " * 1100}]), 400, "context", "chat-too-long"),
     _case(CH, _with(CHAT, max_completion_tokens=-1), 400, "max_completion_tokens", "max_completion_tokens"),
     _case(CH, _with(CHAT, tools=[{"type": "function"}]), 400, "tools", "tools"),
-    _case(CH, _with(CHAT, response_format={"type": "json_object"}), 400, "response_format", "response_format"),
-    _case(CH, _with(CHAT, logprobs=True), 400, "logprobs", "chat-logprobs"),
-    _case(CH, _with(CHAT, presence_penalty=1), 400, "presence_penalty", "presence_penalty"),
+    _case(CH, _with(CHAT, response_format={"type": "yaml"}), 400, "response_format", "response_format"),
+    _case(CH, _with(CHAT, top_logprobs=2), 400, "logprobs", "chat-top_logprobs-without-logprobs"),
+    _case(CH, _with(CHAT, echo=True), 400, "echo", "chat-echo"),
+    _case(CH, _with(CHAT, chat_template="{{ messages }}"), 400, "chat_template", "chat-template"),
+    _case(CH, _with(CHAT, presence_penalty="1"), 400, "presence_penalty", "presence_penalty"),
     _case(CH, _with(CHAT, prompt="hi"), 400, "prompt", "chat-prompt-field"),
     _case(CH, _with(CHAT, model="other"), 404, "other", "chat-wrong-model"),
     _case("/v1/embeddings", COMPLETION, 404, "/v1/embeddings", "unknown-route"),
@@ -312,6 +318,147 @@ def test_serves_after_bad_requests_and_accepts_neutral_values(server, client):
     status, _ = _request(server, "/v1/completions", COMPLETION)
     assert status == 200
     assert _request(server, "/v1/completions", method="GET")[0] == 405
+
+
+def _stream_events(server, path, body):
+    """The data events of a streamed request, parsed, up to [DONE]."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{server.http_port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        events = [line[6:] for line in response.read().splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_vllm_clients_requests_are_served_with_usage_on_every_chunk(server):
+    """The body `vllm bench serve --backend vllm` sends (with its sampling flags at their neutral
+    values), then guidellm's `continuous_usage_stats`: every chunk has its choice's usage so far."""
+    bench = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "repetition_penalty": 1.0,
+        "max_tokens": 6,
+        "logprobs": None,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "best_of": 1,
+        "use_beam_search": False,
+    }
+    *chunks, last = _stream_events(server, "/v1/completions", bench)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+    assert not any("usage" in c for c in chunks)
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+
+    for path, body in (
+        ("/v1/completions", bench),
+        ("/v1/chat/completions", {**_with(bench, prompt=DROP, logprobs=DROP), "messages": MESSAGES}),
+    ):
+        body = _with(body, stream_options={"include_usage": True, "continuous_usage_stats": True})
+        *chunks, last = _stream_events(server, path, body)
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 6
+        counts = [c["usage"]["completion_tokens"] for c in chunks]
+        assert counts == sorted(counts) and counts[-1] == 6, counts
+        for c in chunks:
+            usage = c["usage"]
+            assert usage["prompt_tokens"] == last["usage"]["prompt_tokens"]
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        if path == "/v1/completions":
+            assert "".join(c["choices"][0]["text"] for c in chunks) == text
+
+
+# The tests below need the engine to honour the fields (logprobs, logit bias, structured outputs).
+
+
+def test_completion_logprobs_with_echo_streamed_or_not(server, client, offline):
+    ref = offline(PROMPT, 5)
+    tokenizer = server.frontend.tokenizer
+    prompt_ids = tokenizer.encode(PROMPT)
+    ids = prompt_ids + ref.output_token_ids
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=2, echo=True)
+    out = client.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    [choice] = out.choices
+    assert choice.text == PROMPT + ref.text
+    lp = choice.logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing precedes the first
+    offsets = [0]
+    for token in lp.tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert lp.text_offset == offsets
+    for i in range(1, len(ids)):
+        top = lp.top_logprobs[i]
+        assert lp.token_logprobs[i] <= 0 and top[lp.tokens[i]] == lp.token_logprobs[i]
+        assert 2 <= len(top) <= 3  # the 2 likeliest and the token itself
+    for i in range(len(prompt_ids), len(ids)):  # greedy: each output token is the likeliest
+        assert lp.token_logprobs[i] == pytest.approx(max(lp.top_logprobs[i].values()))
+
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True})]
+    assert "".join(c.text for c in chunks) == choice.text
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert [x for s in streamed for x in s.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-4)
+
+    prompt_only = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 1}
+    ).choices[0]
+    positions = prompt_only.prompt_logprobs
+    assert len(positions) == len(prompt_ids) and positions[0] is None
+    for i, position in enumerate(positions[1:], 1):
+        own = position[str(prompt_ids[i])]
+        assert own["logprob"] == pytest.approx(lp.token_logprobs[i], abs=1e-4)
+        assert own["rank"] >= 1 and own["decoded_token"] == lp.tokens[i]
+        assert any(p["rank"] == 1 for p in position.values())
+
+
+def test_chat_logprobs_streamed_or_not(server, client, offline):
+    tokenizer = server.frontend.tokenizer
+    ref = offline(_chat_prompt_ids(tokenizer, MESSAGES), 5)
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
+    out = client.chat.completions.create(**kwargs, extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in ref.output_token_ids]
+    for c in content:
+        assert c.bytes == list(c.token.encode("utf-8", errors="replace"))
+        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+        assert c.logprob == pytest.approx(c.top_logprobs[0].logprob)  # greedy: the likeliest
+
+    stream = client.chat.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True})
+    streamed = [t for chunk in stream if chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [c.token for c in content]
+
+
+def test_sampling_fields_reach_the_engine(client, offline):
+    ref = offline(PROMPT, 4)
+    first = ref.output_token_ids[0]
+    banned = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={str(first): -100},
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert banned.choices[0].token_ids[0] != first
+    allowed = [40, 41, 42]
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"allowed_token_ids": allowed, "return_token_ids": True}
+    )
+    assert set(out.choices[0].token_ids) <= set(allowed)
+
+
+def test_structured_outputs_constrain_the_output(client):
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0)
+    chat = client.chat.completions.create(**kwargs, extra_body={"structured_outputs": {"choice": ["river", "sea"]}})
+    assert chat.choices[0].message.content in ("river", "sea")
+    [choice] = client.chat.completions.create(**kwargs, response_format={"type": "json_object"}).choices
+    assert choice.message.content.lstrip().startswith("{")  # a JSON object, or the start of one at the length
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
 
 
 def test_api_key_is_needed_except_for_health(server):
