@@ -16,7 +16,8 @@ from transformers import AutoTokenizer
 from distserve import LLM, SamplingParams
 from distserve.cluster.api import make_cluster_config
 from distserve.entrypoints.frontend import Frontend
-from distserve.entrypoints.openai_server import render_chat, start_http_server
+from distserve.entrypoints.openai_chat import render_chat
+from distserve.entrypoints.openai_server import start_http_server
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
 from distserve.model_executor.tiny_models import ensure_tiny_model

@@ -17,22 +17,11 @@ from transformers import AutoTokenizer
 
 from distserve.core.outputs import RequestOutput, TokenLogprobs
 from distserve.core.sampling_params import SamplingParams, StructuredOutputsParams
-from distserve.entrypoints.openai_server import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
-    FIELDS,
-    IGNORED,
-    NEUTRAL,
-    HTTPError,
-    _parse_chat,
-    _parse_completion,
-    build_app,
-    chat_logprobs,
-    completion_logprobs,
-    field_table,
-    prompt_logprobs_json,
-    token_text,
-)
+from distserve.entrypoints.openai_errors import HTTPError
+from distserve.entrypoints.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, FIELDS, IGNORED, NEUTRAL, field_table
+from distserve.entrypoints.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json, token_text
+from distserve.entrypoints.openai_protocol import parse_chat, parse_completion
+from distserve.entrypoints.openai_server import build_app
 from distserve.model_executor.tiny_models import ensure_tiny_model
 
 MODEL = "tiny-llama"
@@ -47,7 +36,7 @@ TEMPLATE = (
 )
 C, CH = "completions", "chat"
 BASE = {C: {"prompt": "hi", "max_tokens": 2}, CH: {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
-PARSE = {C: _parse_completion, CH: _parse_chat}
+PARSE = {C: parse_completion, CH: parse_chat}
 TABLES = {C: COMPLETION_FIELDS, CH: CHAT_FIELDS}
 
 
@@ -394,7 +383,7 @@ def test_unknown_fields_are_refused_naming_them(frontend, route):
 
 def test_wrong_model_is_404(frontend):
     with pytest.raises(HTTPError) as error:
-        _parse_completion(frontend, {**BASE[C], "model": "gpt-4"})
+        parse_completion(frontend, {**BASE[C], "model": "gpt-4"})
     assert (error.value.status, error.value.code, error.value.param) == (404, "model_not_found", "model")
 
 
@@ -404,7 +393,7 @@ def test_everything_vllm_bench_and_lm_eval_send_is_accepted(frontend):
         "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "ignore_eos": True, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "best_of": 1,
     }  # fmt: skip
-    call = _parse_completion(frontend, bench)
+    call = parse_completion(frontend, bench)
     assert call.continuous_usage and call.jobs[0].params == SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     lm_eval = {
         "model": MODEL,
@@ -415,14 +404,14 @@ def test_everything_vllm_bench_and_lm_eval_send_is_accepted(frontend):
         "seed": 1234,
         "echo": True,
     }
-    call = _parse_completion(frontend, lm_eval)
+    call = parse_completion(frontend, lm_eval)
     params = call.jobs[0].params
     assert call.echo and (params.logprobs, params.prompt_logprobs, call.jobs[0].prompt) == (1, 1, [5, 6, 7])
 
 
 def test_structured_output_fields_name_one_constraint(frontend):
     with pytest.raises(HTTPError) as error:
-        _parse_chat(frontend, {**BASE[CH], "guided_regex": "a", "response_format": {"type": "json_object"}})
+        parse_chat(frontend, {**BASE[CH], "guided_regex": "a", "response_format": {"type": "json_object"}})
     assert "exactly one" in str(error.value) and error.value.param in ("guided_regex", "response_format")
 
 
