@@ -26,7 +26,8 @@ refuses, not only the first. Other routes a client probes (/tokenize, /tokenizer
 listed with their status; a 404 there is not a failure, as each client goes on without them.
 
 Options: ``--num-prompts 20 --request-rate 4 --input-len 32 --output-len 16`` size the load of
-the three benchmark clients (lm-eval's is its task's: 64 + 16 requests); ``--client-timeout``
+the three benchmark clients (lm-eval's is its task's: 64 + 16 requests); ``--vllm-extra=
+"--temperature 0 --top-k 5 --logprobs 2 ..."`` adds flags to both vllm runs; ``--client-timeout``
 bounds each client's run (seconds); ``--venvs DIR`` is where the virtualenvs are (DIR/vllm,
 DIR/guidellm, DIR/lmeval; default ~/venvs, else the executables on PATH); ``--out DIR`` keeps the
 clients' logs and results and, per client, every exchange as JSON lines (CLIENT.jsonl: request
@@ -41,8 +42,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
+import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -85,6 +89,7 @@ class Tally:
     first_error: str | None = None
     first_refused: tuple[str, dict] | None = None  # (path, body) of the first 400
     other_routes: Counter = field(default_factory=Counter)  # (method, path, status)
+    client_left: int = 0  # streams the client closed before their end
     capture: object | None = None  # an open JSONL file, or None
 
     def record(self, method: str, path: str, body: object, status: int, error: str | None, response: object) -> None:
@@ -97,6 +102,8 @@ class Tally:
             return
         self.sent += 1
         self.statuses[status] += 1
+        if isinstance(response, dict) and response.get("client_left"):
+            self.client_left += 1
         if error is not None:
             self.failed += 1
             if self.first_error is None:
@@ -192,26 +199,36 @@ class RecordingProxy:
                 status=upstream.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
             )
             await response.prepare(request)
-            buffer, head, tail, count, error = "", [], [], 0, None
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            buffer, head, tail, count, error, done, client_left = "", [], [], 0, None, False, False
             try:
                 async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-                    buffer += chunk.decode(errors="replace")
+                    buffer += decoder.decode(chunk)
                     while "\n\n" in buffer:
                         event, buffer = buffer.split("\n\n", 1)
                         count += 1
                         (head if len(head) < _KEEP_EVENTS else tail).append(event)
                         del tail[:-_KEEP_EVENTS]
                         error = error or _stream_error(event)
-                await response.write_eof()
-            except (ConnectionError, aiohttp.ClientError) as e:
-                error = error or f"stream broken: {e!r}"
-            if buffer.strip():
-                tail.append(buffer)
-                error = error or f"stream ended inside an event: {buffer[:200]!r}"
+                        done = done or event.strip() == "data: [DONE]"
+                    try:
+                        await response.write(chunk)
+                    except ConnectionError:
+                        client_left = True  # the client's choice (cancelled, or done reading): not a failure
+                        break
+            except aiohttp.ClientError as e:
+                error = error or f"the server's stream broke: {e!r}"
+            if not client_left:
+                with contextlib.suppress(ConnectionError):
+                    await response.write_eof()
+                if buffer.strip():
+                    tail.append(buffer)
+                    error = error or f"stream ended inside an event: {buffer[:200]!r}"
+                if not done:
+                    error = error or "stream ended without 'data: [DONE]'"
             if error is None and upstream.status != 200:
                 error = "\n\n".join(head)[:2000]
-            recorded = {"events": count, "first": head, "last": tail}
+            recorded = {"events": count, "first": head, "last": tail, "client_left": client_left}
             tally.record(method, path, body, upstream.status, error, recorded)
             return response
 
@@ -362,6 +379,7 @@ def client_command(name: str, args: argparse.Namespace, proxy: str, out: Path, m
             "--dataset-name", "random", "--random-input-len", str(inp), "--random-output-len", str(outp),
             "--num-prompts", str(n), "--request-rate", str(rate), "--seed", "0", "--disable-tqdm",
             "--save-result", "--result-dir", str(out), "--result-filename", f"{name}.json",
+            *shlex.split(args.vllm_extra),
         ]  # fmt: skip
     if name == "guidellm":
         exe = _executable(args.venvs, "guidellm", "guidellm")
@@ -442,6 +460,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-rate", type=float, default=4.0)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--vllm-extra", default="", help="more flags for vllm bench serve, e.g. '--temperature 0'")
     parser.add_argument("--client-timeout", type=float, default=600, help="seconds each client may run")
     parser.add_argument("--venvs", type=Path, default=Path.home() / "venvs")
     parser.add_argument("--out", type=Path, default=None, help="directory for logs, results and exchanges")
@@ -520,6 +539,8 @@ def report(results: list, out: Path) -> int:
         others = [f"{m} {p} -> {s} (x{k})" for (m, p, s), k in sorted(tally.other_routes.items())]
         if others:
             print(f"{name}: other routes: {'; '.join(others)}")
+        if tally.client_left:
+            print(f"{name}: closed {tally.client_left} streams before their end (its own choice, not a failure)")
     print(f"\nlogs, results and exchanges: {out}")
     return 0 if ok and results else 1
 
