@@ -197,7 +197,8 @@ if triton is not None:
         split = tl.arange(0, SPLITS_PAD)
         # The same test as the partition's program: oldest..position meets its tokens.
         written = (split < num_splits) & (split * partition <= position) & (split * partition + partition > oldest)
-        written = written & (oldest <= position)
+        # As a vector: Triton 3.9's interpreter refuses a mask that a scalar term made.
+        written = written & (split * 0 + oldest <= position)
         row = (seq * num_heads + head) * num_splits + split
         m = tl.load(max_ptr + row, mask=written, other=float("-inf"))
         overall = tl.max(m, axis=0)
