@@ -453,14 +453,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model name the server serves (default: asked from /v1/models)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     parser.add_argument("--launch-model", default="tiny-llama", help="tiny-llama, another tiny model, llama-58m or DIR")
-    parser.add_argument("--launch-arg", action="append", default=[], help="one more flag for distserve launch")
+    parser.add_argument(
+        "--launch-arg", action="append", default=[], help="a flag for distserve launch: --launch-arg=--flag=value"
+    )
     parser.add_argument("--launch-timeout", type=float, default=900, help="seconds to wait for the server")
     parser.add_argument("--clients", default=",".join(CLIENTS), help=f"comma-separated, of {', '.join(CLIENTS)}")
     parser.add_argument("--num-prompts", type=int, default=20)
     parser.add_argument("--request-rate", type=float, default=4.0)
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--vllm-extra", default="", help="more flags for vllm bench serve, e.g. '--temperature 0'")
+    parser.add_argument("--vllm-extra", default="", help="vllm bench serve flags: --vllm-extra='--top-k 5'")
     parser.add_argument("--client-timeout", type=float, default=600, help="seconds each client may run")
     parser.add_argument("--venvs", type=Path, default=Path.home() / "venvs")
     parser.add_argument("--out", type=Path, default=None, help="directory for logs, results and exchanges")
