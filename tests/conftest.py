@@ -1,8 +1,11 @@
 import asyncio
+import json
 import os
 import random
+import re
 import time
 
+import jsonschema
 import pytest
 import torch
 
@@ -153,3 +156,32 @@ def make_tls_cert(directory) -> tuple[str, str]:
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return str(cert_path), str(key_path)
+
+
+# Structured outputs' specs and the check that an output is in their language.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "rank": {"type": "integer", "minimum": 1, "maximum": 9},
+        "open": {"type": "boolean"},
+    },
+    "required": ["city", "rank", "open"],
+    "additionalProperties": False,
+}
+PROMPTS = ["Hello", "Tell me where", "x" * 40, "abc"]
+GRAMMAR = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-c]+'
+
+
+def check_structured(kind: str, text: str) -> None:
+    """The text is a sentence of its kind's language (tests/test_structured_generation.py's specs)."""
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "json_object":
+        assert isinstance(json.loads(text), dict)
+    elif kind == "regex":
+        assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", text)
+    elif kind == "choice":
+        assert text in ("yes", "no", "maybe")
+    else:
+        assert re.fullmatch(r"\([a-c]+(,[a-c]+)*\)", text)

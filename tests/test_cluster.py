@@ -8,7 +8,16 @@ import time
 
 import psutil
 import pytest
-from conftest import in_use, random_prompts, reference_greedy, wait_nothing_in_use, wait_nothing_in_use_async
+from conftest import (
+    PROMPTS,
+    SCHEMA,
+    check_structured,
+    in_use,
+    random_prompts,
+    reference_greedy,
+    wait_nothing_in_use,
+    wait_nothing_in_use_async,
+)
 
 from distserve import LLM, AsyncCluster, Cluster, SamplingParams
 from distserve.cluster.api import make_cluster_config
@@ -183,6 +192,14 @@ def test_chunked_colocated_cluster_equals_transformers_and_frees_prompts_left_ha
             assert out.output_token_ids == reference_greedy(llama, prompt, n)
         longest = outputs[LENGTHS.index(200)].metrics
         assert longest.prefill_batch_tokens <= 16 < 200  # its last chunk's step, not the whole prompt
+        # Structured outputs beside chunked prompts: every document complete and valid.
+        structured = [
+            SamplingParams(max_tokens=300, temperature=1.0, seed=s, structured_outputs={"json": SCHEMA})
+            for s in range(4)
+        ]
+        for out in cluster.generate(PROMPTS, structured):
+            assert out.finish_reason == "stop", out.text
+            check_structured("json", out.text)
         # Its 13 chunk steps follow one another: a step that samples nothing is no reason to idle.
         assert longest.prefill_end - longest.prefill_start < 13 * IDLE_HEALTH_CHECK_S / 2
 

@@ -10,7 +10,7 @@ import urllib.request
 
 import openai
 import pytest
-from conftest import make_tls_cert, wait_nothing_in_use
+from conftest import SCHEMA, check_structured, make_tls_cert, wait_nothing_in_use
 from transformers import AutoTokenizer
 
 from distserve import LLM, SamplingParams
@@ -456,10 +456,20 @@ def test_structured_outputs_constrain_the_output(client):
     kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=20, temperature=0)
     chat = client.chat.completions.create(**kwargs, extra_body={"structured_outputs": {"choice": ["river", "sea"]}})
     assert chat.choices[0].message.content in ("river", "sea")
-    [choice] = client.chat.completions.create(**kwargs, response_format={"type": "json_object"}).choices
-    assert choice.message.content.lstrip().startswith("{")  # a JSON object, or the start of one at the length
-    if choice.finish_reason == "stop":
-        assert isinstance(json.loads(choice.message.content), dict)
+    schema = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA}}
+    free = dict(kwargs, max_tokens=300, temperature=1.0)
+    for seed in range(2):  # on the prefill instance the opening brace, on the decode instance the rest
+        [choice] = client.chat.completions.create(**free, seed=seed, response_format=schema).choices
+        assert choice.finish_reason == "stop", choice.message.content
+        check_structured("json", choice.message.content)
+    [choice] = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=300,
+        seed=1,
+        extra_body={"structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"}},
+    ).choices
+    check_structured("regex", choice.text)
 
 
 def test_api_key_is_needed_except_for_health(server):

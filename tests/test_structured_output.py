@@ -17,14 +17,9 @@ import torch
 from distserve.core.config import ModelConfig
 from distserve.core.errors import RequestError
 from distserve.core.sampling_params import StructuredOutputsParams
-from distserve.engine.structured_output import (
-    GrammarCompiler,
-    GrammarMatcher,
-    _apply_bitmask_torch,
-    allocate_bitmask,
-    apply_bitmask,
-)
+from distserve.engine.structured_output import GrammarCompiler, GrammarMatcher
 from distserve.model_executor.model_loader import load_tokenizer, resolve_model
+from distserve.model_executor.token_bitmask import _apply_bitmask_torch, allocate_bitmask, apply_bitmask
 
 SCHEMA = {
     "type": "object",

@@ -65,6 +65,9 @@ class Sequence:
         # Logprobs of the prompt's tokens after the first, as its prefill chunks compute them
         # (SamplingParams.prompt_logprobs); sent with the first output token.
         self.prompt_logprobs: list[TokenLogprobs] = []
+        # Where its output stands in its structured outputs' grammar (an engine's GrammarMatcher),
+        # rebuilt from the output tokens wherever it runs; None when unconstrained.
+        self.grammar = None
         # Incremental detokenization state.
         self.output_text = ""
         self.num_text_sent = 0  # characters of output_text already in deltas

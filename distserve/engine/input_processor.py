@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from distserve.core.errors import RequestError
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.sequence import Sequence
+from distserve.engine.structured_output import GrammarCompiler
 
 
 class InputProcessor:
@@ -29,6 +30,14 @@ class InputProcessor:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.eos_token_ids = frozenset(eos_token_ids)
+        self._grammars: GrammarCompiler | None = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured outputs' grammar compiler, made on first use (it indexes the vocabulary)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars
 
     def process(
         self,
@@ -84,6 +93,8 @@ class InputProcessor:
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise RequestError(f"{name} names token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)  # RequestError if it does not compile; cached
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         return dataclasses.replace(
             params, all_stop_token_ids=tuple(sorted(stops)), bad_words_token_ids=self._bad_words(params.bad_words)

@@ -25,6 +25,7 @@ from distserve.engine.prefill_role import PrefillRole
 from distserve.engine.role import ColocatedRole, InstanceRole
 from distserve.model_executor.model_loader import eos_token_ids, load_tokenizer, resolve_model
 from distserve.model_executor.model_runner import BatchInput, SeqInput
+from distserve.model_executor.token_bitmask import allocate_bitmask
 from distserve.parallel.ranks import check_parallel_config
 from distserve.scheduling.block_manager import BlockManager
 from distserve.scheduling.scheduler import Scheduler
@@ -155,6 +156,9 @@ class LLMEngine:
         self.detokenizer.start(seq)
         if seq.num_output_tokens:  # handed over: its text so far, of which num_text_sent was sent
             self.detokenizer.step(seq)
+        structured = seq.sampling_params.structured_outputs
+        if structured is not None and seq.grammar is None:  # its place in the grammar, from its tokens
+            seq.grammar = self.input_processor.grammars.matcher(structured, seq.output_token_ids)
         self.requests[seq.request_id] = seq
 
     def add_sequence(self, seq: Sequence) -> None:
@@ -271,6 +275,7 @@ class LLMEngine:
         if not batch.seqs:
             return []
         model_input = BatchInput.from_sequences(batch.is_prefill, batch.seqs, batch.num_decode, batch.num_new_tokens)
+        self._constrain(batch.seqs, model_input.seqs)
         started = time.time()
         output = self.executor.execute_model(model_input)
         timer.lap("execute")
@@ -304,6 +309,19 @@ class LLMEngine:
         self.step_time.observe(record.num_tokens, record.total)
         return deltas
 
+    def _constrain(self, seqs: list[Sequence], inputs: list[SeqInput]) -> None:
+        """Give each sampling input of a constrained request its row of the grammar's bitmask."""
+        constrained = [(seq, i) for seq, i in zip(seqs, inputs) if seq.grammar is not None and i.sample]
+        if not constrained:
+            return
+        bitmask = allocate_bitmask(len(constrained), self.vocab_size)
+        for row, (seq, seq_input) in enumerate(constrained):
+            seq.grammar.fill_bitmask(bitmask, row)
+            seq_input.token_bitmask = bitmask[row]
+            if seq_input.output_index < seq.sampling_params.min_tokens and seq.grammar.is_completed():
+                # A complete output may end: min_tokens must not ban the only tokens the grammar allows.
+                seq_input.sampling_params = dataclasses.replace(seq.sampling_params, min_tokens=0)
+
     def _append_token(
         self, seq: Sequence, token: int, after_prefill: bool, logprobs: TokenLogprobs | None = None
     ) -> RequestDelta:
@@ -318,6 +336,12 @@ class LLMEngine:
             reason = "stop"
         elif params.stop and find_stop_string(seq, text) is not None:
             reason = "stop"
+        if seq.grammar is not None and reason is None:
+            if not seq.grammar.accept(token):  # only when the step's bans left no token it allows
+                logger.warning("%s: token %d breaks its structured output; it ends here", seq.request_id, token)
+                reason = "stop"
+            elif seq.grammar.is_terminated():  # complete: nothing may follow, whatever ignore_eos says
+                reason = "stop"
         if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         extras = self._logprob_fields(seq, logprobs)

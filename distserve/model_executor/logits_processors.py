@@ -23,6 +23,7 @@ class LogitsRow(Protocol):
     sampling_params: SamplingParams
     output_index: int
     token_history: list[int] | None
+    token_bitmask: torch.Tensor | None
 
 
 def _split_history(row: LogitsRow) -> tuple[list[int], list[int]]:

@@ -38,6 +38,8 @@ class SeqInput:
     # The request's tokens so far, prompt first: only for what needs them (penalties, multi-token
     # bad words, prompt logprobs), so that other requests' inputs stay small.
     token_history: list[int] | None = None
+    # Its structured outputs' allowed tokens for this step (a row of int32 words), or None.
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

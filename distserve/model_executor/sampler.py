@@ -14,6 +14,7 @@ from distserve.core.outputs import TokenLogprobs
 from distserve.core.sampling_params import SamplingParams
 from distserve.model_executor.logits_processors import LogitsRow, apply_logits_processors
 from distserve.model_executor.logprobs import token_logprobs
+from distserve.model_executor.token_bitmask import apply_bitmask
 
 
 @dataclass
@@ -36,6 +37,14 @@ class Sampler:
         it asks for (of the model's logits as they came)."""
         params = [row.sampling_params for row in rows]
         shaped = apply_logits_processors(logits.float(), rows)
+        constrained = [i for i, row in enumerate(rows) if row.token_bitmask is not None]
+        if constrained:
+            if shaped is logits:  # the raw logits stay as they are, for logprobs
+                shaped = shaped.clone()
+            bitmask = torch.stack([rows[i].token_bitmask for i in constrained])
+            part = shaped[constrained]
+            apply_bitmask(part, bitmask)
+            shaped[constrained] = part
         tokens = self._select(shaped, params, [row.output_index for row in rows])
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not wanted:
