@@ -10,7 +10,8 @@ import urllib.request
 
 import openai
 import pytest
-from conftest import SCHEMA, check_structured, make_tls_cert, wait_nothing_in_use
+import torch
+from conftest import SCHEMA, check_structured, make_tls_cert, random_prompts, wait_nothing_in_use
 from transformers import AutoTokenizer
 
 from distserve import LLM, SamplingParams
@@ -376,6 +377,24 @@ def test_vllm_clients_requests_are_served_with_usage_on_every_chunk(server):
 
 
 # The tests below need the engine to honour the fields (logprobs, logit bias, structured outputs).
+
+
+def test_a_log_likelihood_request_equals_transformers_log_softmax(server, reference_model):
+    """What lm-eval's local-completions model sends to score a continuation: token-id prompts, one
+    token, echo and logprobs. Each prompt token's logprob is transformers' log-softmax at it."""
+    model = reference_model(MODEL)
+    prompts = random_prompts([12, 40], model.config.vocab_size, seed=8)
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    status, reply = _request(server, "/v1/completions", body)
+    assert status == 200, reply
+    for prompt, choice in zip(prompts, sorted(reply["choices"], key=lambda c: c["index"])):
+        got = choice["logprobs"]["token_logprobs"]
+        assert len(got) == len(prompt) + 1 and got[0] is None
+        with torch.inference_mode():
+            want = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        expected = want[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        assert torch.allclose(torch.tensor(got[1 : len(prompt)]), expected, atol=1e-4)
+        assert got[-1] == pytest.approx(want[-1].max().item(), abs=1e-4)  # greedy: the likeliest
 
 
 def test_completion_logprobs_with_echo_streamed_or_not(server, client, offline):
