@@ -40,7 +40,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: frozens
     out of the namespace. Flags in ``_HIDDEN_FIELDS`` are parsed but not listed."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        if f.name in skip or f.metadata.get("internal"):
             continue
         dest = f.name
         kind = hints[f.name]
@@ -52,7 +52,9 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: frozens
         if isinstance(kind, types.UnionType):  # "X | None": the flag takes an X
             kind = next(a for a in args if a is not type(None))
             args = typing.get_args(kind)
-        if kind is bool:
+        if "parse" in f.metadata:  # a structured value, given as JSON
+            kwargs["type"] = f.metadata["parse"]
+        elif kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is list:
             kwargs.update(action="append", type=args[0])
@@ -316,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     for cls in SECTIONS.values():
         add_dataclass_args(gen.add_argument_group(cls.__name__), cls)
     # --seed is the engine's; with --server it seeds the requests (see cmd_generate).
-    add_dataclass_args(gen.add_argument_group("SamplingParams"), SamplingParams, skip=frozenset({"seed"}))
+    add_dataclass_args(gen.add_argument_group("SamplingParams"), SamplingParams, skip=frozenset({"seed", "n"}))
     gen.set_defaults(func=cmd_generate)
 
     launch = sub.add_parser(

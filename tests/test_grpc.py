@@ -359,6 +359,13 @@ def test_status_and_remote_generate_cli(server, client, capsys):
     assert main(seeded) == 0
     assert capsys.readouterr().out == sampled.text + "\n"
 
+    # Structured values as JSON: a regex the text matches, a bias that makes token 7 every token.
+    assert main([*seeded[:-1], "--structured-outputs", '{"regex": "[a-z]{3}-[0-9]{2}"}', "Hi"]) == 0
+    check_structured("regex", capsys.readouterr().out.rstrip("\n"))
+    assert main([*args, "--logit-bias", '{"7": 100}', "Hi"]) == 0
+    biased = client.complete("Hi", max_tokens=8, temperature=0, logit_bias={7: 100})
+    assert biased.token_ids == [7] * 8 and capsys.readouterr().out == biased.text + "\n"
+
 
 def test_tls_and_a_lost_decode_instance(ray_cluster, tmp_path):
     """Over TLS, with re-runs and replacement off: streams in flight when the decode instance dies end

@@ -3,6 +3,7 @@ follow vLLM's ``SamplingParams``."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 
@@ -95,7 +96,11 @@ class SamplingParams:
         metadata={"help": "divide positive (multiply negative) logits of prompt and output tokens by this; 1 is off"},
     )
     logit_bias: dict[int, float] | None = field(
-        default=None, metadata={"help": "token id -> value added to its logit (-100 bans it)"}
+        default=None,
+        metadata={
+            "help": 'token id -> value added to its logit (-100 bans it), as JSON: {"42": 5}',
+            "parse": json.loads,
+        },
     )
     allowed_token_ids: list[int] | None = field(default=None, metadata={"help": "sample only among these tokens"})
     bad_words: list[str] = field(default_factory=list, metadata={"help": "never generate this word"})
@@ -107,7 +112,11 @@ class SamplingParams:
     )
     truncate_prompt_tokens: int | None = field(default=None, metadata={"help": "keep only the prompt's last N tokens"})
     structured_outputs: StructuredOutputsParams | None = field(
-        default=None, metadata={"help": "constrain the output to a JSON schema, regex, choice or grammar"}
+        default=None,
+        metadata={
+            "help": 'constrain the output, as JSON: {"json": SCHEMA}, {"regex": R}, {"choice": [...]}, {"grammar": G}',
+            "parse": json.loads,
+        },
     )
     n: int = field(default=1, metadata={"help": "samples of the prompt"})
     # Filled in by the engine that admits the request, from its tokenizer and model.

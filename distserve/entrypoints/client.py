@@ -92,6 +92,8 @@ def make_request(
     """A GenerateRequest; ``sampling`` takes the SamplingParams fields (max_tokens, temperature, ...);
     ``timeline`` asks for the request's stage-by-stage Timeline on its last message; ``slo_ttft``
     and ``slo_tpot`` are the request's own latency objectives (seconds) for adaptive role control."""
+    if sampling.get("logit_bias"):  # JSON's keys are strings; the message's are token ids
+        sampling["logit_bias"] = {int(token): value for token, value in sampling["logit_bias"].items()}
     structured = sampling.pop("structured_outputs", None)
     if isinstance(structured, dict):  # {"json": schema}, {"choice": [...]}, ... as SamplingParams takes it
         ((kind, value),) = structured.items()
