@@ -491,6 +491,17 @@ def test_structured_outputs_constrain_the_output(client):
     check_structured("regex", choice.text)
 
 
+def test_tokenize_and_detokenize_as_vllm_serves_them(server):
+    tokenizer = server.frontend.tokenizer
+    status, reply = _request(server, "/tokenize", {"model": MODEL, "prompt": PROMPT, "add_special_tokens": False})
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert status == 200 and reply == {"count": len(ids), "max_model_len": server.frontend.max_model_len, "tokens": ids}
+    assert _request(server, "/detokenize", {"model": MODEL, "tokens": ids}) == (200, {"prompt": PROMPT})
+    status, reply = _request(server, "/detokenize", {"tokens": [len(tokenizer) + 3]})
+    assert status == 400 and "token ids must be in" in reply["error"]["message"]
+    assert _request(server, "/tokenize", {"prompt": PROMPT}, key=None)[0] == 401
+
+
 def test_api_key_is_needed_except_for_health(server):
     wrong = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -60,6 +60,14 @@ class Frontend:
         processor = self.cluster.orchestrator.input_processor
         return min(processor.max_model_len, processor.num_kv_blocks * processor.block_size)
 
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``token_ids``; InvalidRequest for an id outside the tokenizer."""
+        vocab_size = len(self.tokenizer)
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(f"token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
     def authenticate(self, authorization: str | None) -> None:
         """Check an ``authorization: Bearer KEY`` value against the server's key, if it has one."""
         expected = self.config.api_key

@@ -246,12 +246,10 @@ class DistServeServicer(pb_grpc.DistServeServicer):
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):
         await self._authenticate(context)
-        vocab_size = len(self.frontend.tokenizer)
-        bad = [t for t in request.token_ids if not 0 <= t < vocab_size]
-        if bad:
-            message = f"token ids must be in [0, {vocab_size}), got {bad[:5]}"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-        text = self.frontend.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+        try:
+            text = self.frontend.detokenize(list(request.token_ids), request.skip_special_tokens)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.DetokenizeResponse(text=text)
 
 

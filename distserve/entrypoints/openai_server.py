@@ -256,7 +256,7 @@ def build_app(frontend: Frontend) -> web.Application:
     @web.middleware
     async def errors_and_auth(request: web.Request, handler) -> web.StreamResponse:
         try:
-            if request.path.startswith("/v1/") or request.path == "/metrics":
+            if request.path.startswith("/v1/") or request.path in ("/metrics", "/tokenize", "/detokenize"):
                 frontend.authenticate(request.headers.get("Authorization"))
             return await handler(request)
         except web.HTTPException as e:
@@ -296,6 +296,26 @@ def build_app(frontend: Frontend) -> web.Application:
         check_model(frontend, request.match_info["model"])
         return web.json_response(model_card())
 
+    async def tokenize(request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize``: a prompt's token ids (benchmark clients align lengths with it)."""
+        body = await read_json(request)
+        fields = body if isinstance(body, dict) else {}
+        prompt, special = fields.get("prompt"), fields.get("add_special_tokens", True)
+        if not isinstance(prompt, str) or not isinstance(special, bool):
+            raise HTTPError("'/tokenize' takes {'prompt': text, 'add_special_tokens': bool}", param="prompt")
+        check_model(frontend, fields.get("model", frontend.model_name))
+        tokens = frontend.tokenizer.encode(prompt, add_special_tokens=special)
+        return web.json_response({"count": len(tokens), "max_model_len": frontend.max_model_len, "tokens": tokens})
+
+    async def detokenize(request: web.Request) -> web.Response:
+        """vLLM's ``/detokenize``: the text of token ids."""
+        body = await read_json(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list):
+            raise HTTPError("'/detokenize' takes {'tokens': [token ids]}", param="tokens")
+        check_model(frontend, body.get("model", frontend.model_name))
+        return web.json_response({"prompt": frontend.detokenize(tokens)})
+
     async def health(request: web.Request) -> web.Response:
         if frontend.draining:
             return web.json_response({"status": "draining"}, status=503)
@@ -310,6 +330,8 @@ def build_app(frontend: Frontend) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", model)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     return app
