@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from distserve.core.errors import RequestError
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.sequence import Sequence
-from distserve.engine.structured_output import GrammarCompiler
+
+if TYPE_CHECKING:
+    from distserve.engine.structured_output import GrammarCompiler
 
 
 class InputProcessor:
@@ -36,6 +39,8 @@ class InputProcessor:
     def grammars(self) -> GrammarCompiler:
         """The structured outputs' grammar compiler, made on first use (it indexes the vocabulary)."""
         if self._grammars is None:
+            from distserve.engine.structured_output import GrammarCompiler  # the grammar library: when first needed
+
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         return self._grammars
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import xgrammar as xgr
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -56,6 +55,8 @@ def apply_bitmask(
         and logits.dtype in (torch.float32, torch.bfloat16, torch.float16)
         and logits.stride(1) == 1
     ):
+        import xgrammar as xgr  # only a structured output's step needs the grammar library
+
         indices = None if rows_index is None else rows_index.tolist()
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered, indices=indices, backend="cpu")
     else:
