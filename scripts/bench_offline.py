@@ -649,17 +649,21 @@ def print_feature_summary(results: list[Result]) -> None:
         + " ".join(f"{phase:>11}" for phase in PHASES)
         + f" {'total':>8} {'not forward':>11} {'added':>7}"
     )
-    plain_total = plain_other = 0.0
+    per_token = {
+        features: {p: sum(rec.seconds.get(p, 0.0) for r in runs for rec in r.records) for p in PHASES}
+        for features, runs in rows.items()
+    }
     for features, runs in rows.items():
         tokens = sum(r.output_tokens for r in runs)
-        per_token = {p: sum(rec.seconds.get(p, 0.0) for r in runs for rec in r.records) * 1e3 / tokens for p in PHASES}
-        total = sum(per_token.values())
-        other = total - per_token["forward"]
-        if not features:
-            plain_total, plain_other = total, other
+        per_token[features] = {p: seconds * 1e3 / tokens for p, seconds in per_token[features].items()}
+    plain_total = sum(per_token[""].values())
+    plain_other = plain_total - per_token[""]["forward"]
+    for features, ms in per_token.items():
+        total = sum(ms.values())
+        other = total - ms["forward"]
         print(
             f"{names[features]:<{w}} "
-            + " ".join(f"{per_token[p]:11.3f}" for p in PHASES)
+            + " ".join(f"{ms[p]:11.3f}" for p in PHASES)
             + f" {total:8.3f} {other:11.3f} {(other - plain_other) / plain_total:7.1%}"
         )
     for features, runs in rows.items():
