@@ -225,25 +225,26 @@ def test_arrivals_of_a_remembered_load_change_roles_without_waiting_for_a_tick(r
 
 # Prompts of 64 tokens or more: wherever one lands it runs chunk steps beside decode steps, steps
 # of sizes far enough apart for the instance to fit its line.
-FORECAST_WARMUP = [120, 96, 64, 88, 100, 72, 110, 80]
+FORECAST_WARMUP = [240, 200, 150, 230, 210, 170, 250, 190]
 
 
 def _forecasting_cluster(**control) -> AsyncCluster:
-    """Two instances, chunked prefill of 32 tokens a step, and SLOs no colocated step meets: a TPOT
+    """Two instances, chunked prefill of 256 tokens a step, and SLOs no colocated step meets: a TPOT
     of 0.1 ms, a decode-only step least badly. A tick is a minute away and a window needs 50
     requests: only memory or the forecast can move roles."""
     control = {"mode": "fixed", "slo_ttft": 100.0, "slo_tpot": 1e-4, "interval": 60.0, "min_requests": 50,
                "min_dwell": 0.0, **control}  # fmt: skip
     return AsyncCluster(model="tiny-llama", prefill={}, decode={}, enable_chunked_prefill=True,
-                        max_num_batched_tokens=32, role_control=control)  # fmt: skip
+                        max_num_batched_tokens=256, role_control=control)  # fmt: skip
 
 
 async def _colocated_with_step_lines(cluster: AsyncCluster, warmup: list[list[int]]) -> tuple[list, list]:
     """Both instances colocated by hand, each with its step-time line from ``warmup`` (their outputs
     and the lines), then roles handed to the controller. The tiny model's steps cost little more per
-    token than their fixed cost, so a slope can drown in the machine's noise (the line is then left
-    unknown): the warmup runs again, up to twice more, until both instances know theirs; the
-    outputs are its first run's."""
+    token than their fixed cost: only steps of 150-250 prompt tokens against decode steps of a few
+    tokens say the slope over a busy machine's noise of several milliseconds a step (chunks of 32
+    did not, on CI). Should it still drown (the line is then left unknown), the warmup runs again,
+    up to twice more, until both instances know theirs; the outputs are its first run's."""
     await cluster.set_roles({i.name: C for i in await cluster.info()})
 
     async def serve_and_read_lines() -> tuple[list, list]:
