@@ -61,20 +61,20 @@ def _so(**kind):
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 
 # field -> [(value, expected, more body)]: the request parses, and `expected` holds of it. Keys of
-# `expected` are SamplingParams fields of the first choice, or "call.<attribute>", "jobs" (how
-# many), "prompt" and "text" (the first choice's prompt, and its text as sent); {}: the same params
+# `expected` are SamplingParams fields of the first prompt's job, or "call.<attribute>", "choices"
+# (how many), "prompt" and "text" (the first job's prompt, and its text as sent); {}: the same params
 # as without the field. (route, field) keys are for one route only.
 ACCEPTED = {
     "model": [(MODEL, {}, {})],
-    "prompt": [([5, 6, 7], {"prompt": [5, 6, 7], "text": None}, {}), (["a", "b"], {"jobs": 2}, {})],
+    "prompt": [([5, 6, 7], {"prompt": [5, 6, 7], "text": None}, {}), (["a", "b"], {"choices": 2}, {})],
     "messages": [
         ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], {"text": "<|user|>hi\n<|assistant|>"}, {})
     ],
     (C, "max_tokens"): [(5, {"max_tokens": 5}, {}), (5000, {"max_tokens": MAX_MODEL_LEN}, {})],
     (CH, "max_tokens"): [(5, {"max_tokens": 5}, {})],
     "max_completion_tokens": [(7, {"max_tokens": 7}, {"max_tokens": 3})],
-    "n": [(3, {"jobs": 3, "call.n": 3}, {})],
-    "best_of": [(1, {}, {}), (2, {"jobs": 2}, {"n": 2})],
+    "n": [(3, {"choices": 3, "call.n": 3, "n": 3}, {})],
+    "best_of": [(1, {}, {}), (2, {"choices": 2}, {"n": 2})],
     "temperature": [(0, {"temperature": 0}, {})],
     "top_p": [(0.5, {"top_p": 0.5}, {})],
     "seed": [(7, {"seed": 7}, {})],
@@ -328,8 +328,8 @@ def _value(call, path, tokenizer):
     job = call.jobs[0]
     if path.startswith("call."):
         return getattr(call, path[5:])
-    if path == "jobs":
-        return len(call.jobs)
+    if path == "choices":
+        return call.num_choices
     if path in ("prompt", "text"):
         return getattr(job, path)
     return getattr(job.params, path)
@@ -537,33 +537,36 @@ class ScriptedFrontend:
         return _entry(token_id, -(1 + position) / 10, 1, top)
 
     async def generate(self, prompt, params, request_id=None, priority=0, admitted=False, slo=None):
+        """Its ``n`` samples' outputs in turn, token by token; the prompt's logprobs with sample 0's first."""
         self.calls.append((prompt, params, request_id, priority))
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         tokens = OUTPUT[: params.max_tokens]
         prompt_entries = None
         if params.prompt_logprobs is not None:
             prompt_entries = [None] + [self.entry(t, i, params.prompt_logprobs) for i, t in enumerate(prompt_ids[1:])]
-        logprobs = []
+        logprobs = [[] for _ in range(params.n)]
         for i, token in enumerate(tokens):
-            await asyncio.sleep(0)
-            new = [self.entry(token, i, params.logprobs)] if params.logprobs is not None else None
-            logprobs += new or []
-            finished = i == len(tokens) - 1
-            yield RequestOutput(
-                request_id=request_id,
-                prompt=prompt if isinstance(prompt, str) else None,
-                prompt_token_ids=prompt_ids,
-                output_token_ids=tokens[: i + 1],
-                text=self.tokenizer.decode(tokens[: i + 1]),
-                new_token_ids=[token],
-                new_text=self.tokenizer.decode([token]),
-                finished=finished,
-                finish_reason="length" if finished else None,
-                num_cached_tokens=0,
-                logprobs=list(logprobs) if new is not None else None,
-                new_logprobs=new,
-                prompt_logprobs=prompt_entries if i == 0 else None,  # with the first output only
-            )
+            for index in range(params.n):
+                await asyncio.sleep(0)
+                new = [self.entry(token, i, params.logprobs)] if params.logprobs is not None else None
+                logprobs[index] += new or []
+                finished = i == len(tokens) - 1
+                yield RequestOutput(
+                    request_id=request_id,
+                    prompt=prompt if isinstance(prompt, str) else None,
+                    prompt_token_ids=prompt_ids,
+                    output_token_ids=tokens[: i + 1],
+                    text=self.tokenizer.decode(tokens[: i + 1]),
+                    new_token_ids=[token],
+                    new_text=self.tokenizer.decode([token]),
+                    finished=finished,
+                    finish_reason="length" if finished else None,
+                    num_cached_tokens=0,
+                    logprobs=list(logprobs[index]) if new is not None else None,
+                    new_logprobs=new,
+                    prompt_logprobs=prompt_entries if i == 0 and index == 0 else None,
+                    index=index,
+                )
 
 
 def _post(tokenizer, path, body):
@@ -621,8 +624,8 @@ def test_completion_prompt_logprobs_and_token_ids(tokenizer):
         tokenizer, "/v1/completions", {**body, "return_tokens_as_token_ids": True, "logprobs": 0}
     )
     assert status == 200, reply
-    assert reply["id"] == "cmpl-r1" and [c[3] for c in frontend.calls] == [3, 3]
-    assert len({c[2] for c in frontend.calls}) == 2  # each choice its own engine request id
+    assert reply["id"] == "cmpl-r1" and [(c[1].n, c[3]) for c in frontend.calls] == [(2, 3)]  # one request
+    assert [c["index"] for c in reply["choices"]] == [0, 1]
     prompt_ids = tokenizer.encode(PROMPT)
     for choice in reply["choices"]:
         positions = choice["prompt_logprobs"]

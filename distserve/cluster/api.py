@@ -154,7 +154,8 @@ class Cluster:
         prompts: str | list[int] | Sequence[str | list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts concurrently to completion; final outputs in prompt order."""
+        """Run prompts concurrently to completion; final outputs in prompt order, a request of
+        ``n`` samples' n in a row (by ``RequestOutput.index``)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -163,13 +164,15 @@ class Cluster:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
 
-        async def final(prompt, p) -> RequestOutput:
+        async def final(prompt, p) -> list[RequestOutput]:
+            last: dict[int, RequestOutput] = {}
             async for output in self._async.generate(prompt, p):
-                last = output
-            return last
+                last[output.index] = output
+            return [last[i] for i in sorted(last)]
 
         async def run_all() -> list[RequestOutput]:
-            return list(await asyncio.gather(*(final(prompt, p) for prompt, p in zip(prompts, params))))
+            finals = await asyncio.gather(*(final(prompt, p) for prompt, p in zip(prompts, params)))
+            return [output for outputs in finals for output in outputs]
 
         return self._run(run_all())
 

@@ -322,8 +322,7 @@ class Instance:
             elif kind == "give_back":
                 deltas += self.engine.give_back(payload)
             elif kind == "abort":
-                delta = self.engine.abort_request(*payload)
-                deltas += [delta] if delta is not None else []
+                deltas += self.engine.abort_request(*payload)
             elif kind == "pulled":
                 deltas += self.engine.pull_done(*payload)
         self._publish(deltas)
@@ -355,7 +354,8 @@ class Instance:
         with self._outputs_ready:
             self._outputs.extend(deltas)
             for delta in deltas:
-                if delta.finished and self._active.get(delta.request_id) == delta.attempt:
+                run_over = delta.finished and not delta.samples_left
+                if run_over and self._active.get(delta.request_id) == delta.attempt:
                     del self._active[delta.request_id]
                 self._urgent = self._urgent or delta.finished or delta.handover is not None or delta.first
             # A wake-up takes the interpreter from this loop: only when the poll is to return.

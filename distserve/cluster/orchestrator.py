@@ -69,12 +69,11 @@ class RequestState:
     attempt: int = 0  # the current run: 0, then one more per re-run
     failed_runs: int = 0  # runs ended by a failure (not by a role change giving the request back)
     rerunning: bool = False
-    delivered_tokens: int = 0  # how far the client has got
-    delivered_text: int = 0  # characters
-    run: OutputBuilder = field(init=False)  # the current run's output, built up from deltas
+    samples: list[SampleStream] = field(init=False)  # one per sample (SamplingParams.n)
 
     def __post_init__(self) -> None:
-        self.run = OutputBuilder(self.request_id, self.prompt, self.prompt_token_ids, self.metrics)
+        self.samples = [SampleStream() for _ in range(self.params.n)]
+        self.new_attempt(0)
 
     @property
     def load(self) -> int:
@@ -86,14 +85,36 @@ class RequestState:
         found = [s for s in (self.prefill, self.decode, self.source) if s is not None]
         return [s for i, s in enumerate(found) if s not in found[:i]]
 
-    def new_attempt(self) -> None:
-        self.attempt += 1
-        self.run = OutputBuilder(self.request_id, self.prompt, self.prompt_token_ids, self.metrics)
+    def new_attempt(self, attempt: int | None = None) -> None:
+        """Start run ``attempt`` (the next by default): its samples' outputs start again."""
+        self.attempt = self.attempt + 1 if attempt is None else attempt
+        for index, sample in enumerate(self.samples):
+            sample.run = OutputBuilder(self.request_id, self.prompt, self.prompt_token_ids, self.metrics, index)
+
+    @property
+    def has_output(self) -> bool:
+        """Whether the current run has given any sample a token."""
+        return any(sample.run.output_token_ids for sample in self.samples)
+
+    @property
+    def delivered(self) -> bool:
+        """Whether the client has every sample's end."""
+        return all(sample.delivered_end for sample in self.samples)
+
+
+@dataclass
+class SampleStream:
+    """One sample of a request, as the client gets it: the current run's output, and how far the
+    client has got, which a re-run (repeating the tokens, as sampling is seeded) does not repeat."""
+
+    run: OutputBuilder | None = None
+    delivered_tokens: int = 0
+    delivered_text: int = 0  # characters
+    delivered_end: bool = False
 
     def unseen(self, output: RequestOutput) -> RequestOutput | None:
-        """``output`` with only what the client does not have yet; None when that is nothing. A re-run
-        repeats the tokens the client has (sampling is seeded), which are skipped."""
-        if len(output.output_token_ids) <= self.delivered_tokens and not output.finished:
+        """``output`` with only what the client does not have yet; None when that is nothing."""
+        if self.delivered_end or (len(output.output_token_ids) <= self.delivered_tokens and not output.finished):
             return None
         output = dataclasses.replace(
             output,
@@ -103,6 +124,7 @@ class RequestState:
         )
         self.delivered_tokens = max(self.delivered_tokens, len(output.output_token_ids))
         self.delivered_text = max(self.delivered_text, len(output.text))
+        self.delivered_end = output.finished
         return output
 
 
@@ -215,8 +237,9 @@ class Orchestrator:
         priority: int = 0,
         slo: RequestSLO | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they come; closing the iterator early cancels the request.
-        ``slo``: its own latency objectives, for the role controller."""
+        """Outputs of one request as they come, of each of its ``params.n`` samples (told apart by
+        ``RequestOutput.index``) until every one has ended; closing the iterator early cancels the
+        request. ``slo``: its own latency objectives, for the role controller."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise RequestError(f"request id '{request_id}' is already in use")
@@ -237,11 +260,11 @@ class Orchestrator:
                 output = await state.queue.get()
                 if isinstance(output, BaseException):
                     raise output
-                output = state.unseen(output)
+                output = state.samples[output.index].unseen(output)
                 if output is None:
                     continue
                 yield output
-                if output.finished:
+                if state.delivered:
                     return
         finally:
             if not state.finished:
@@ -277,7 +300,7 @@ class Orchestrator:
         while it has room. An instance gives back only prompts it has not started."""
         queues: dict[InstanceState, list[tuple[RequestState, int]]] = {entry: [] for entry in self.entry_pool()}
         for state in self.requests.values():  # in order of arrival
-            if state.prefill in queues and state.decode is None and not state.run.output_token_ids:
+            if state.prefill in queues and state.decode is None and not state.has_output:
                 queues[state.prefill].append((state, len(state.prompt_token_ids)))
         runs: dict[InstanceState, list[tuple[str, int]]] = {}
         for state, source, target in spread_prompts(queues):
@@ -388,14 +411,16 @@ class Orchestrator:
             state.move_to = None
             self._prefilled(state)
         now = time.time()
-        # A re-run repeats tokens the request already has: time only the ones past them.
-        num_tokens = len(state.run.output_token_ids) + len(delta.new_token_ids)
+        # A re-run repeats tokens the request already has: time only the ones past them. With
+        # several samples, the times are those of the longest.
+        run = state.samples[delta.index].run
+        num_tokens = len(run.output_token_ids) + len(delta.new_token_ids)
         state.metrics.token_times.extend([now] * (num_tokens - len(state.metrics.token_times)))
-        if delta.finished:
-            state.finished = True
+        if delta.finished and all(sample.run.finished or sample.run is run for sample in state.samples):
+            state.finished = True  # its last sample's end
             state.metrics.finished_time = now
             self._observe(state)
-        output = state.run.add(delta)
+        output = run.add(delta)
         if delta.handover is not None:
             self.spawn(self._hand_over(state, delta.handover, entry))
         state.queue.put_nowait(output)

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from distserve.core.sampling_params import SamplingParams
+
+
+@dataclass
+class HandedSample:
+    """One of a request's samples as it crosses: which, its tokens so far, how much text was sent."""
+
+    index: int
+    output_token_ids: list[int]
+    num_text_sent: int
 
 
 @dataclass
@@ -14,7 +23,8 @@ class Handover:
 
     The decode instance admits the request when it can allocate blocks for it, pulls the first
     ``num_kv_tokens`` tokens' KV from ``block_table`` on ``prefill_instance`` into them, and only
-    then decodes it; the source instance frees its blocks when the pull is done.
+    then decodes it (and its sibling samples); the source instance frees its blocks when the pull
+    is done.
     """
 
     request_id: str
@@ -30,6 +40,15 @@ class Handover:
     num_kv_tokens: int  # tokens whose KV the blocks hold: all but the newest
     num_text_sent: int  # characters of output text the client has had
     tpot_slo: float | None = None  # seconds per output token it must average; None: no SLO
+    # A request of n samples crosses once: the sample above (``sample_index``) carries the prompt's
+    # KV, and its unfinished siblings, which share that KV, come with it and are forked from it
+    # once it has arrived.
+    sample_index: int = 0
+    siblings: list[HandedSample] = field(default_factory=list)
+
+    @property
+    def carrier(self) -> HandedSample:
+        return HandedSample(self.sample_index, self.output_token_ids, self.num_text_sent)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -85,6 +85,7 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] | None = None
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    index: int = 0  # which of the request's n samples (SamplingParams.n) this output is
 
 
 # The RequestMetrics fields an engine stamps; a delta carries them as a tuple, which pickles in
@@ -114,13 +115,19 @@ class RequestDelta:
     first: bool = False  # the token sampled at its prompt's end: a caller waits for it most
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asks
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when the request asks
+    index: int = 0  # the sample it belongs to (``finished``: that sample's end)
+    samples_left: int = 0  # the run's other samples still going on the instance that sent it
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """The stream it belongs to: run and sample."""
+        return self.request_id, self.attempt, self.index
 
     def joins(self, later: RequestDelta) -> bool:
         """Whether ``later`` can be added to this delta as one: the same run's, both plain steps of
         it (no hand-over), this one not its end, nor ``later`` a failure that gives the run up."""
         return (
-            later.request_id == self.request_id
-            and later.attempt == self.attempt
+            later.key == self.key
             and not self.finished
             and self.handover is None
             and later.handover is None
@@ -140,22 +147,22 @@ class RequestDelta:
 
 
 def coalesce(deltas: list[RequestDelta]) -> list[RequestDelta]:
-    """Each run's consecutive plain deltas joined into one, in the order of their first: fewer
-    messages to route and stream. Deltas of different runs are independent of each other's order."""
+    """Each sample's consecutive plain deltas joined into one, in the order of their first: fewer
+    messages to route and stream. Deltas of different samples are independent of each other's order."""
     joined: list[RequestDelta] = []
-    latest: dict[tuple[str, int], int] = {}  # run -> index of its latest delta in ``joined``
+    latest: dict[tuple[str, int, int], int] = {}  # sample -> index of its latest delta in ``joined``
     for delta in deltas:
-        i = latest.get((delta.request_id, delta.attempt))
+        i = latest.get(delta.key)
         if i is not None and joined[i].joins(delta):
             joined[i] = joined[i].join(delta)
         else:
-            latest[(delta.request_id, delta.attempt)] = len(joined)
+            latest[delta.key] = len(joined)
             joined.append(delta)
     return joined
 
 
 class OutputBuilder:
-    """Adds up one run's deltas into the ``RequestOutput`` a caller sees."""
+    """Adds up one sample's deltas, in one run, into the ``RequestOutput`` a caller sees."""
 
     def __init__(
         self,
@@ -163,8 +170,11 @@ class OutputBuilder:
         prompt: str | None,
         prompt_token_ids: list[int],
         metrics: RequestMetrics | None = None,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.index = index
+        self.finished = False
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
@@ -177,6 +187,7 @@ class OutputBuilder:
         """The whole output so far, ``delta`` included; its metrics are a snapshot."""
         self.output_token_ids += delta.new_token_ids
         self.text += delta.new_text
+        self.finished = delta.finished
         for name, value in zip(STAGE_FIELDS, delta.stage_times):
             if value is not None:
                 setattr(self.metrics, name, value)
@@ -202,4 +213,5 @@ class OutputBuilder:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             new_logprobs=delta.logprobs,
             prompt_logprobs=self.prompt_logprobs,
+            index=self.index,
         )

@@ -3,6 +3,7 @@ follow vLLM's ``SamplingParams``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field, fields
@@ -193,6 +194,14 @@ class SamplingParams:
                 raise RequestError(f"logit_bias must map token ids to finite numbers, got {token!r}: {value!r}")
             checked[token_id] = max(-100.0, min(100.0, float(value)))  # OpenAI's range
         return checked
+
+    def sample_params(self, index: int) -> SamplingParams:
+        """What sample ``index`` of the ``n`` draws with: one sample, seeded ``seed + index`` (as vLLM
+        seeds a request's samples). The prompt's logprobs come once, with sample 0."""
+        if index == 0:
+            return self
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=None)
 
     @property
     def stop_text_holdback(self) -> int:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import itertools
 import time
 
-from distserve.core.handover import Handover
+from distserve.core.handover import HandedSample, Handover
 from distserve.core.outputs import RequestMetrics, TokenLogprobs
 from distserve.core.sampling_params import SamplingParams
 
@@ -41,6 +42,10 @@ class Sequence:
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id if request_id is not None else str(self.seq_id)
         self.attempt = attempt  # which run of the request (re-runs after a failure count up)
+        # Which of the request's ``n`` samples this is: sample 0 runs the prompt, the others are
+        # forked from it at its end (``fork``), sharing its KV blocks.
+        self.sample_index = 0
+        self.request_params = sampling_params  # the request's, of which this sample's are derived
         self.prompt = prompt
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -75,27 +80,45 @@ class Sequence:
         self.read_offset = 0
 
     @classmethod
-    def from_handover(cls, handover: Handover) -> Sequence:
+    def from_handover(cls, handover: Handover, sample: HandedSample | None = None) -> Sequence:
         """A handed-over request as the decode side runs it: prompt, the tokens generated so far and
-        how much of their text was sent."""
+        how much of their text was sent; of the sample that carries the KV, or of ``sample``."""
+        sample = sample or handover.carrier
         seq = cls(
             handover.prompt_token_ids,
-            handover.sampling_params,
+            handover.sampling_params.sample_params(sample.index),
             handover.request_id,
             handover.prompt,
             handover.priority,
             attempt=handover.attempt,
             tpot_slo=handover.tpot_slo,
         )
-        seq.all_token_ids += handover.output_token_ids
-        seq.num_text_sent = handover.num_text_sent
+        seq.sample_index, seq.request_params = sample.index, handover.sampling_params
+        seq.all_token_ids += sample.output_token_ids
+        seq.num_text_sent = sample.num_text_sent
         return seq
+
+    def fork(self, index: int) -> Sequence:
+        """Sample ``index`` of this request, at the end of its prompt: the same prompt and timeline,
+        no block yet (``BlockManager.fork`` shares them)."""
+        params = self.request_params.sample_params(index)
+        child = Sequence(self.prompt_token_ids, params, self.request_id, self.prompt, self.priority,
+                         self.arrival_time, self.attempt, self.ttft_deadline, self.tpot_slo)  # fmt: skip
+        child.sample_index, child.request_params = index, self.request_params
+        child.status = self.status
+        child.num_cached_tokens = self.num_cached_tokens
+        child.metrics = dataclasses.replace(self.metrics, steps=[], token_times=[])
+        return child
 
     def __len__(self) -> int:
         return len(self.all_token_ids)
 
     def __repr__(self) -> str:
         return f"Sequence(id={self.request_id}, tokens={len(self)}, status={self.status.value})"
+
+    @property
+    def num_samples(self) -> int:
+        return self.request_params.n
 
     @property
     def num_tokens(self) -> int:

@@ -113,6 +113,8 @@ class DecodeRole(InstanceRole):
         config = engine.config.scheduler
         super().__init__(engine, PrefillFirstScheduler(config, engine.block_manager, engine.step_time))
         self.admission = DecodeAdmission(engine.block_manager, config.max_num_seqs)
+        # The sibling samples of handed-over requests, forked from the carrier once its KV is here.
+        self.siblings: dict[RunKey, list[Sequence]] = {}
 
     def add(self, seq: Sequence) -> None:
         raise self._not_this_role("new prompts go to prefill or colocated instances")
@@ -120,6 +122,11 @@ class DecodeRole(InstanceRole):
     def add_handover(self, handover: Handover) -> None:
         seq = Sequence.from_handover(handover)
         self.engine.register(seq)
+        if handover.siblings:
+            siblings = [Sequence.from_handover(handover, sample) for sample in handover.siblings]
+            for sibling in siblings:
+                self.engine.register(sibling, sibling=True)
+            self.siblings[_key(seq)] = siblings
         self.admission.add(seq, handover)
 
     def tick(self, now: float) -> list[RequestDelta]:
@@ -139,14 +146,22 @@ class DecodeRole(InstanceRole):
         if result is None:
             return []
         seq, reason = result
+        siblings = [s for s in self.siblings.pop((request_id, attempt), []) if not s.is_finished]
         if reason is not None:
-            return [self.engine.finish(seq, reason)]
-        seq.metrics.migration_start, seq.metrics.migration_end = start, end
-        self.scheduler.running.add(seq)
+            return [self.engine.finish(s, reason) for s in (seq, *siblings)]
+        for sample in (seq, *siblings):
+            if sample is not seq:
+                self.engine.block_manager.fork(seq, sample)
+            sample.metrics.decode_admitted = seq.metrics.decode_admitted
+            sample.metrics.migration_start, sample.metrics.migration_end = start, end
+            self.scheduler.running.add(sample)
         return []
 
     def abort(self, seq: Sequence, reason: str) -> RequestDelta | None:
+        if seq.is_finished:  # a sibling whose carrier's pull ended it already
+            return None
         if self.admission.cancel(seq):
+            self.siblings.pop(_key(seq), None)  # they are stopped with it (``abort_request``)
             return self.engine.finish(seq, reason)
         self.engine.forget(seq)  # its id is free for a re-run; the pull's end finishes it
         return None

@@ -88,8 +88,6 @@ class InputProcessor:
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """``params`` with the model's stop tokens and the bad words' token ids filled in, and every
         token id they name checked against the vocabulary."""
-        if params.n != 1:
-            raise RequestError(f"a request runs one sample (n=1), got n={params.n}: ask for one request per sample")
         for name, ids in (
             ("stop_token_ids", params.stop_token_ids),
             ("allowed_token_ids", params.allowed_token_ids or ()),

@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 
 from distserve.core.config import EngineConfig
 from distserve.core.errors import RequestError
-from distserve.core.handover import Handover
+from distserve.core.handover import HandedSample, Handover
 from distserve.core.outputs import STAGE_FIELDS, RequestDelta, TokenLogprobs
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
@@ -61,7 +62,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, num_blocks, config.cache.block_size, self.eos_token_ids
         )
-        self.requests: dict[str, Sequence] = {}  # every request this engine has, by id: one run each
+        # Every request this engine has, by id (one run each), and its samples here by index.
+        self.requests: dict[str, dict[int, Sequence]] = {}
         self.kv_puller: KVPuller | None = None  # how a decode role pulls KV: the instance's migrator
         self.stats = StepStats(max_step_records)
         self.step_time = StepTimeModel()  # kept across role changes: the machine and model stay
@@ -111,6 +113,8 @@ class LLMEngine:
                 requeued.append(seq)  # part-way through its prompt's (or a recompute's) chunks
             elif finish_here:
                 kept_running.append(seq)
+            elif seq.num_samples > 1:
+                requeued.append(seq)  # its samples hold their KV apart: they cross as a new run
             else:
                 old.scheduler.finish_running(seq)  # its blocks go to the hold, not back to the pool
                 deltas.append(self._delta(seq, [], "", self.hand_off(seq)))
@@ -145,11 +149,13 @@ class LLMEngine:
         """Validate a request and build its sequence; raises RequestError saying what to fix."""
         return self.input_processor.process(prompt, params, request_id, priority, attempt, ttft_deadline, tpot_slo)
 
-    def register(self, seq: Sequence) -> None:
+    def register(self, seq: Sequence, sibling: bool = False) -> None:
         """Track ``seq`` and start its detokenization (past any output it already has). A later run
-        of a request replaces an earlier one still here; the same run twice is refused."""
-        current = self.requests.get(seq.request_id)
-        if current is not None:
+        of a request replaces an earlier one still here; the same run twice is refused, but for
+        the ``sibling`` samples of one."""
+        samples = self.requests.get(seq.request_id)
+        if samples and not sibling:
+            current = next(iter(samples.values()))
             if current.attempt >= seq.attempt:
                 raise RequestError(f"request id '{seq.request_id}' is already in use")
             self.abort_request(seq.request_id, current.attempt)
@@ -159,7 +165,7 @@ class LLMEngine:
         structured = seq.sampling_params.structured_outputs
         if structured is not None and seq.grammar is None:  # its place in the grammar, from its tokens
             seq.grammar = self.input_processor.grammars.matcher(structured, seq.output_token_ids)
-        self.requests[seq.request_id] = seq
+        self.requests.setdefault(seq.request_id, {})[seq.sample_index] = seq
 
     def add_sequence(self, seq: Sequence) -> None:
         seq.metrics.prefill_queued = time.time()
@@ -190,10 +196,15 @@ class LLMEngine:
         elif seq := self.kv_hold.take(handover.request_id, handover.attempt):
             self.role.adopt(seq)
 
-    def hand_off(self, seq: Sequence) -> Handover:
+    def hand_off(self, seq: Sequence, siblings: list[Sequence] = ()) -> Handover:
         """Hold ``seq``'s KV for a decode instance to pull, and the hand-over that says where it is.
-        The caller has taken ``seq`` out of its scheduler; the hold frees its blocks after the pull."""
+        The caller has taken ``seq`` out of its scheduler; the hold frees its blocks after the pull.
+        ``siblings``, samples of the same request at the end of its prompt, share its KV: they go
+        with it, and leave here now."""
         self.kv_hold.hold(seq, time.monotonic())
+        for sibling in siblings:
+            self.block_manager.free(sibling)
+            self.forget(sibling)
         return Handover(
             seq.request_id,
             seq.attempt,
@@ -201,13 +212,15 @@ class LLMEngine:
             seq.prompt,
             seq.prompt_token_ids,
             seq.output_token_ids,
-            seq.sampling_params,
+            seq.request_params,
             seq.priority,
             list(seq.block_table),
             self.block_manager.block_size,
             seq.num_computed_tokens,
             seq.num_text_sent,
             seq.tpot_slo,
+            seq.sample_index,
+            [HandedSample(s.sample_index, s.output_token_ids, s.num_text_sent) for s in siblings],
         )
 
     def release_kv(self, request_id: str, attempt: int) -> bool:
@@ -221,16 +234,15 @@ class LLMEngine:
         """Decode: a run's KV pull ended (``error`` None: it arrived); the deltas that follow."""
         return self.role.pull_done(request_id, attempt, start, end, error)
 
-    def abort_request(self, request_id: str, attempt: int | None = None, reason: str = "abort") -> RequestDelta | None:
-        """Stop a request (``attempt``: only that run) wherever it is and free its blocks; its final
-        delta, or None when it is not here or its end comes later (KV still arriving).
+    def abort_request(self, request_id: str, attempt: int | None = None, reason: str = "abort") -> list[RequestDelta]:
+        """Stop a request (``attempt``: only that run) wherever it is, every sample of it, and free
+        their blocks; their final deltas, none for a sample whose end comes later (KV still arriving).
 
         ``reason`` is "abort" when a client cancels, "error" when the request cannot go on here.
         """
-        seq = self.requests.get(request_id)
-        if seq is None or (attempt is not None and seq.attempt != attempt):
-            return None
-        return self.role.abort(seq, reason)
+        samples = list(self.requests.get(request_id, {}).values())
+        ended = [self.role.abort(seq, reason) for seq in samples if attempt is None or seq.attempt == attempt]
+        return [delta for delta in ended if delta is not None]
 
     def give_back(self, runs: list[tuple[str, int]]) -> list[RequestDelta]:
         """End with ``finish_reason="requeue"``, to run elsewhere, those of these runs (request id,
@@ -262,8 +274,11 @@ class LLMEngine:
         return self._delta(seq, [], "")
 
     def forget(self, seq: Sequence) -> None:
-        if self.requests.get(seq.request_id) is seq:
-            del self.requests[seq.request_id]
+        samples = self.requests.get(seq.request_id, {})
+        if samples.get(seq.sample_index) is seq:
+            del samples[seq.sample_index]
+            if not samples:
+                del self.requests[seq.request_id]
 
     # Stepping -----------------------------------------------------------------------------
 
@@ -275,6 +290,7 @@ class LLMEngine:
         if not batch.seqs:
             return []
         model_input = BatchInput.from_sequences(batch.is_prefill, batch.seqs, batch.num_decode, batch.num_new_tokens)
+        model_input.block_copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
         self._constrain(batch.seqs, model_input.seqs)
         started = time.time()
         output = self.executor.execute_model(model_input)
@@ -298,7 +314,9 @@ class LLMEngine:
         for i, (seq, seq_input) in enumerate(zip(batch.seqs, model_input.seqs)):
             if output.prompt_logprobs and output.prompt_logprobs[i]:
                 seq.prompt_logprobs += output.prompt_logprobs[i]
-            if seq_input.sample:
+            if seq_input.sibling_params:
+                deltas += self._start_samples(seq, tokens, logprobs)
+            elif seq_input.sample:
                 after_prefill = batch.is_prefill and i >= batch.num_decode
                 deltas.append(self._append_token(seq, next(tokens), after_prefill, next(logprobs, None)))
             else:  # a prompt chunk short of the prompt's end
@@ -307,6 +325,25 @@ class LLMEngine:
         record = StepRecord(batch.is_prefill, len(batch.seqs), model_input.num_tokens, timer.seconds)
         self.stats.add(record)
         self.step_time.observe(record.num_tokens, record.total)
+        return deltas
+
+    def _start_samples(self, seq: Sequence, tokens: Iterator[int], logprobs: Iterator) -> list[RequestDelta]:
+        """The end of the prompt of a request of n samples: fork its other samples from ``seq``,
+        sharing its blocks, give each its first token, and let the role take those that go on
+        (decode them here, or hand them over with one copy of the prompt's KV)."""
+        samples = [seq]
+        for index in range(1, seq.num_samples):
+            sample = seq.fork(index)
+            self.block_manager.fork(seq, sample)
+            self.register(sample, sibling=True)
+            samples.append(sample)
+        deltas = [self._append_token(s, next(tokens), False, next(logprobs, None)) for s in samples]
+        for delta in deltas:
+            delta.first = True
+        going_on = [(s, d) for s, d in zip(samples, deltas) if not s.is_finished]
+        if going_on:
+            deltas_going_on = [d for _, d in going_on]
+            deltas_going_on[0].handover = self.role.after_prefill_samples(seq, [s for s, _ in going_on])
         return deltas
 
     def _constrain(self, seqs: list[Sequence], inputs: list[SeqInput]) -> None:
@@ -408,4 +445,6 @@ class LLMEngine:
             first,
             logprobs,
             prompt_logprobs,
+            seq.sample_index,
+            sum(1 for other in self.requests.get(seq.request_id, {}).values() if other is not seq),
         )

@@ -45,5 +45,12 @@ class PrefillRole(InstanceRole):
             self.scheduler.finish_running(seq)
         return self.engine.hand_off(seq)
 
+    def after_prefill_samples(self, prompt_seq: Sequence, samples: list[Sequence]) -> Handover:
+        # The first carries the prompt's KV; the others share it and cross with it.
+        carrier, *siblings = samples
+        if self.finishing:
+            self.scheduler.finish_running(carrier)
+        return self.engine.hand_off(carrier, siblings)
+
     def stats(self) -> RoleStats:
         return RoleStats(num_throttled_steps=self.num_throttled_steps)

@@ -71,6 +71,16 @@ class InstanceRole:
         the next after a recompute); a prefill role keeps its KV for decode and returns the hand-over."""
         return None
 
+    def after_prefill_samples(self, prompt_seq: Sequence, samples: list[Sequence]) -> Handover | None:
+        """As ``after_prefill`` for a request of n samples at its prompt's end: ``samples`` are
+        those that go on (``prompt_seq``, which ran the prompt, among them unless it ended at its
+        first token), the others forked from it. A decoding role runs the forks beside it; a
+        prefill role hands them all over at once."""
+        for sample in samples:
+            if sample is not prompt_seq:
+                self.scheduler.running.add(sample)
+        return None
+
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted request wherever the role has it and free its blocks."""
         self.scheduler.finish(seq)

@@ -117,9 +117,10 @@ def make_request(
 
 @dataclass
 class Completion:
-    """A finished request, joined from its stream."""
+    """A finished request (one sample of it), joined from its stream."""
 
     request_id: str = ""
+    index: int = 0  # which of the request's n samples
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""  # "stop" or "length"
@@ -130,7 +131,7 @@ class Completion:
     prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # one per prompt token after the first
 
     def add(self, chunk: pb.GenerateResponse) -> None:
-        self.request_id = chunk.request_id
+        self.request_id, self.index = chunk.request_id, chunk.index
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
@@ -147,6 +148,19 @@ class Completion:
         for chunk in chunks:
             completion.add(chunk)
         return completion
+
+
+def samples_from_chunks(chunks: Iterable[pb.GenerateResponse]) -> list[Completion]:
+    """A request's samples, each joined from its messages in the stream, in index order."""
+    samples: dict[int, Completion] = {}
+    for chunk in chunks:
+        samples.setdefault(chunk.index, Completion()).add(chunk)
+    return [samples[i] for i in sorted(samples)]
+
+
+def _one_sample(request: dict[str, Any]) -> None:
+    if request.get("n", 1) != 1:
+        raise ValueError("complete() joins one sample: use complete_samples() for n > 1")
 
 
 class _Base:
@@ -201,7 +215,12 @@ class Client(_Base):
             call.cancel()  # a no-op once the stream has ended; cancels the request if left early
 
     def complete(self, prompt: str | list[int], **request: Any) -> Completion:
+        _one_sample(request)
         return Completion.from_chunks(self.generate(prompt, **request))
+
+    def complete_samples(self, prompt: str | list[int], n: int, **request: Any) -> list[Completion]:
+        """The ``n`` samples of a prompt, generated sharing its KV."""
+        return samples_from_chunks(self.generate(prompt, n=n, **request))
 
     def cluster_info(self, timeout: float | None = None) -> pb.ClusterInfo:
         with self._errors():
@@ -262,10 +281,12 @@ class AsyncClient(_Base):
             call.cancel()
 
     async def complete(self, prompt: str | list[int], **request: Any) -> Completion:
-        completion = Completion()
-        async for chunk in self.generate(prompt, **request):
-            completion.add(chunk)
-        return completion
+        _one_sample(request)
+        return Completion.from_chunks([chunk async for chunk in self.generate(prompt, **request)])
+
+    async def complete_samples(self, prompt: str | list[int], n: int, **request: Any) -> list[Completion]:
+        """The ``n`` samples of a prompt, generated sharing its KV."""
+        return samples_from_chunks([chunk async for chunk in self.generate(prompt, n=n, **request)])
 
     async def cluster_info(self, timeout: float | None = None) -> pb.ClusterInfo:
         with self._errors():

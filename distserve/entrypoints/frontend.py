@@ -119,7 +119,7 @@ class Frontend:
         with nullcontext() if admitted else self.admission():
             try:
                 async for output in self.cluster.generate(prompt, params, request_id, priority, slo):
-                    if output.finished:
+                    if output.finished and output.index == 0:  # a request of n samples counts once
                         self.metrics.observe_finished(output)
                     yield output
             except Exception as e:

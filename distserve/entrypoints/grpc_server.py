@@ -36,7 +36,7 @@ MAX_ROLE_CHANGES = 50  # the latest role changes ClusterInfo carries
 _ROLES = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE, Role.COLOCATED: pb.ROLE_COLOCATED}
 _OPTIONAL_PARAMS = (
     "max_tokens", "temperature", "top_k", "top_p", "seed", "skip_special_tokens", "min_p", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "truncate_prompt_tokens",
+    "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "truncate_prompt_tokens", "n",
 )  # fmt: skip
 
 
@@ -117,7 +117,9 @@ def timeline_to_proto(m: RequestMetrics) -> pb.Timeline:
 
 
 def response_from_output(output: RequestOutput, timeline: bool = False) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=output.request_id, token_ids=output.new_token_ids, text=output.new_text)
+    response = pb.GenerateResponse(
+        request_id=output.request_id, token_ids=output.new_token_ids, text=output.new_text, index=output.index
+    )
     if output.new_logprobs:
         response.logprobs.extend(logprobs_to_proto(output.new_logprobs))
     if output.prompt_logprobs is not None and len(output.output_token_ids) == len(output.new_token_ids):

@@ -61,8 +61,9 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in prompt order. A prompt is text, a list
-        of token ids, or vLLM's dict forms: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
+        """Run prompts to completion; outputs come back in prompt order, and for a request of
+        ``n`` samples its n outputs (``RequestOutput.index`` 0 to n-1) in a row. A prompt is text,
+        a list of token ids, or vLLM's dict forms: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
 
         Every request is validated before any is queued, so a bad one fails the call cleanly.
         """
@@ -76,18 +77,22 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(sampling_params)} sampling params")
         seqs = [self.engine.make_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
-        builders = {seq.request_id: OutputBuilder(seq.request_id, seq.prompt, seq.prompt_token_ids) for seq in seqs}
-        results: dict[str, RequestOutput] = {}
+        builders = {
+            (seq.request_id, i): OutputBuilder(seq.request_id, seq.prompt, seq.prompt_token_ids, index=i)
+            for seq in seqs
+            for i in range(seq.num_samples)
+        }
+        results: dict[tuple[str, int], RequestOutput] = {}
         try:
             for seq in seqs:
                 self.engine.add_sequence(seq)
-            while len(results) < len(seqs):
+            while len(results) < len(builders):
                 for delta in self.engine.step():
-                    output = builders[delta.request_id].add(delta)
+                    output = builders[delta.request_id, delta.index].add(delta)
                     if output.finished:
-                        results[output.request_id] = output
+                        results[delta.request_id, delta.index] = output
         finally:
             for seq in seqs:
-                if seq.request_id not in results:
+                if len(self.engine.requests.get(seq.request_id, ())):
                     self.engine.abort_request(seq.request_id)
-        return [results[seq.request_id] for seq in seqs]
+        return [results[key] for key in builders]

@@ -27,7 +27,8 @@ STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 
 @dataclasses.dataclass
 class Job:
-    """One choice: its prompt (text or token ids), params, and the prompt's text as sent, if any."""
+    """One prompt: its text or token ids, params (``n`` samples: that many choices), and the
+    prompt's text as sent, if any."""
 
     prompt: str | list[int]
     params: SamplingParams
@@ -36,7 +37,8 @@ class Job:
 
 @dataclasses.dataclass
 class Call:
-    """A parsed request: one job per choice, in choice-index order, and how to answer."""
+    """A parsed request: one job per prompt, each of ``n`` choices, in choice-index order, and how
+    to answer."""
 
     chat: bool
     jobs: list[Job]
@@ -51,6 +53,10 @@ class Call:
     tokens_as_ids: bool = False
     request_id: str | None = None
     priority: int = 0
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.jobs) * self.n
 
 
 def check_model(frontend: Frontend, model: str) -> None:
@@ -205,10 +211,7 @@ def _sampling_params(
 
 
 def _samples(prompts: list[tuple[str | list[int], str | None]], params: SamplingParams, n: int) -> list[Job]:
-    """``n`` jobs of each (prompt, text as sent). Seeded samples of one prompt get consecutive seeds:
-    the same seed would make them identical."""
-    return [
-        Job(prompt, params if params.seed is None else dataclasses.replace(params, seed=params.seed + i), text)
-        for prompt, text in prompts
-        for i in range(n)
-    ]
+    """A job of ``n`` samples for each (prompt, text as sent): one request, whose samples share the
+    prompt's KV (seeded ones get consecutive seeds, ``SamplingParams.sample_params``)."""
+    params = dataclasses.replace(params, n=n)
+    return [Job(prompt, params, text) for prompt, text in prompts]

@@ -41,20 +41,22 @@ MAX_BODY_BYTES = 32 * 2**20  # room for batches of token-id prompts
 async def _run_choices(
     frontend: Frontend, request_id: str, jobs: list[Job], priority: int
 ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Run the jobs concurrently, admitted together, and yield (choice index, output) as outputs
-    come. The first error is raised; leaving early (or an error) cancels the jobs still running."""
+    """Run the jobs concurrently, admitted together (each of its ``n`` samples counted), and yield
+    (choice index, output) as outputs come: job i's samples are choices i*n to i*n+n-1. The first
+    error is raised; leaving early (or an error) cancels the jobs still running."""
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def run(index: int, job: Job) -> None:
+        n = job.params.n
         try:
             outputs = frontend.generate(job.prompt, job.params, f"{request_id}-{index}", priority, admitted=True)
             async for output in outputs:
-                queue.put_nowait((index, output))
+                queue.put_nowait((index * n + output.index, output))
             queue.put_nowait((index, None))
         except Exception as e:
             queue.put_nowait((index, e))
 
-    with frontend.admission(len(jobs)):
+    with frontend.admission(sum(job.params.n for job in jobs)):
         tasks = [asyncio.create_task(run(i, job)) for i, job in enumerate(jobs)]
         try:
             running = len(tasks)
@@ -93,16 +95,17 @@ class _Formatter:
         self.call, self.tokenizer = call, tokenizer
         self.started: set[int] = set()
         self.text_offsets: dict[int, int] = {}
-        self.prompt_entries: dict[int, list] = {}  # each choice's prompt logprobs, from whichever output has them
+        # Each prompt's logprobs (by job: a prompt's n samples share them), from the output that has them.
+        self.prompt_entries: dict[int, list] = {}
         self.prompt_logprobs: list | None = None  # chat's, answered once for the response
 
     def observe(self, index: int, output: RequestOutput) -> None:
         """Note what an output carries that later ones may not (the prompt's logprobs)."""
         if output.prompt_logprobs is not None:
-            self.prompt_entries[index] = output.prompt_logprobs
+            self.prompt_entries[index // self.call.n] = output.prompt_logprobs
 
     def _echo_text(self, index: int, output: RequestOutput) -> str:
-        job = self.call.jobs[index]
+        job = self.call.jobs[index // self.call.n]
         if job.text is not None and job.params.truncate_prompt_tokens is None:
             return job.text
         return self.tokenizer.decode(output.prompt_token_ids)
@@ -115,7 +118,7 @@ class _Formatter:
         if call.chat:
             return chat_logprobs(self.tokenizer, entries, call.logprobs, call.tokens_as_ids)
         if echo:
-            prompt_entries = self.prompt_entries.get(index) or [None] * len(output.prompt_token_ids)
+            prompt_entries = self.prompt_entries.get(index // call.n) or [None] * len(output.prompt_token_ids)
             token_ids, entries = output.prompt_token_ids + token_ids, prompt_entries + entries
         offset = self.text_offsets.get(index, 0)
         logprobs = completion_logprobs(self.tokenizer, token_ids, entries, call.logprobs, offset, call.tokens_as_ids)
@@ -123,7 +126,7 @@ class _Formatter:
         return logprobs
 
     def _prompt_logprobs(self, index: int) -> list | None:
-        entries = self.prompt_entries.get(index)
+        entries = self.prompt_entries.get(index // self.call.n)
         return None if entries is None else prompt_logprobs_json(self.tokenizer, entries)
 
     def choice(self, index: int, output: RequestOutput) -> dict[str, Any]:
@@ -189,7 +192,7 @@ async def _respond(request: web.Request, frontend: Frontend, call: Call) -> web.
                 formatter.observe(index, output)
                 if output.finished:
                     finals[index] = output
-            choices = [formatter.choice(i, finals[i]) for i in range(len(call.jobs))]
+            choices = [formatter.choice(i, finals[i]) for i in range(call.num_choices)]
             kind = "chat.completion" if call.chat else "text_completion"
             body = {**head, "object": kind, "choices": choices, "usage": _call_usage(call, finals)}
             if call.chat and call.prompt_logprobs:
@@ -203,7 +206,7 @@ async def _respond(request: web.Request, frontend: Frontend, call: Call) -> web.
         async for item in outputs:
             started.append(item)
             started_choices.add(item[0])
-            if len(started_choices) == len(call.jobs):
+            if len(started_choices) == call.num_choices:
                 break
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)

@@ -56,6 +56,16 @@ class KVCache:
         # Keyed by the model's layer index, which pipeline stages keep from the full model.
         self.layers = {layer: (self.tensor[i, 0], self.tensor[i, 1]) for i, layer in enumerate(layer_ids)}
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy the K/V of each (source, destination) block pair, every layer at once."""
+        if not copies:
+            return
+        size = self.shape.block_size
+        offsets = torch.arange(size, device=self.tensor.device)
+        pairs = torch.tensor(copies, dtype=torch.long, device=self.tensor.device)
+        src, dst = ((pairs[:, i, None] * size + offsets).flatten() for i in (0, 1))
+        self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
+
 
 def free_device_memory(device: torch.device) -> int:
     if device.type == "cuda":

@@ -5,7 +5,7 @@ stage) or the hidden states for the next stage."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,9 @@ class SeqInput:
     token_history: list[int] | None = None
     # Its structured outputs' allowed tokens for this step (a row of int32 words), or None.
     token_bitmask: torch.Tensor | None = None
+    # At the prompt's end of a request of n samples: the params of samples 1..n-1, which draw
+    # their first tokens from the same logits (``fan_out_samples``).
+    sibling_params: list[SamplingParams] | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -63,14 +66,17 @@ class SeqInput:
         tokens = seq.all_token_ids[start:end]
         params = seq.sampling_params
         needs_history = params.penalized or (is_prefill and params.prompt_logprobs is not None)
+        sample = end == seq.num_tokens
+        forks = sample and params.n > 1 and not seq.num_output_tokens
         return cls(
             tokens,
             start,
             list(seq.block_table),
             params,
             seq.num_output_tokens,
-            end == seq.num_tokens,
+            sample,
             seq.all_token_ids if needs_history else None,
+            sibling_params=[params.sample_params(i) for i in range(1, params.n)] if forks else None,
         )
 
 
@@ -82,6 +88,9 @@ class BatchInput:
     is_prefill: bool
     seqs: list[SeqInput]
     num_decode: int = 0
+    # Blocks to copy (source, destination) before the forward pass: a sample's first write into a
+    # block it shared with its siblings (``BlockManager.append_slot``).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def from_sequences(

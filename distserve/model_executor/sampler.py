@@ -6,7 +6,9 @@ request's samples do not depend on what it is batched with or on being preempted
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,11 +18,27 @@ from distserve.model_executor.logits_processors import LogitsRow, apply_logits_p
 from distserve.model_executor.logprobs import token_logprobs
 from distserve.model_executor.token_bitmask import apply_bitmask
 
+if TYPE_CHECKING:
+    from distserve.model_executor.model_runner import SeqInput
+
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[TokenLogprobs | None] | None = None  # per row, for the rows whose request asks
+
+
+def fan_out_samples(logits: torch.Tensor, rows: list[SeqInput]) -> tuple[torch.Tensor, list[SeqInput]]:
+    """The rows to sample: each sequence's, and after the prompt of a request of n samples that
+    row again for each of its other samples, with their own params (seeds)."""
+    if not any(row.sibling_params for row in rows):
+        return logits, rows
+    index, fanned = [], []
+    for i, row in enumerate(rows):
+        samples = [row, *(dataclasses.replace(row, sampling_params=p) for p in row.sibling_params or ())]
+        index += [i] * len(samples)
+        fanned += samples
+    return logits[torch.tensor(index, device=logits.device)], fanned
 
 
 class Sampler:

@@ -25,7 +25,7 @@ from distserve.model_executor.kv_cache import KVCache, KVCacheShape, determine_n
 from distserve.model_executor.logprobs import split_prompt_rows
 from distserve.model_executor.model_loader import load_model, resolve_device, resolve_dtype, resolve_model
 from distserve.model_executor.model_runner import BatchInput, ModelRunner
-from distserve.model_executor.sampler import Sampler
+from distserve.model_executor.sampler import Sampler, fan_out_samples
 from distserve.parallel.process_group import create_store, init_process_group
 from distserve.parallel.ranks import ParallelRank
 from distserve.parallel.tensor_parallel import local_kv_heads
@@ -147,6 +147,7 @@ class Worker:
     def execute_model(self, batch: BatchInput) -> ModelOutput | None:
         """Run this rank's part of one step; the driver rank returns the sampled tokens."""
         timer = StepTimer()
+        self.kv_cache.copy_blocks(batch.block_copies)
         graphs = self.decode_graphs
         if graphs is not None and not batch.is_prefill and graphs.fits(len(batch.seqs)):
             out = graphs.run(batch.seqs)
@@ -160,7 +161,7 @@ class Worker:
         prompt_logprobs = None
         if batch.is_prefill and any(s.wants_prompt_logprobs for s in batch.seqs):
             out, prompt_logprobs = split_prompt_rows(out, batch.seqs)
-        sampled = self.sampler.sample(out, batch.sampling_seqs)
+        sampled = self.sampler.sample(*fan_out_samples(out, batch.sampling_seqs))
         timer.lap("sample")
         return ModelOutput(sampled.token_ids, timer.seconds, sampled.logprobs, prompt_logprobs)
 

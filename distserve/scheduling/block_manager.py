@@ -4,6 +4,10 @@ A full block is identified by ``hash((parent_hash, block_tokens))``, so equal ha
 prefixes up to hash collisions, which are ruled out by comparing the stored tokens. Freed
 blocks that carry a hash stay findable until reused: the free list is ordered least recently
 freed first, so allocation evicts the coldest cached block.
+
+The samples of one request share their prompt's blocks (``fork``); the first of them to write a
+token into a shared block gets a copy of it (copy on write): the copies a step needs wait in
+``pending_copies`` for the workers to make before its forward pass.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class BlockManager:
         self.hash_to_block_id: dict[int, int] = {}
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        self.pending_copies: list[tuple[int, int]] = []  # (source block, destination block)
+        self.num_copied_blocks = 0  # copies on write so far
 
     @property
     def num_blocks(self) -> int:
@@ -129,14 +135,37 @@ class BlockManager:
         for index in range(from_token // self.block_size, seq.num_computed_tokens // self.block_size):
             self._register(seq, index, seq.block_table[index])
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` (a sample forked from ``parent``) ``parent``'s blocks, shared."""
+        if child.block_table:
+            raise RuntimeError(f"{child} already holds blocks")
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def _needs_new_block(self, seq: Sequence) -> bool:
+        """Whether the slot of ``seq``'s last token needs a block: past its blocks, or in one it shares."""
+        index = (seq.num_tokens - 1) // self.block_size
+        return index >= len(seq.block_table) or self.blocks[seq.block_table[index]].ref_count > 1
+
     def can_append(self, seq: Sequence) -> bool:
         """Whether the KV of ``seq``'s last token has a slot (possibly after taking one new block)."""
-        return len(seq.block_table) >= seq.num_blocks(self.block_size) or self.num_free_blocks > 0
+        return self.num_free_blocks > 0 or not self._needs_new_block(seq)
 
     def append_slot(self, seq: Sequence) -> None:
-        """Make room for the KV of ``seq``'s last token; register its block once it is full."""
-        if len(seq.block_table) < seq.num_blocks(self.block_size):
+        """Make room for the KV of ``seq``'s last token, copying its block first if another sample
+        shares it; register the block once it is full."""
+        index = (seq.num_tokens - 1) // self.block_size
+        if index >= len(seq.block_table):
             seq.block_table.append(self._take_free_block())
+        elif (shared := self.blocks[seq.block_table[index]]).ref_count > 1:
+            copy = self._take_free_block()
+            shared.ref_count -= 1
+            self.pending_copies.append((shared.block_id, copy))
+            self.num_copied_blocks += 1
+            seq.block_table[index] = copy
         if seq.num_tokens % self.block_size == 0:
             index = seq.num_tokens // self.block_size - 1
             self._register(seq, index, seq.block_table[index])
