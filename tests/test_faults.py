@@ -51,7 +51,7 @@ def _kill(cluster: AsyncCluster, role: str, ray) -> str:
 
 
 def _decoding(state) -> bool:
-    return len(state.run.output_token_ids) >= 3  # tokens past the first: the decode side has it
+    return len(state.samples[0].run.output_token_ids) >= 3  # tokens past the first: the decode side has it
 
 
 def _not_pulled(state) -> bool:

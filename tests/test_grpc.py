@@ -120,6 +120,18 @@ def test_text_stream_equals_offline_engine(client):
         assert completion.finish_reason == offline.finish_reason
 
 
+def test_samples_of_one_request_stream_with_their_index(client, llama):
+    (prompt,) = random_prompts([21], llama.config.vocab_size, seed=8)
+    samples = client.complete_samples(prompt, 3, max_tokens=8, temperature=0.8, seed=5)
+    assert [s.index for s in samples] == [0, 1, 2]
+    alone = [client.complete(prompt, max_tokens=8, temperature=0.8, seed=5 + i) for i in range(3)]
+    assert [s.token_ids for s in samples] == [a.token_ids for a in alone]
+    assert len({tuple(s.token_ids) for s in samples}) == 3
+    assert all(s.usage.completion_tokens == len(s.token_ids) == 8 or s.finish_reason == "stop" for s in samples)
+    with pytest.raises(ValueError, match="complete_samples"):
+        client.complete(prompt, n=2)
+
+
 def test_health_serving_without_key(server):
     with Client(server.grpc_address) as anonymous:
         assert anonymous.health() == "SERVING"

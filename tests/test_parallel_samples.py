@@ -99,18 +99,22 @@ def test_disaggregated_samples_cross_with_one_pull(ray_cluster):
             params = dataclasses.replace(SAMPLED, stop_token_ids=[first[0].output_token_ids[0]])
             prefill, decode = cluster.orchestrator.instances
             steps_before, _ = await prefill.handle.recent_steps.remote()
+            before = await decode.handle.info.remote()
             outputs = await _finals(cluster, prompt, params, "shared")
-            steps_after, records = await prefill.handle.recent_steps.remote(steps_before)
+            _, records = await prefill.handle.recent_steps.remote(steps_before)
+            after = await decode.handle.info.remote()
             pulls = await decode.handle.migrations.remote()
             singles = [(await _finals(cluster, prompt, p, f"alone-{i}"))[0] for i, p in enumerate(alone(params))]
             await wait_nothing_in_use_async(cluster)
-            return outputs, singles, records, pulls
+            return outputs, singles, records, pulls, before, after
 
-    outputs, singles, records, pulls = asyncio.run(main())
+    outputs, singles, records, pulls, before, after = asyncio.run(main())
     assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in singles]
     assert outputs[0].finish_reason == "stop" and len(outputs[0].output_token_ids) == 1
     assert sum(r.num_tokens for r in records if r.is_prefill) == len(prompt)  # one prefill
-    assert pulls["shared"].num_tokens == len(prompt)
+    assert after.num_kv_pulls - before.num_kv_pulls == 1 and pulls["shared"].num_tokens == len(prompt)
+    # Samples 1-3 share the prompt's last block there, 21 tokens into its third: two copy it.
+    assert after.num_copied_blocks - before.num_copied_blocks == 2
     assert all(o.metrics.decode_instance for o in outputs[1:])
 
 

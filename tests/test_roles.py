@@ -235,7 +235,7 @@ def test_decode_cancelled_while_its_kv_arrives_frees_both_sides():
     decode.add_handover(delta.handover)
     decode.tick()
     assert len(puller.submitted) == 1 and decode.role.stats().num_pending == 1
-    assert decode.abort_request("gone") is None  # its blocks are being written: it ends with the pull
+    assert decode.abort_request("gone") == []  # its blocks are being written: it ends with the pull
     assert "gone" not in decode.requests
     (aborted,) = puller.complete()
     assert (aborted.request_id, aborted.finished, aborted.finish_reason) == ("gone", True, "abort")

@@ -61,6 +61,8 @@ class InstanceInfo:
     num_throttled_steps: int  # prefill: steps that admitted nothing because held KV passed its limit
     num_admission_waits: int  # decode: handed-over requests that had to wait for free blocks
     failure: str | None
+    num_kv_pulls: int = 0  # decode: KV pulls done (one per hand-over, whatever its samples)
+    num_copied_blocks: int = 0  # blocks a request's samples shared and one of them copied to write into
 
 
 @dataclass
@@ -236,6 +238,8 @@ class Instance:
             num_throttled_steps=stats.num_throttled_steps,
             num_admission_waits=stats.num_admission_waits,
             failure=self._failure,
+            num_kv_pulls=self.migrator.num_pulls,
+            num_copied_blocks=engine.block_manager.num_copied_blocks,
         )
 
     def worker_pids(self) -> list[int]:

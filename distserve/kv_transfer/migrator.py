@@ -62,6 +62,7 @@ class Migrator:
         self.block_size = block_size
         self.on_done = on_done
         self._records: OrderedDict[str, MigrationRecord] = OrderedDict()
+        self.num_pulls = 0
         self._records_lock = threading.Lock()
         self._sources: dict[str, tuple[Any, list[KVEndpoint], list[TransferPart]]] = {}
         self._connected: dict[str, str] = {}  # channel: its transport
@@ -162,6 +163,7 @@ class Migrator:
         transport = "+".join(sorted(transports))
         record = MigrationRecord(handover.request_id, num_tokens, num_bytes, transport, start, time.time())
         with self._records_lock:
+            self.num_pulls += 1
             self._records[handover.request_id] = record
             while len(self._records) > self.MAX_RECORDS:
                 self._records.popitem(last=False)
