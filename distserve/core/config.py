@@ -56,6 +56,11 @@ class ModelConfig:
     enforce_eager: bool = option(
         False, "run decode steps eagerly on CUDA, not replayed as CUDA graphs (which need the triton backend)"
     )
+    cpu_packed_linear: bool = option(
+        True,
+        "on CPU in float32, run linear layers through oneDNN on weights packed once at load (1.4-2.2x "
+        "faster at decode batch sizes); off: torch's linear",
+    )
 
     def __post_init__(self) -> None:
         _check_choice("load_format", self.load_format, LOAD_FORMATS)

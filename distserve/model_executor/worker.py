@@ -20,6 +20,7 @@ from distserve.core.step_metrics import StepTimer
 from distserve.kv_transfer.channel import KVTransfer
 from distserve.kv_transfer.plan import rank_layout
 from distserve.model_executor.attention import resolve_attention_backend
+from distserve.model_executor.cpu_linear import can_pack, pack_linears
 from distserve.model_executor.cuda_graph import DecodeGraphs
 from distserve.model_executor.kv_cache import KVCache, KVCacheShape, determine_num_blocks
 from distserve.model_executor.logprobs import split_prompt_rows
@@ -103,6 +104,8 @@ class Worker:
             self.config.cache.block_size,
             self.dtype,
         )
+        if self.config.model.cpu_packed_linear and can_pack(self.device, self.dtype):
+            pack_linears(model)
         self.model, self.stage = model, stage
         self.sampler = Sampler(self.config.model.seed)
 
