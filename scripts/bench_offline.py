@@ -68,11 +68,17 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.model_executor.tiny_models import train_tokenizer
 
 # distserve: the engine as configured by default (on CPU in float32, decode attention by the C++
-# kernel that reads the blocks in place); distserve-compiled: by the torch.compile kernel that
-# reads them in place too; distserve-sdpa: over K/V copied out of the blocks, then SDPA, the
-# engine's reference path.
-ENGINE_BACKENDS = {"distserve": "auto", "distserve-compiled": "compiled", "distserve-sdpa": "sdpa"}
-SYSTEMS = (*ENGINE_BACKENDS, "hf-cb", "hf-static")
+# kernel that reads the blocks in place, linear layers through oneDNN on packed weights);
+# distserve-compiled: decode attention by the torch.compile kernel that reads them in place too;
+# distserve-sdpa: over K/V copied out of the blocks, then SDPA, the engine's reference path;
+# distserve-unpacked: linear layers through torch's linear on the weights as loaded.
+ENGINE_SYSTEMS = {
+    "distserve": {},
+    "distserve-compiled": {"attention_backend": "compiled"},
+    "distserve-sdpa": {"attention_backend": "sdpa"},
+    "distserve-unpacked": {"cpu_packed_linear": False},
+}
+SYSTEMS = (*ENGINE_SYSTEMS, "hf-cb", "hf-static")
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
 NO_EOS = -1  # an id no model produces: transformers CB then never stops a request early
@@ -306,9 +312,7 @@ def save_model_dir(model: PreTrainedModel, root: Path) -> Path:
 # System 1: distserve -------------------------------------------------------------------------------
 
 
-def build_engine(
-    model_dir: Path, requests: list[Request], args: argparse.Namespace, attention_backend: str = "auto"
-) -> LLMEngine:
+def build_engine(model_dir: Path, requests: list[Request], args: argparse.Namespace, **options) -> LLMEngine:
     blocks = sum(-(-(len(r.prompt) + r.max_tokens) // BLOCK_SIZE) for r in requests) + 64
     config = EngineConfig.from_flat(
         model=str(model_dir),
@@ -319,7 +323,7 @@ def build_engine(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
-        attention_backend=attention_backend,
+        **options,
     )
     return LLMEngine(config, max_step_records=100_000)
 
@@ -378,7 +382,7 @@ def bench_distserve(
     system: str,
     features: str = "",
 ) -> Result:
-    engine = build_engine(model_dir, requests + warmup, args, ENGINE_BACKENDS[system])
+    engine = build_engine(model_dir, requests + warmup, args, **ENGINE_SYSTEMS[system])
     constrain = time_constrain(engine) if "json" in features.split("+") else None
     run_engine(engine, warmup, features)  # with the features: a grammar is compiled here, not in the run
     skip = len(engine.stats.records)
@@ -724,7 +728,7 @@ def run_systems(
         benches: dict[str, Callable[[], Result]] = {
             **{
                 system: lambda system=system: bench_distserve(model_dir(), requests, warmup, args, system)
-                for system in ENGINE_BACKENDS
+                for system in ENGINE_SYSTEMS
             },
             "hf-cb": lambda: bench_hf_cb(model, requests, warmup, args),
             "hf-static": lambda: bench_hf_static(model, requests, warmup, args),

@@ -55,8 +55,8 @@ def test_make_model_writes_a_hugging_face_directory(tmp_path, capsys):
     model = AutoModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert model.config.model_type == "llama" and len(tokenizer) == model.config.vocab_size
-    # Deterministic: the same recipe gives the same weights as the cached copy.
-    cached = LLM("tiny-llama").engine.executor.worker.model
+    # Deterministic: the same recipe gives the same weights as the cached copy (as loaded: unpacked).
+    cached = LLM("tiny-llama", cpu_packed_linear=False).engine.executor.worker.model
     assert torch.equal(model.lm_head.weight, cached.lm_head.weight)
 
 
@@ -118,8 +118,8 @@ def test_presets_have_the_published_sizes(name, billions):
 
 
 def test_dummy_weights_have_the_real_shape_and_serve():
-    real = LLM("tiny-llama").engine.executor.worker.model
-    dummy_llm = LLM("tiny-llama", load_format="dummy", seed=3)
+    real = LLM("tiny-llama", cpu_packed_linear=False).engine.executor.worker.model
+    dummy_llm = LLM("tiny-llama", load_format="dummy", seed=3, cpu_packed_linear=False)
     dummy = dummy_llm.engine.executor.worker.model
     assert {k: v.shape for k, v in real.state_dict().items()} == {k: v.shape for k, v in dummy.state_dict().items()}
     assert not torch.equal(real.lm_head.weight, dummy.lm_head.weight)
