@@ -116,7 +116,7 @@ class RequestDelta:
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asks
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when the request asks
     index: int = 0  # the sample it belongs to (``finished``: that sample's end)
-    samples_left: int = 0  # the run's other samples still going on the instance that sent it
+    samples_left: int = 0  # final deltas: the run's other samples still going on the instance that sent it
 
     @property
     def key(self) -> tuple[str, int, int]:

@@ -149,9 +149,9 @@ class DecodeRole(InstanceRole):
         siblings = [s for s in self.siblings.pop((request_id, attempt), []) if not s.is_finished]
         if reason is not None:
             return [self.engine.finish(s, reason) for s in (seq, *siblings)]
+        for sibling in siblings:
+            self.engine.block_manager.fork(seq, sibling)
         for sample in (seq, *siblings):
-            if sample is not seq:
-                self.engine.block_manager.fork(seq, sample)
             sample.metrics.decode_admitted = seq.metrics.decode_admitted
             sample.metrics.migration_start, sample.metrics.migration_end = start, end
             self.scheduler.running.add(sample)

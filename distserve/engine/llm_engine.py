@@ -342,8 +342,7 @@ class LLMEngine:
             delta.first = True
         going_on = [(s, d) for s, d in zip(samples, deltas) if not s.is_finished]
         if going_on:
-            deltas_going_on = [d for _, d in going_on]
-            deltas_going_on[0].handover = self.role.after_prefill_samples(seq, [s for s, _ in going_on])
+            going_on[0][1].handover = self.role.after_prefill_samples(seq, [s for s, _ in going_on])
         return deltas
 
     def _constrain(self, seqs: list[Sequence], inputs: list[SeqInput]) -> None:
@@ -446,5 +445,5 @@ class LLMEngine:
             logprobs,
             prompt_logprobs,
             seq.sample_index,
-            sum(1 for other in self.requests.get(seq.request_id, {}).values() if other is not seq),
+            len(self.requests.get(seq.request_id, ())) if finished else 0,  # it is forgotten by then
         )

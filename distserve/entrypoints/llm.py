@@ -93,6 +93,6 @@ class LLM:
                         results[delta.request_id, delta.index] = output
         finally:
             for seq in seqs:
-                if len(self.engine.requests.get(seq.request_id, ())):
+                if seq.request_id in self.engine.requests:
                     self.engine.abort_request(seq.request_id)
         return [results[key] for key in builders]
