@@ -412,3 +412,29 @@ def test_kv_held_for_decode_is_decoded_in_place_once_its_holder_is_colocated(lla
             output = builder.add(delta)
     assert output.output_token_ids == reference_greedy(llama, prompt, 10)
     assert_engine_idle(prefill)
+
+
+def test_a_run_pulled_away_comes_back_before_the_next_tick_and_is_taken_over(llama):
+    # Prefill held x; decode pulled it (the hold released, the prefill engine not ticked since),
+    # decoded a token and left decode, handing x on to the former prefill engine, now decoding.
+    prompt = list(range(3, 40))
+    prefill, decode, puller = make_engines()
+    prefill.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0), "x")
+    (first,) = prefill.step()
+    decode.add_handover(first.handover)
+    decode.tick()
+    puller.complete()
+    (second,) = decode.step()
+    prefill.change_role("decode")
+    (back,) = decode.change_role("prefill")
+    prefill.kv_puller = InProcessPuller(decode, prefill)
+    prefill.add_handover(back.handover)  # the released hold goes first: no "already in use"
+    prefill.tick()
+    prefill.kv_puller.complete()
+    tokens = first.new_token_ids + second.new_token_ids
+    while prefill.has_unfinished_requests():
+        tokens += [t for d in prefill.tick() + prefill.step() for t in d.new_token_ids]
+    decode.tick()
+    assert tokens == reference_greedy(llama, prompt, 12)
+    assert_engine_idle(prefill)
+    assert_engine_idle(decode)

@@ -153,6 +153,9 @@ class LLMEngine:
         """Track ``seq`` and start its detokenization (past any output it already has). A later run
         of a request replaces an earlier one still here; the same run twice is refused, but for
         the ``sibling`` samples of one."""
+        # A run pulled from here since the last tick may come back (this engine decodes now, and the
+        # decode instance that pulled it left decode): it is gone from here first.
+        self._free_released()
         samples = self.requests.get(seq.request_id)
         if samples and not sibling:
             current = next(iter(samples.values()))
@@ -262,11 +265,15 @@ class LLMEngine:
         """Housekeeping between steps: held KV pulled (freed: the request goes on elsewhere) or past
         its deadline (failed), then the role's own (decode: admissions)."""
         now = time.monotonic()
+        self._free_released()
+        deltas = [self.finish(seq, "error") for seq in self.kv_hold.expire(now)]
+        return deltas + self.role.tick(now)
+
+    def _free_released(self) -> None:
+        """Free the held KV that decode instances have pulled: those requests go on elsewhere."""
         for seq in self.kv_hold.take_released():
             self.forget(seq)
             self.block_manager.free(seq)
-        deltas = [self.finish(seq, "error") for seq in self.kv_hold.expire(now)]
-        return deltas + self.role.tick(now)
 
     def finish(self, seq: Sequence, reason: str) -> RequestDelta:
         """End ``seq`` with ``reason``, free its blocks; its final delta."""
