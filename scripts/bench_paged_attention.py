@@ -31,6 +31,8 @@ SHAPES = [
     ("4 chunks of 64 after 636 cached", [(64, 700)] * 4),
     ("8 chunks of 16 after 584 cached", [(16, 600)] * 8),
     ("prompt of 768, nothing cached", [(768, 768)]),
+    ("prompt of 256, nothing cached", [(256, 256)]),
+    ("4 prompts of 64, nothing cached", [(64, 64)] * 4),
     ("2 prompts of 512, nothing cached", [(512, 512)] * 2),
 ]
 

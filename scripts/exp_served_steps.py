@@ -1,7 +1,7 @@
 """What sets a colocated instance's TPOT under a served load: its steps, split into those that ran
 prompt tokens and decode-only ones, against each request's time per output token.
 
-    python scripts/exp_served_steps.py [--rate 2] [--requests 60] [--threads 2] [--no-packed]
+    python scripts/exp_served_steps.py [--rate 2] [--requests 60] [--threads 2] [--no-packed] [--chunk 512]
 
 One colocated instance of the 58M dummy Llama (``--threads`` torch threads), requests of 256 random
 prompt tokens and 64 output tokens (EOS ignored) arriving as a Poisson process, as `vllm bench
@@ -37,6 +37,8 @@ async def serve(args: argparse.Namespace, model: str) -> tuple[list[tuple[float,
     rng = random.Random(0)
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     options = dict(load_format="dummy", cpu_threads=args.threads, cpu_packed_linear=not args.no_packed)
+    if args.chunk:
+        options.update(enable_chunked_prefill=True, max_num_batched_tokens=args.chunk)
     async with AsyncCluster(model=model, colocated={"instances": 1}, **options) as cluster:
         handle = cluster.orchestrator.instances[0].handle
         await asyncio.gather(*[_one(cluster, [rng.randrange(3, 32000) for _ in range(256)], params) for _ in range(2)])
@@ -65,6 +67,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=60)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-packed", action="store_true", help="torch's linear instead of packed weights")
+    parser.add_argument("--chunk", type=int, default=0, help="chunked prefill, up to this many tokens a step")
     args = parser.parse_args()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as scratch:
@@ -75,7 +78,8 @@ def main() -> None:
     prompt_steps = [r for r in records if r.is_prefill]
     decode_steps = [r for r in records if not r.is_prefill]
     print(f"{args.requests} requests at {args.rate} req/s, {args.threads} threads, "
-          f"{'torch linear' if args.no_packed else 'packed linear'}")  # fmt: skip
+          f"{'torch linear' if args.no_packed else 'packed linear'}"
+          f"{f', chunked prefill of {args.chunk} tokens' if args.chunk else ''}")  # fmt: skip
     for name, steps in (("steps with prompts", prompt_steps), ("decode-only steps", decode_steps)):
         ms = [r.total * 1000 for r in steps]
         sizes = [r.batch_size for r in steps]

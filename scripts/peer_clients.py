@@ -282,19 +282,19 @@ def refused_fields(server: str, path: str, body: dict, api_key: str | None, limi
 # -- the server ------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _get_json(url: str, api_key: str | None, timeout: float = 5) -> object:
+def get_json(url: str, api_key: str | None, timeout: float = 5) -> object:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         return json.loads(response.read())
 
 
-def _model_files(name: str, out: Path) -> tuple[str, list[str]]:
+def model_files(name: str, out: Path) -> tuple[str, list[str]]:
     """(tokenizer directory, --model and the flags it needs) of a model: llama-58m (written to
     ``out`` with the built-in tokenizer, served with dummy weights), a local directory, a built-in
     tiny model or a preset (which distserve serves with the tiny models' tokenizer)."""
@@ -318,40 +318,40 @@ def _model_files(name: str, out: Path) -> tuple[str, list[str]]:
     raise SystemExit(f"no tokenizer known for model '{name}': pass --tokenizer DIR")
 
 
-class LaunchedServer:
-    """``distserve launch`` in a session of its own, on free loopback ports."""
+class ServerProcess:
+    """A server started as a process group of its own; ready once ``ready()`` says so."""
 
-    def __init__(self, deployment: str, model: str, extra: list[str], out: Path, api_key: str | None):
-        self.tokenizer, model_flags = _model_files(model, out)
-        self.model = "llama-58m" if model == "llama-58m" else model
-        http_port, grpc_port = _free_port(), _free_port()
-        self.url = f"http://127.0.0.1:{http_port}"
-        command = [sys.executable, "-c", "import sys; from distserve.cli import main; sys.exit(main())", "launch"]
-        command += ["--model", *model_flags, *DEPLOYMENTS[deployment], "--host", "127.0.0.1"]
-        command += ["--port", str(http_port), "--grpc-port", str(grpc_port), "--drain-timeout", "5", *extra]
-        if api_key:
-            command += ["--api-key", api_key]
-        self.log = out / "server.log"
-        print(f"launching: distserve {' '.join(command[4:])}", flush=True)
-        with self.log.open("w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    name = "server"
+
+    def __init__(self, command: list[str], url: str, log: Path, env: dict[str, str] | None = None) -> None:
+        self.url, self.log = url, log
+        self.startup_s: float | None = None  # from the start to ready
+        self._started = time.monotonic()
+        with log.open("w") as out:
+            self.process = subprocess.Popen(
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def ready(self) -> bool:
+        try:
+            return bool(get_json(self.url + "/v1/models", None).get("data"))
+        except (OSError, ValueError):
+            return False
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise SystemExit(f"distserve launch exited with {self.process.returncode}: see {self.log}")
-            try:
-                if _get_json(self.url + "/health", None).get("status") == "serving":
-                    return
-            except (OSError, ValueError):
-                pass
+                raise SystemExit(f"{self.name} exited with {self.process.returncode}: see {self.log}")
+            if self.ready():
+                self.startup_s = time.monotonic() - self._started
+                return
             time.sleep(1)
-        raise SystemExit(f"distserve launch did not serve within {timeout:.0f} s: see {self.log}")
+        raise SystemExit(f"{self.name} did not serve within {timeout:.0f} s: see {self.log}")
 
     def stop(self) -> None:
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)  # drains, then stops its actors and its Ray
+            self.process.send_signal(signal.SIGTERM)  # drains, then stops its workers
             try:
                 self.process.wait(timeout=90)
             except subprocess.TimeoutExpired:
@@ -359,10 +359,34 @@ class LaunchedServer:
                 self.process.wait()
 
 
+class LaunchedServer(ServerProcess):
+    """``distserve launch`` on free loopback ports."""
+
+    name = "distserve launch"
+
+    def __init__(self, deployment: str, model: str, extra: list[str], out: Path, api_key: str | None) -> None:
+        self.tokenizer, model_flags = model_files(model, out)
+        self.model = "llama-58m" if model == "llama-58m" else model
+        http_port, grpc_port = free_port(), free_port()
+        command = [sys.executable, "-c", "import sys; from distserve.cli import main; sys.exit(main())", "launch"]
+        command += ["--model", *model_flags, *DEPLOYMENTS[deployment], "--host", "127.0.0.1"]
+        command += ["--port", str(http_port), "--grpc-port", str(grpc_port), "--drain-timeout", "5", *extra]
+        if api_key:
+            command += ["--api-key", api_key]
+        print(f"launching: distserve {' '.join(command[4:])}", flush=True)
+        super().__init__(command, f"http://127.0.0.1:{http_port}", out / "server.log")
+
+    def ready(self) -> bool:
+        try:
+            return get_json(self.url + "/health", None).get("status") == "serving"
+        except (OSError, ValueError):
+            return False
+
+
 # -- the clients -----------------------------------------------------------------------------------
 
 
-def _executable(venvs: Path, venv: str, name: str) -> str | None:
+def executable(venvs: Path, venv: str, name: str) -> str | None:
     candidate = venvs / venv / "bin" / name
     return str(candidate) if candidate.exists() else shutil.which(name)
 
@@ -370,7 +394,7 @@ def _executable(venvs: Path, venv: str, name: str) -> str | None:
 def client_command(name: str, args: argparse.Namespace, proxy: str, out: Path, max_model_len: int) -> list[str] | None:
     n, rate, inp, outp = args.num_prompts, args.request_rate, args.input_len, args.output_len
     if name.startswith("vllm-"):
-        exe = _executable(args.venvs, "vllm", "vllm")
+        exe = executable(args.venvs, "vllm", "vllm")
         backend = ["--backend", "vllm"] if name == "vllm-completions" else ["--backend", "openai-chat"]
         endpoint = "/v1/completions" if name == "vllm-completions" else "/v1/chat/completions"
         return exe and [
@@ -382,7 +406,7 @@ def client_command(name: str, args: argparse.Namespace, proxy: str, out: Path, m
             *shlex.split(args.vllm_extra),
         ]  # fmt: skip
     if name == "guidellm":
-        exe = _executable(args.venvs, "guidellm", "guidellm")
+        exe = executable(args.venvs, "guidellm", "guidellm")
         backend = f"kind=openai_http,target={proxy},model={args.model},request_format=/v1/chat/completions"
         if args.api_key:
             backend += f",api_key={args.api_key}"
@@ -394,7 +418,7 @@ def client_command(name: str, args: argparse.Namespace, proxy: str, out: Path, m
             "--data", f"kind=synthetic_text,prompt_tokens={inp},output_tokens={outp}",
             "--output", f"kind=json,path={out / 'guidellm.json'}", "--disable-console-interactive",
         ]  # fmt: skip
-    exe = _executable(args.venvs, "lmeval", "lm_eval") or _executable(args.venvs, "lmeval", "lm-eval")
+    exe = executable(args.venvs, "lmeval", "lm_eval") or executable(args.venvs, "lmeval", "lm-eval")
     model_args = ",".join(
         [
             f"model={args.model}",
@@ -485,11 +509,11 @@ def main(argv: list[str] | None = None) -> int:
             args.tokenizer = args.tokenizer or server.tokenizer
         else:
             url = args.url.rstrip("/").removesuffix("/v1")
-        card = _get_json(url + "/v1/models", args.api_key)["data"][0]
+        card = get_json(url + "/v1/models", args.api_key)["data"][0]
         args.model = args.model or card["id"]
         max_model_len = int(card.get("max_model_len") or 2048)
         if args.tokenizer is None:
-            args.tokenizer = _model_files(args.model, out)[0]
+            args.tokenizer = model_files(args.model, out)[0]
         print(f"server {url}, model {args.model}, tokenizer {args.tokenizer}; logs in {out}", flush=True)
 
         proxy = RecordingProxy(url)

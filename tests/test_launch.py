@@ -89,10 +89,21 @@ def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
 
 
 def test_launch_serves_then_sigint_drains_and_leaves_no_process():
-    server = Launched("--model", "tiny-llama", "--num-kv-blocks", "64", "--drain-timeout", "60")
+    """One colocated instance on one thread: on a machine of two cores or more, it runs on the
+    highest core and the launcher, its Ray and its servers on the others."""
+    args = ("--colocated-instances", "1", "--cpu-threads", "1")
+    server = Launched("--model", "tiny-llama", "--num-kv-blocks", "64", "--drain-timeout", "60", *args)
     try:
         children = server.descendants()
-        assert any("raylet" in " ".join(p.cmdline()) for p in children)  # a local Ray of its own
+        raylet = [p for p in children if "raylet" in " ".join(p.cmdline())]
+        assert raylet  # a local Ray of its own
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) > 1:
+            log = "".join(server.log)
+            assert f"colocated-0: cores {cores[-1]}, 1 torch thread(s) per worker" in log
+            serving = set(cores[:-1])
+            assert os.sched_getaffinity(server.process.pid) == serving and set(raylet[0].cpu_affinity()) == serving
+            assert any(p.cpu_affinity() == [cores[-1]] for p in children)  # the instance's process
         with urllib.request.urlopen(f"{server.http_url}/health", timeout=10) as response:
             assert response.status == 200
         with Client(server.grpc_address) as client:

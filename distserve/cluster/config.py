@@ -20,6 +20,7 @@ cluster:
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any
 
 from distserve.cluster.role_controller import RoleControlConfig
 from distserve.core.config import FIELD_SECTION, EngineConfig, is_int, is_number, read_sections
+from distserve.core.cpu_cores import UNBOUND, format_cores, parse_cores
 from distserve.core.role import ROLES, Role
 
 CLUSTER_KEYS = ("name", "max_request_attempts", "replace_failed_instances", "stream_interval", "role_control")
@@ -40,6 +42,17 @@ POOL_FLAGS = [
 
 # Role-control CLI flags of ``distserve launch``: (flag dest, key of ``cluster.role_control``).
 ROLE_CONTROL_FLAGS = [("role_control", "mode"), ("slo_ttft", "slo_ttft"), ("slo_tpot", "slo_tpot")]
+
+
+def _split_cores(spec: str, instances: int) -> list[str]:
+    """Each of ``instances`` instances' cpu_cores: an equal run of a pool's core list, or ``spec``."""
+    if spec in UNBOUND:
+        return [spec] * instances
+    cores = parse_cores(spec)
+    share = len(cores) // instances
+    if share < 1:
+        raise ValueError(f"cpu_cores '{spec}' has fewer cores than the pool's {instances} instances")
+    return [format_cores(cores[i * share : (i + 1) * share]) for i in range(instances)]
 
 
 @dataclass
@@ -102,7 +115,9 @@ class ClusterConfig:
             )
         for pool in self.pools:  # checked now, not when the pool's instances start
             try:
-                self.engine_config(pool)
+                engine = self.engine_config(pool)
+                for cores in _split_cores(engine.parallel.cpu_cores, pool.instances):
+                    dataclasses.replace(engine.parallel, cpu_cores=cores)  # enough for its workers
             except ValueError as e:
                 raise ValueError(f"the {pool.role} pool: {e}") from None
 
@@ -119,12 +134,14 @@ class ClusterConfig:
         return EngineConfig.from_flat(**{**base, **pool.options, "role": pool.role})
 
     def instance_configs(self) -> list[tuple[str, EngineConfig]]:
-        """(actor name, engine config) of every instance."""
-        return [
-            (f"{self.name}-{pool.role}-{i}", self.engine_config(pool))
-            for pool in self.pools
-            for i in range(pool.instances)
-        ]
+        """(actor name, engine config) of every instance; a pool's core list split among its instances."""
+        configs = []
+        for pool in self.pools:
+            engine = self.engine_config(pool)
+            for i, cores in enumerate(_split_cores(engine.parallel.cpu_cores, pool.instances)):
+                parallel = dataclasses.replace(engine.parallel, cpu_cores=cores)
+                configs.append((f"{self.name}-{pool.role}-{i}", dataclasses.replace(engine, parallel=parallel)))
+        return configs
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config", **engine_overrides: Any) -> ClusterConfig:

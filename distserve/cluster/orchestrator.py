@@ -29,16 +29,19 @@ from typing import Any
 import ray
 
 from distserve.cluster.config import ClusterConfig
+from distserve.cluster.core_plan import plan_cores
 from distserve.cluster.failover import Failover
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
 from distserve.cluster.role_controller import Arrival, FinishedRequest, InFlight, RequestSLO, RoleController
 from distserve.cluster.routing import InstanceState, Router, spread_prompts
+from distserve.core.cpu_cores import available_cores
 from distserve.core.errors import InstanceFailure, RequestError
 from distserve.core.handover import Handover
 from distserve.core.outputs import OutputBuilder, RequestDelta, RequestMetrics, RequestOutput
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
+from distserve.engine.executor import cluster_device
 from distserve.engine.input_processor import InputProcessor
 from distserve.model_executor.model_loader import eos_token_ids, load_tokenizer, resolve_model
 
@@ -151,6 +154,12 @@ class Orchestrator:
         resolved = resolve_model(self.config.engine.model)
         tokenizer = load_tokenizer(resolved)
         loop = asyncio.get_running_loop()
+        on_cpu = cluster_device(self.config.engine) == "cpu"
+        plan = plan_cores(self.config, available_cores(), cpu=on_cpu)  # `distserve launch` planned already
+        if plan.config is not self.config and on_cpu:
+            for line in plan.instance_lines():
+                logger.info("cores: %s", line)
+        self.config = plan.config
         configs = self.config.instance_configs()
         handles = await asyncio.gather(
             *(loop.run_in_executor(None, launch_instance, config, name) for name, config in configs),

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from distserve.core.cpu_cores import UNBOUND, parse_cores
 from distserve.core.role import ROLES, Role
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -161,7 +162,16 @@ class ParallelConfig:
         "STRICT_PACK", "Ray placement group strategy for an instance's workers", PLACEMENT_STRATEGIES
     )
     worker_cpus: float = option(0.05, "CPUs each worker reserves in its placement bundle (small: Ray only books it)")
-    cpu_threads: int | None = option(None, "torch threads of each CPU worker (default: cores / tensor_parallel_size)")
+    cpu_threads: int | None = option(
+        None, "torch threads of each CPU worker (default: its bound cores, else cores / tensor_parallel_size)"
+    )
+    cpu_cores: str = option(
+        "auto",
+        "CPU cores of the instances' torch threads: a list such as 0-3,8 (a pool's list is split among "
+        "its instances, each instance's among its workers), 'none' (unbound), or 'auto': in a cluster, "
+        "cores of their own for every worker when the machine has enough, the rest left to the "
+        "serving processes (printed at start); unbound for an engine alone",
+    )
 
     def __post_init__(self) -> None:
         _check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
@@ -171,12 +181,22 @@ class ParallelConfig:
             raise ValueError(f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
+        if self.cpu_cores not in UNBOUND and len(parse_cores(self.cpu_cores)) < self.world_size:
+            raise ValueError(f"cpu_cores '{self.cpu_cores}' has fewer cores than the {self.world_size} workers")
         if self.worker_cpus <= 0:
             raise ValueError(f"worker_cpus must be positive (Ray rejects empty bundles), got {self.worker_cpus}")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def rank_cores(self, rank: int) -> list[int] | None:
+        """The cores of worker ``rank``: its share of ``cpu_cores``, in rank order; None when unbound."""
+        if self.cpu_cores in UNBOUND:
+            return None
+        cores = parse_cores(self.cpu_cores)
+        share = len(cores) // self.world_size
+        return cores[rank * share : (rank + 1) * share]
 
 
 @dataclass

@@ -245,6 +245,7 @@ def _check_start_and_serve(cluster_config: ClusterConfig, server_config: ServerC
             logger.info("joining the Ray cluster at %s", server_config.ray_address)
             ray.init(address=server_config.ray_address, log_to_driver=False)
         else:
+            cluster_config = _place_cores(cluster_config)
             logger.info("starting a local Ray")
             ray.init(address="local", include_dashboard=False, log_to_driver=False)
         signals.install()
@@ -252,6 +253,24 @@ def _check_start_and_serve(cluster_config: ClusterConfig, server_config: ServerC
         asyncio.run(_serve(cluster_config, server_config, signals))
     finally:
         ray.shutdown()  # stops the Ray processes this launch started; a joined cluster keeps running
+
+
+def _place_cores(config: ClusterConfig) -> ClusterConfig:
+    """Give the instances cores of their own (``cpu_cores: auto``) and bind this process to the
+    cores they leave: its servers, its orchestrator and the Ray processes it is about to start."""
+    import torch
+
+    from distserve.cluster.core_plan import plan_cores
+    from distserve.core.cpu_cores import available_cores, bind_process
+
+    device = config.engine.model.device
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    plan = plan_cores(config, available_cores(), cpu=on_cpu)
+    for line in plan.describe() if on_cpu else []:
+        logger.info("cores: %s", line)
+    if plan.serving:
+        bind_process(plan.serving)
+    return plan.config
 
 
 def launch(cluster_config: ClusterConfig, server_config: ServerConfig) -> None:

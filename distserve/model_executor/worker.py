@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from distserve.core.config import EngineConfig
+from distserve.core.cpu_cores import bind_process
 from distserve.core.outputs import TokenLogprobs
 from distserve.core.step_metrics import StepTimer
 from distserve.kv_transfer.channel import KVTransfer
@@ -66,9 +67,12 @@ class Worker:
         self._store: dist.TCPStore | None = None
         if self.device.type == "cpu":
             # Ray pins actors to one thread. One batch is in flight at a time, so only the TP ranks
-            # of one stage compute at once: they share the machine's cores.
-            threads = parallel.cpu_threads or max(1, (os.cpu_count() or 1) // self.rank.tp_size)
-            torch.set_num_threads(threads)
+            # of one stage compute at once: unbound, they share the machine's cores.
+            cores = parallel.rank_cores(rank)
+            if cores:
+                bind_process(cores)
+            threads = parallel.cpu_threads or (len(cores) if cores else (os.cpu_count() or 1) // self.rank.tp_size)
+            torch.set_num_threads(max(1, threads))
             keep_freed_memory()
 
     def create_store(self) -> tuple[str, int]:
