@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from distserve.core.model_presets import MODEL_PRESETS, TINY_MODEL_PRESETS, ModelShape, find_model_preset, model_shape
 from placement.cli_hints import parse_args
 from placement.colocation import (
     DEFAULT_CHUNK_TOKENS,
@@ -33,7 +34,6 @@ from placement.deployment import Deployment
 from placement.fitted import FittedLatency
 from placement.hardware import GPUS, ClusterSpec, cluster_from_dict, gpu_preset_name, load_hardware
 from placement.latency import InstanceModels, Parallelism
-from placement.model_presets import MODEL_PRESETS, TINY_MODEL_PRESETS, ModelShape, find_model_preset, model_shape
 from placement.plan_file import colocated_plan_document, plan_document, read_plan, write_plan
 from placement.planner import (
     Prediction,

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from distserve.core.model_presets import ModelShape
 from placement.fitted import FittedLatency
 from placement.hardware import ClusterSpec
-from placement.model_presets import ModelShape
 from placement.roofline import Efficiency, RooflineModel, kv_transfer_time
 from placement.simulator import DecodeInstanceSpec, PrefillInstanceSpec
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import yaml
 
+from distserve.core.model_presets import find_model_preset
 from placement.colocation import ColocatedDeployment
 from placement.deployment import Deployment
 from placement.latency import Parallelism
-from placement.model_presets import find_model_preset
 
 
 def _pool(par: Parallelism, count: int, per_node: int, options: dict[str, Any]) -> dict[str, Any]:

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from distserve.core.model_presets import ModelShape
 from placement.hardware import ClusterSpec
-from placement.model_presets import ModelShape
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ import argparse
 import statistics
 import time
 
+from distserve.core.model_presets import MODEL_PRESETS, model_shape
 from placement.hardware import cluster_from_dict
 from placement.latency import InstanceModels
-from placement.model_presets import MODEL_PRESETS, model_shape
 from placement.search import Objective, PhaseProblem, search
 from placement.workload import arrival_times, preset_workload
 

@@ -273,8 +273,8 @@ def test_every_family_the_rule_allows_has_a_plan():
     """The families ModelShape.tensor_parallel_problem lets through are the ones shard_model has a plan for."""
     from transformers import AutoConfig
 
+    from distserve.core.model_presets import TENSOR_PARALLEL_FAMILIES
     from distserve.parallel.tensor_parallel import OWN_TP_PLANS
-    from placement.model_presets import TENSOR_PARALLEL_FAMILIES
 
     for family in TENSOR_PARALLEL_FAMILIES:
         assert AutoConfig.for_model(family).base_model_tp_plan or family in OWN_TP_PLANS, family

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
+from distserve.core.model_presets import MODEL_PRESETS, ModelShape, model_shape
 from placement.hardware import GPUS, ClusterSpec, GPUSpec, cluster_from_dict, load_hardware
-from placement.model_presets import MODEL_PRESETS, ModelShape, model_shape
 from placement.roofline import Efficiency, RooflineModel, kv_transfer_time
 
 GIB = 1 << 30

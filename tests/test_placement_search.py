@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import yaml
 
+from distserve.core.model_presets import MODEL_PRESETS, model_shape
 from placement.cli import build_problem, main
 from placement.deployment import Deployment
 from placement.fitted import FittedLatency
 from placement.hardware import cluster_from_dict
 from placement.latency import InstanceModels, Parallelism
-from placement.model_presets import MODEL_PRESETS, model_shape
 from placement.plan_file import read_plan
 from placement.planner import (
     attainment_curve,

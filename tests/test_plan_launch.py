@@ -11,6 +11,7 @@ from test_launch import Launched
 from test_parallel import SIX_HEADS
 
 from distserve.core.config import ModelConfig, ParallelConfig
+from distserve.core.model_presets import MODEL_PRESETS, TINY_MODEL_PRESETS, model_shape
 from distserve.entrypoints.client import Client
 from distserve.entrypoints.launch import load_launch_config
 from distserve.model_executor.model_loader import resolve_model
@@ -19,7 +20,6 @@ from distserve.parallel.ranks import check_parallel_config
 from placement.cli import main as place_main
 from placement.hardware import cluster_from_dict
 from placement.latency import InstanceModels, Parallelism
-from placement.model_presets import MODEL_PRESETS, TINY_MODEL_PRESETS, model_shape
 from placement.plan_file import read_plan
 from placement.roofline import RooflineModel
 

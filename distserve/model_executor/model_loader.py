@@ -19,12 +19,12 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from distserve.core.config import ModelConfig
+from distserve.core.model_presets import MODEL_PRESETS, ModelShape, find_model_preset, model_shape
 from distserve.model_executor.attention import ATTN_IMPLEMENTATION
 from distserve.model_executor.tiny_models import TINY_MODELS, ensure_tiny_model
 from distserve.parallel.pipeline_parallel import PipelineStage
 from distserve.parallel.ranks import ParallelRank, stage_layers
 from distserve.parallel.tensor_parallel import Shard, shard_model
-from placement.model_presets import MODEL_PRESETS, ModelShape, find_model_preset, model_shape
 
 logger = logging.getLogger(__name__)
 

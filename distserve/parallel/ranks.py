@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from distserve.core.config import ParallelConfig
+from distserve.core.model_presets import ModelShape
 from distserve.parallel.tensor_parallel import check_tensor_parallel
-from placement.model_presets import ModelShape
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from placement.model_presets import ModelShape
+from distserve.core.model_presets import ModelShape
 
 # Plans for families whose transformers config carries none, keyed by model_type; keys are
 # relative to the base model, as transformers' own plans are.
