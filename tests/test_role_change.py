@@ -17,6 +17,7 @@ from distserve import AsyncCluster, SamplingParams
 from distserve.cluster.api import make_cluster_config
 from distserve.cluster.config import ClusterConfig
 from distserve.cluster.layout_forecast import ChunkedPrefill
+from distserve.cluster.role_control_config import RoleControlConfig
 from distserve.cluster.role_controller import (
     Arrival,
     Attainment,
@@ -24,7 +25,6 @@ from distserve.cluster.role_controller import (
     InFlight,
     Load,
     RequestSLO,
-    RoleControlConfig,
     RoleController,
     Share,
     attainment,
