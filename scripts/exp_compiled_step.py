@@ -26,23 +26,10 @@ from distserve import LLM, SamplingParams
 from distserve.model_executor import attention, cpu_kernel, cpu_linear
 from distserve.model_executor.tiny_models import BENCH_LLAMA_SHAPE, write_llama_shape
 
-
-@torch.library.custom_op("distserve_exp::paged_attention", mutates_args=())
-def paged_attention_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_starts: torch.Tensor,
-    query_lens: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_size: int,
-    scale: float,
-    window: int,
-) -> torch.Tensor:
-    return cpu_kernel.paged_attention_cpu(
-        q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, block_size, scale, window
-    )
+# The kernel's own function, typed as custom_op wants it, as an operator inductor calls as it is.
+paged_attention_op = torch.library.custom_op(
+    "distserve_exp::paged_attention", cpu_kernel.paged_attention_cpu, mutates_args=()
+)
 
 
 @paged_attention_op.register_fake
