@@ -108,6 +108,15 @@ def test_a_cluster_binds_every_thread_of_each_instance_to_its_own_cores(ray_clus
     assert found == {"prefill": {frozenset(cores[:half])}, "decode": {frozenset(cores[half : 2 * half])}}
 
 
+def test_binding_to_cores_the_machine_lacks_is_refused_with_a_sentence():
+    from distserve.core.cpu_cores import bind_process
+
+    before = os.sched_getaffinity(0)
+    with pytest.raises(ValueError, match=r"cannot bind to cpu cores 4096-4097 .*: the machine has \d+ cores"):
+        bind_process([4096, 4097])
+    assert os.sched_getaffinity(0) == before
+
+
 def test_an_engine_alone_stays_unbound_under_auto():
     """An engine alone (``LLM``) leaves its process where it was under ``auto``."""
     from distserve import LLM

@@ -154,7 +154,8 @@ class Orchestrator:
         resolved = resolve_model(self.config.engine.model)
         tokenizer = load_tokenizer(resolved)
         loop = asyncio.get_running_loop()
-        on_cpu = cluster_device(self.config.engine) == "cpu"
+        # Cores are planned from this machine's: on a Ray cluster of several nodes, instances stay unbound.
+        on_cpu = cluster_device(self.config.engine) == "cpu" and sum(n["Alive"] for n in ray.nodes()) == 1
         plan = plan_cores(self.config, available_cores(), cpu=on_cpu)  # `distserve launch` planned already
         if plan.config is not self.config and on_cpu:
             for line in plan.instance_lines():

@@ -55,3 +55,6 @@ def bind_process(cores: list[int]) -> None:
             os.sched_setaffinity(int(task), cores)
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
+        except OSError as e:  # EINVAL: none of them is a core this machine (or its cgroup) has
+            raise ValueError(f"cannot bind to cpu cores {format_cores(cores)} ({e.strerror}): the machine has "
+                             f"{os.cpu_count()} cores") from None  # fmt: skip
