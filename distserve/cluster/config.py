@@ -115,9 +115,7 @@ class ClusterConfig:
             )
         for pool in self.pools:  # checked now, not when the pool's instances start
             try:
-                engine = self.engine_config(pool)
-                for cores in _split_cores(engine.parallel.cpu_cores, pool.instances):
-                    dataclasses.replace(engine.parallel, cpu_cores=cores)  # enough for its workers
+                self._pool_instances(pool)
             except ValueError as e:
                 raise ValueError(f"the {pool.role} pool: {e}") from None
 
@@ -133,15 +131,21 @@ class ClusterConfig:
         base = {key: value for section in self.engine.to_dict().values() for key, value in section.items()}
         return EngineConfig.from_flat(**{**base, **pool.options, "role": pool.role})
 
+    def _pool_instances(self, pool: PoolConfig) -> list[EngineConfig]:
+        """The engine config of each of the pool's instances: a pool's core list split among them."""
+        engine = self.engine_config(pool)
+        return [
+            dataclasses.replace(engine, parallel=dataclasses.replace(engine.parallel, cpu_cores=cores))
+            for cores in _split_cores(engine.parallel.cpu_cores, pool.instances)
+        ]
+
     def instance_configs(self) -> list[tuple[str, EngineConfig]]:
-        """(actor name, engine config) of every instance; a pool's core list split among its instances."""
-        configs = []
-        for pool in self.pools:
-            engine = self.engine_config(pool)
-            for i, cores in enumerate(_split_cores(engine.parallel.cpu_cores, pool.instances)):
-                parallel = dataclasses.replace(engine.parallel, cpu_cores=cores)
-                configs.append((f"{self.name}-{pool.role}-{i}", dataclasses.replace(engine, parallel=parallel)))
-        return configs
+        """(actor name, engine config) of every instance."""
+        return [
+            (f"{self.name}-{pool.role}-{i}", engine)
+            for pool in self.pools
+            for i, engine in enumerate(self._pool_instances(pool))
+        ]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config", **engine_overrides: Any) -> ClusterConfig:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from distserve.cluster.config import ClusterConfig, PoolConfig
+from distserve.cluster.config import ClusterConfig
 from distserve.core.cpu_cores import UNBOUND, format_cores, parse_cores
 from distserve.core.role import Role
 
@@ -39,8 +39,7 @@ class CorePlan:
         lines = []
         for name, engine in self.config.instance_configs():
             parallel = engine.parallel
-            cores = parallel.rank_cores(0)
-            threads = parallel.cpu_threads or (len(cores) if cores else None)
+            threads = parallel.worker_threads()
             where = "unbound" if parallel.cpu_cores in UNBOUND else f"cores {parallel.cpu_cores}"
             lines.append(f"{name}: {where}" + (f", {threads} torch thread(s) per worker" if threads else ""))
         return lines
@@ -49,22 +48,30 @@ class CorePlan:
 def plan_cores(config: ClusterConfig, available: list[int], cpu: bool = True) -> CorePlan:
     """Resolve every ``auto`` pool of ``config`` to cores out of ``available`` (or to ``none`` when
     the instances do not run on the CPU, ``cpu`` False)."""
-    auto = [pool for pool in config.pools if config.engine_config(pool).parallel.cpu_cores == "auto"]
+    parallel = {pool.role: config.engine_config(pool).parallel for pool in config.pools}
+    auto = [pool for pool in config.pools if parallel[pool.role].cpu_cores == "auto"]
     if not auto:
         return CorePlan(config, None)
-    taken = {core for pool in config.pools if pool not in auto for core in _pool_cores(config, pool)}
+    unbound = _with_cores(config, {pool.role: "none" for pool in auto})
+    if not cpu:
+        return CorePlan(unbound, None)
+    taken = {
+        core
+        for pool in config.pools
+        if pool not in auto and parallel[pool.role].cpu_cores not in UNBOUND
+        for core in parse_cores(parallel[pool.role].cpu_cores)
+    }
     free = [core for core in available if core not in taken]
     # (pool, workers, threads per worker or None for an equal share)
-    demands = []
-    for pool in auto:
-        parallel = config.engine_config(pool).parallel
-        demands.append((pool, pool.instances * parallel.world_size, parallel.cpu_threads))
+    demands = [
+        (pool, pool.instances * parallel[pool.role].world_size, parallel[pool.role].cpu_threads) for pool in auto
+    ]
     fixed = sum(workers * threads for _, workers, threads in demands if threads)
     shared_workers = sum(workers for _, workers, threads in demands if not threads)
     share = (len(free) - fixed) // shared_workers if shared_workers else 0
     need = fixed + share * shared_workers
-    if not cpu or need > len(free) or (shared_workers and share < 1):
-        return CorePlan(_with_cores(config, {pool.role: "none" for pool in auto}), None, oversubscribed=cpu)
+    if need > len(free) or (shared_workers and share < 1):
+        return CorePlan(unbound, None, oversubscribed=True)
     assigned, next_core = {}, len(free) - need
     for pool, workers, threads in demands:
         count = workers * (threads or share)
@@ -72,11 +79,6 @@ def plan_cores(config: ClusterConfig, available: list[int], cpu: bool = True) ->
         next_core += count
     serving = free[: len(free) - need] or None
     return CorePlan(_with_cores(config, assigned), serving)
-
-
-def _pool_cores(config: ClusterConfig, pool: PoolConfig) -> list[int]:
-    spec = config.engine_config(pool).parallel.cpu_cores
-    return [] if spec in UNBOUND else parse_cores(spec)
 
 
 def _with_cores(config: ClusterConfig, cores: dict[Role, str]) -> ClusterConfig:

@@ -198,6 +198,12 @@ class ParallelConfig:
         share = len(cores) // self.world_size
         return cores[rank * share : (rank + 1) * share]
 
+    def worker_threads(self) -> int | None:
+        """Torch threads of each CPU worker: ``cpu_threads``, else as many as its bound cores; None
+        when neither says (the worker then divides the machine's cores among the TP ranks)."""
+        cores = self.rank_cores(0)
+        return self.cpu_threads or (len(cores) if cores else None)
+
 
 @dataclass
 class EngineConfig:

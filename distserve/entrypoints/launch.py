@@ -263,7 +263,7 @@ def _place_cores(config: ClusterConfig) -> ClusterConfig:
     from distserve.cluster.core_plan import plan_cores
     from distserve.core.cpu_cores import available_cores, bind_process
 
-    device = config.engine.model.device
+    device = config.engine.model.device  # Ray is not up yet to say (``cluster_device``): this machine's
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     plan = plan_cores(config, available_cores(), cpu=on_cpu)
     for line in plan.describe() if on_cpu else []:

@@ -71,7 +71,7 @@ class Worker:
             cores = parallel.rank_cores(rank)
             if cores:
                 bind_process(cores)
-            threads = parallel.cpu_threads or (len(cores) if cores else (os.cpu_count() or 1) // self.rank.tp_size)
+            threads = parallel.worker_threads() or (os.cpu_count() or 1) // self.rank.tp_size
             torch.set_num_threads(max(1, threads))
             keep_freed_memory()
 
