@@ -403,7 +403,8 @@ def test_orchestrator_turns_an_error_finish_into_a_failure():
     """An output that ends with "error" reaches the client as InstanceFailure, not as a result, once
     the request has no run left."""
     from distserve import ClusterConfig, EngineConfig, Role
-    from distserve.cluster.orchestrator import Orchestrator, RequestState
+    from distserve.cluster.orchestrator import Orchestrator
+    from distserve.cluster.request_table import RequestState
     from distserve.cluster.routing import InstanceState
     from distserve.core.errors import InstanceFailure
     from distserve.core.outputs import RequestDelta

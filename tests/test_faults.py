@@ -195,7 +195,8 @@ def test_replacement_that_cannot_start_fails_requests_with_a_reason(ray_cluster,
     """The model directory is gone when the decode instance dies: each try to start a replacement
     fails, so the requests waiting for one end with InstanceFailure (UNAVAILABLE) well before the
     replacement wait runs out, the dead instance stays in status saying why, and no block is held."""
-    from distserve.cluster.failover import REPLACEMENT_ATTEMPTS, REPLACEMENT_WAIT_S
+    from distserve.cluster.failover import REPLACEMENT_ATTEMPTS
+    from distserve.cluster.instance_pool import REPLACEMENT_WAIT_S
     from distserve.model_executor.tiny_models import ensure_tiny_model
 
     model_dir = tmp_path / "llama"

@@ -1,6 +1,6 @@
-"""The layers of the code base, checked from its imports: no layer imports one above it, the plain
-layers stay free of torch and Ray, placement reads only the plain layers of the serving system,
-and the runtime reads model shapes in one place."""
+"""The layers of the code base, checked from its imports: no layer imports one above it, no module
+imports itself through others, the plain layers stay free of torch and Ray, placement reads only
+the plain layers of the serving system, and the runtime reads model shapes in one place."""
 
 import ast
 from pathlib import Path
@@ -44,14 +44,51 @@ def _modules(package: str) -> list[Path]:
 
 
 def _imports(path: Path) -> list[str]:
-    """Every module ``path`` imports, at the top or inside functions."""
+    """Every module ``path`` imports, at the top, inside functions or for type checking only; for
+    ``from package import name``, also ``package.name`` (a module, when it is one)."""
     names = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
+            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
     return names
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_cycles() -> list[list[str]]:
+    """The sets of modules of distserve and placement that import one another in a circle
+    (strongly connected components of the import graph with more than one module)."""
+    paths = {_module_name(p): p for p in _modules("distserve") + _modules("placement")}
+    graph = {name: sorted(set(_imports(path)) & paths.keys() - {name}) for name, path in paths.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(name: str) -> None:  # Tarjan's algorithm
+        index[name] = low[name] = len(index)
+        stack.append(name)
+        for other in graph[name]:
+            if other not in index:
+                visit(other)
+                low[name] = min(low[name], low[other])
+            elif other in stack:
+                low[name] = min(low[name], index[other])
+        if low[name] == index[name]:
+            component = stack[stack.index(name) :]
+            del stack[stack.index(name) :]
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for name in graph:
+        if name not in index:
+            visit(name)
+    return cycles
 
 
 def _layer(path: Path) -> str | None:
@@ -82,6 +119,12 @@ def test_no_layer_imports_a_higher_one(path):
         if parts[1] not in LEVEL or LEVEL[parts[1]] >= LEVEL[own]:
             upward.append(name)
     assert not upward, f"{own} (layer {LEVEL[own]}) imports {upward}"
+
+
+def test_no_import_cycles():
+    """A module that needs what imports it is one concept split in two, or a callback in disguise:
+    type-checking imports count too."""
+    assert not _import_cycles(), f"modules importing one another in a circle: {_import_cycles()}"
 
 
 @pytest.mark.parametrize("package", PLAIN)

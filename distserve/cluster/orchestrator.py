@@ -23,7 +23,6 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -32,13 +31,15 @@ from distserve.cluster.config import ClusterConfig
 from distserve.cluster.core_plan import plan_cores
 from distserve.cluster.failover import Failover
 from distserve.cluster.instance import InstanceInfo, launch_instance
+from distserve.cluster.instance_pool import InstancePool
+from distserve.cluster.request_table import RequestState, RequestTable
 from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
 from distserve.cluster.role_controller import Arrival, FinishedRequest, InFlight, RequestSLO, RoleController
 from distserve.cluster.routing import InstanceState, Router, spread_prompts
 from distserve.core.cpu_cores import available_cores
 from distserve.core.errors import InstanceFailure, RequestError
 from distserve.core.handover import Handover
-from distserve.core.outputs import OutputBuilder, RequestDelta, RequestMetrics, RequestOutput
+from distserve.core.outputs import RequestDelta, RequestOutput
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.engine.executor import cluster_device
@@ -52,85 +53,6 @@ POLL_TIMEOUT_S = 1.0
 INSTANCE_GONE = (ray.exceptions.RayActorError, InstanceFailure)
 
 
-@dataclass
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    slo: RequestSLO = RequestSLO()
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    prefill: InstanceState | None = None  # the instance that prefills it (or does both, colocated)
-    decode: InstanceState | None = None
-    source: InstanceState | None = None  # an instance holding its KV for the next decode instance
-    move_to: InstanceState | None = None  # where its prompt goes if given back to even out the queues
-    to_prefill: int = 0  # prompt tokens its prefill instance counts on computing, until its first token
-    finished: bool = False
-    cancelled: bool = False
-    attempt: int = 0  # the current run: 0, then one more per re-run
-    failed_runs: int = 0  # runs ended by a failure (not by a role change giving the request back)
-    rerunning: bool = False
-    samples: list[SampleStream] = field(init=False)  # one per sample (SamplingParams.n)
-
-    def __post_init__(self) -> None:
-        self.samples = [SampleStream() for _ in range(self.params.n)]
-        self.new_attempt(0)
-
-    @property
-    def load(self) -> int:
-        """Tokens it may occupy on an instance: the prompt and the most it may generate."""
-        return len(self.prompt_token_ids) + self.params.max_tokens
-
-    def instances(self) -> list[InstanceState]:
-        """Where its current run may have blocks."""
-        found = [s for s in (self.prefill, self.decode, self.source) if s is not None]
-        return [s for i, s in enumerate(found) if s not in found[:i]]
-
-    def new_attempt(self, attempt: int | None = None) -> None:
-        """Start run ``attempt`` (the next by default): its samples' outputs start again."""
-        self.attempt = self.attempt + 1 if attempt is None else attempt
-        for index, sample in enumerate(self.samples):
-            sample.run = OutputBuilder(self.request_id, self.prompt, self.prompt_token_ids, self.metrics, index)
-
-    @property
-    def has_output(self) -> bool:
-        """Whether the current run has given any sample a token."""
-        return any(sample.run.output_token_ids for sample in self.samples)
-
-    @property
-    def delivered(self) -> bool:
-        """Whether the client has every sample's end."""
-        return all(sample.delivered_end for sample in self.samples)
-
-
-@dataclass
-class SampleStream:
-    """One sample of a request, as the client gets it: the current run's output, and how far the
-    client has got, which a re-run (repeating the tokens, as sampling is seeded) does not repeat."""
-
-    run: OutputBuilder | None = None
-    delivered_tokens: int = 0
-    delivered_text: int = 0  # characters
-    delivered_end: bool = False
-
-    def unseen(self, output: RequestOutput) -> RequestOutput | None:
-        """``output`` with only what the client does not have yet; None when that is nothing."""
-        if self.delivered_end or (len(output.output_token_ids) <= self.delivered_tokens and not output.finished):
-            return None
-        output = dataclasses.replace(
-            output,
-            new_token_ids=output.output_token_ids[self.delivered_tokens :],
-            new_text=output.text[self.delivered_text :],
-            new_logprobs=None if output.logprobs is None else output.logprobs[self.delivered_tokens :],
-        )
-        self.delivered_tokens = max(self.delivered_tokens, len(output.output_token_ids))
-        self.delivered_text = max(self.delivered_text, len(output.text))
-        self.delivered_end = output.finished
-        return output
-
-
 def _arrival(state: RequestState) -> Arrival:
     """What the role controller knows of a request when it arrives."""
     return Arrival(state.metrics.arrival_time, len(state.prompt_token_ids), state.params.max_tokens, state.slo)
@@ -139,11 +61,11 @@ def _arrival(state: RequestState) -> Arrival:
 class Orchestrator:
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
-        self.instances: list[InstanceState] = []
-        self.requests: dict[str, RequestState] = {}  # by the client's request id
+        self.instance_pool = InstancePool()
+        self.requests = RequestTable()
         self.router = Router(config.engine.cache.block_size)
-        self.failover = Failover(self)
-        self.roles = RoleChanger(self)
+        self.failover = Failover(config, self.instance_pool, self.spawn, self._replaced)
+        self.roles = RoleChanger(self.instance_pool, self._leaving_layout, self._roles_changed)
         self.controller = RoleController(self, config.role_control)
         self.closed = False
         self._pollers: list[asyncio.Task] = []
@@ -160,7 +82,7 @@ class Orchestrator:
         if plan.config is not self.config and on_cpu:
             for line in plan.instance_lines():
                 logger.info("cores: %s", line)
-        self.config = plan.config
+        self.config = self.failover.config = plan.config
         configs = self.config.instance_configs()
         handles = await asyncio.gather(
             *(loop.run_in_executor(None, launch_instance, config, name) for name, config in configs),
@@ -187,8 +109,12 @@ class Orchestrator:
         )
         self._pollers.append(asyncio.create_task(self.controller.run()))  # it decides while adaptive
 
+    @property
+    def instances(self) -> list[InstanceState]:
+        return self.instance_pool.instances
+
     async def shutdown(self) -> None:
-        self.closed = True
+        self.closed = self.failover.closed = True
         for task in [*self._pollers, *self._background]:
             task.cancel()
         await asyncio.gather(*self._pollers, *self._background, return_exceptions=True)
@@ -220,22 +146,24 @@ class Orchestrator:
 
     def add_instance(self, entry: InstanceState, replacing: InstanceState | None = None) -> None:
         """Serve from ``entry`` (in place of ``replacing``) and start polling it."""
-        if replacing is None:
-            self.instances.append(entry)
-        else:
-            self.instances[self.instances.index(replacing)] = entry
+        self.instance_pool.add(entry, replacing)
         self._pollers.append(asyncio.create_task(self._poll(entry)))
 
-    def pool(self, role: Role) -> list[InstanceState]:
-        """The healthy instances of ``role`` that take new work (none is changing role)."""
-        return [s for s in self.instances if s.role == role and s.failure is None and s.changing_to is None]
+    def _replaced(self, entry: InstanceState, failed: InstanceState) -> None:
+        self.add_instance(entry, replacing=failed)
+        self.spread_prompts()  # the failed one's prompts went to the others meanwhile
 
-    def entry_pool(self) -> list[InstanceState]:
-        """Where new prompts may go: colocated instances, and prefill ones while a decode instance is
-        there (or becoming one) to take their requests over."""
-        live = [s for s in self.instances if s.failure is None]
-        decode = any(Role.DECODE in (s.role, s.changing_to) for s in live)
-        return self.pool(Role.COLOCATED) + (self.pool(Role.PREFILL) if decode else [])
+    def _leaving_layout(self, layout: dict[str, Role]) -> None:
+        """Role changes start: the controller remembers what the layout being left served."""
+        self.controller.record_left(layout, time.time())
+
+    def _roles_changed(self) -> None:
+        """By an operator too: the controller lets the new layout settle, and queued prompts spread."""
+        self.controller.layout_changed(time.time())
+        self.spread_prompts()
+
+    def pool(self, role: Role) -> list[InstanceState]:
+        return self.instance_pool.pool(role)
 
     # Requests -------------------------------------------------------------------------------
 
@@ -258,7 +186,7 @@ class Orchestrator:
         if params.seed is None and params.temperature > 0:
             # Seeded sampling does not depend on the batch, so a re-run after a failure repeats the tokens.
             params = dataclasses.replace(params, seed=random.getrandbits(63))
-        if role := self.failover.unavailable_role():
+        if role := self.instance_pool.unavailable_role():
             raise InstanceFailure(f"no {role} instance is available to serve the request")
         state = RequestState(request_id, seq.prompt, seq.prompt_token_ids, params, priority, slo or RequestSLO())
         state.metrics.arrival_time = time.time()
@@ -279,16 +207,14 @@ class Orchestrator:
         finally:
             if not state.finished:
                 await self._cancel(state)
-            self.forget(state)
+            self.requests.forget(state)
 
     async def submit(self, state: RequestState) -> None:
         """Send the request's current run to a prefill (or colocated) instance, waiting for a
         replacement when none is healthy."""
-        pool = await self.failover.healthy(self.entry_pool)
-        entry, state.to_prefill = self.router.pick_prefill(pool, state.prompt_token_ids, state.load, state.move_to)
-        state.move_to = None
-        self._assign(state, entry, "prefill")
-        entry.prefill_tokens += state.to_prefill
+        pool = await self.instance_pool.healthy(self.instance_pool.entry_pool)
+        entry, to_prefill = self.router.pick_prefill(pool, state.prompt_token_ids, state.load, state.move_to)
+        state.routed(entry, to_prefill)
         attempt, slo = state.attempt, self.slo(state)
         ttft_deadline = state.metrics.arrival_time + slo.ttft if slo.ttft else None  # a re-run keeps the first's
         try:
@@ -297,7 +223,7 @@ class Orchestrator:
                 ttft_deadline, slo.tpot,
             )  # fmt: skip
         except INSTANCE_GONE as e:  # the instance died under the call
-            self.spawn(self.failover.rerun(state, attempt, InstanceFailure(f"instance {entry.name} failed: {e}")))
+            self.spawn(self.rerun(state, attempt, InstanceFailure(f"instance {entry.name} failed: {e}")))
 
     def slo(self, state: RequestState) -> RequestSLO:
         """The request's SLOs: each its own, else the cluster's (``role_control``); None without either."""
@@ -308,13 +234,13 @@ class Orchestrator:
         """Even out the prompts waiting for their first token over the instances that take new ones:
         after a role change adds such an instance, the queues at the others would still wait there
         while it has room. An instance gives back only prompts it has not started."""
-        queues: dict[InstanceState, list[tuple[RequestState, int]]] = {entry: [] for entry in self.entry_pool()}
+        queues: dict[InstanceState, list[tuple[RequestState, int]]] = {e: [] for e in self.instance_pool.entry_pool()}
         for state in self.requests.values():  # in order of arrival
             if state.prefill in queues and state.decode is None and not state.has_output:
                 queues[state.prefill].append((state, len(state.prompt_token_ids)))
         runs: dict[InstanceState, list[tuple[str, int]]] = {}
         for state, source, target in spread_prompts(queues):
-            state.move_to = target
+            state.moving_to(target)
             runs.setdefault(source, []).append((state.request_id, state.attempt))
         for source, given in runs.items():
             logger.info("%s gives back %d queued prompts to even out the queues", source.name, len(given))
@@ -326,11 +252,6 @@ class Orchestrator:
         except INSTANCE_GONE as e:  # its requests are re-run by the failover
             logger.warning("%s could not give back queued prompts: %s", entry.name, e)
 
-    def _assign(self, state: RequestState, entry: InstanceState, phase: str) -> None:
-        setattr(state, phase, entry)
-        setattr(state.metrics, f"{phase}_instance", entry.name)
-        entry.load_tokens += state.load
-
     def in_flight(self) -> list[InFlight]:
         """Each request in flight, in order of arrival, with the times of its first and latest
         tokens: what the role controller sees before requests finish."""
@@ -340,30 +261,39 @@ class Orchestrator:
             in_flight.append(InFlight(_arrival(state), times[0], times[-1]) if times else InFlight(_arrival(state)))
         return in_flight
 
-    def forget(self, state: RequestState) -> None:
-        """The request is over: it no longer counts anywhere."""
-        self.unassign(state)
-        if self.requests.get(state.request_id) is state:
-            del self.requests[state.request_id]
-
-    def unassign(self, state: RequestState) -> None:
-        """The request no longer counts towards its instances' load."""
-        self._prefilled(state)
-        for entry in (state.prefill, state.decode):
-            if entry is not None:
-                entry.load_tokens -= state.load
-        state.prefill = state.decode = state.source = None
-
-    @staticmethod
-    def _prefilled(state: RequestState) -> None:
-        """Its prompt is no longer work its prefill instance has before it."""
-        if state.prefill is not None:
-            state.prefill.prefill_tokens -= state.to_prefill
-        state.to_prefill = 0
+    async def rerun(self, state: RequestState, attempt: int, error: InstanceFailure | None) -> None:
+        """Free the failed run's (``attempt``'s) blocks on the instances still up, then run the request
+        again from its prompt as its next attempt, so outputs of the old run still in flight are told
+        apart. Another failure of the same run, reported while or after this one re-runs it, is ignored.
+        ``error`` None: the run was given back by a role change, which counts as no failure."""
+        if state.finished or state.cancelled or state.attempt != attempt or state.rerunning:
+            return
+        targets = state.instances()
+        state.begin_rerun(failed=error is not None)
+        try:
+            await self.abort_run(targets, state.request_id, attempt)
+            final = None
+            if state.failed_runs >= self.config.max_request_attempts:
+                final = error
+            elif role := self.instance_pool.unavailable_role():
+                final = InstanceFailure(f"{error or 'given back'}; no {role} instance is left to run it again")
+            if final is not None:  # no run left: the request ends with the failure
+                self.requests.forget(state)
+                state.queue.put_nowait(final)
+                return
+            state.new_attempt()
+            logger.log(logging.WARNING if error else logging.DEBUG, "%s; re-running %s (run %d)",
+                       error or "given back by a role change", state.request_id, state.attempt + 1)  # fmt: skip
+        finally:
+            state.end_rerun()
+        try:
+            await self.submit(state)
+        except Exception as e:
+            state.queue.put_nowait(e)
 
     async def _cancel(self, state: RequestState) -> None:
         """Abort wherever the request may be: both instances free its blocks."""
-        state.cancelled = True
+        state.cancel()
         await self.abort_run(state.instances(), state.request_id)
 
     async def abort_run(self, targets: list[InstanceState], request_id: str, attempt: int | None = None) -> None:
@@ -390,7 +320,8 @@ class Orchestrator:
             try:
                 deltas = await entry.handle.get_outputs.remote(POLL_TIMEOUT_S, self.config.stream_interval)
             except INSTANCE_GONE as e:  # its requests cannot go on there
-                self.failover.instance_failed(entry, e)
+                for state, failure in self.failover.instance_failed(entry, e, list(self.requests.values())):
+                    self.spawn(self.rerun(state, state.attempt, failure))
                 return
             except Exception:  # a bug in the call, not a death: report it and keep serving
                 logger.exception("polling %s failed", entry.name)
@@ -412,14 +343,13 @@ class Orchestrator:
         if delta.finished and delta.finish_reason == "error":
             # The run could not go on there (its KV pull failed, say): run it again elsewhere.
             failure = InstanceFailure(f"request {state.request_id} failed on {entry.name}")
-            self.spawn(self.failover.rerun(state, delta.attempt, failure))
+            self.spawn(self.rerun(state, delta.attempt, failure))
             return
         if delta.finished and delta.finish_reason == "requeue":  # given back by a role change
-            self.spawn(self.failover.rerun(state, delta.attempt, None))
+            self.spawn(self.rerun(state, delta.attempt, None))
             return
-        if delta.first:  # prefilled where it was: a plan to move its prompt is void
-            state.move_to = None
-            self._prefilled(state)
+        if delta.first:
+            state.first_token()
         now = time.time()
         # A re-run repeats tokens the request already has: time only the ones past them. With
         # several samples, the times are those of the longest.
@@ -427,8 +357,7 @@ class Orchestrator:
         num_tokens = len(run.output_token_ids) + len(delta.new_token_ids)
         state.metrics.token_times.extend([now] * (num_tokens - len(state.metrics.token_times)))
         if delta.finished and all(sample.run.finished or sample.run is run for sample in state.samples):
-            state.finished = True  # its last sample's end
-            state.metrics.finished_time = now
+            state.finish(now)
             self._observe(state)
         output = run.add(delta)
         if delta.handover is not None:
@@ -445,20 +374,16 @@ class Orchestrator:
     async def _hand_over(self, state: RequestState, handover: Handover, sender: InstanceState) -> None:
         """Give a prefilled request to the decode instance with the most room; or a request that
         ``sender`` hands on (it left decode) or back (it could not take it over) to another one."""
-        if state.decode is not None:  # it moves on from a decode instance
-            state.decode.load_tokens -= state.load
-            state.decode = None
-        state.source = self._named(handover.prefill_instance) or sender
+        state.handed_on(self.instance_pool.named(handover.prefill_instance) or sender)
         try:
-            entry = self.router.pick_decode(await self.failover.healthy(lambda: self._decoders(state.source)))
-            self._assign(state, entry, "decode")
-            state.metrics.handover_time = time.time()
+            entry = self.router.pick_decode(await self.instance_pool.healthy(lambda: self._decoders(state.source)))
+            state.handed_to(entry, time.time())
             await entry.handle.add_handover.remote(handover)
             if state.cancelled:  # cancelled while the hand-over was on its way
                 await entry.handle.abort_request.remote(state.request_id, handover.attempt)
         except INSTANCE_GONE as e:  # no decode instance, or it died taking the request: run it again
             failure = e if isinstance(e, InstanceFailure) else InstanceFailure(str(e))
-            await self.failover.rerun(state, handover.attempt, failure)
+            await self.rerun(state, handover.attempt, failure)
         except Exception as e:  # refused (RequestError) or a bug: the request cannot go on
             await self._cancel(state)
             state.queue.put_nowait(e)
@@ -470,9 +395,6 @@ class Orchestrator:
         if pool or source.failure is not None or source.changing_to is not None:
             return pool
         return [source] if source.role is Role.COLOCATED else []
-
-    def _named(self, name: str) -> InstanceState | None:
-        return next((s for s in self.instances if s.name == name), None)
 
     async def info(self) -> list[InstanceInfo]:
         """Each instance's current state (queues, KV use, failure)."""

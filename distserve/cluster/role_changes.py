@@ -17,15 +17,13 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from distserve.cluster.instance_pool import InstancePool
 from distserve.cluster.routing import InstanceState
 from distserve.core.errors import RequestError
 from distserve.core.role import Role
-
-if TYPE_CHECKING:
-    from distserve.cluster.orchestrator import Orchestrator
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +40,21 @@ class RoleChangeRecord:
 
 
 class RoleChanger:
-    def __init__(self, orchestrator: Orchestrator) -> None:
-        self.orchestrator = orchestrator
+    """Makes sets of role changes. ``leaving(layout)`` is told the layout a set of changes leaves,
+    before it starts; ``changed()``, once a set has changed a role."""
+
+    def __init__(
+        self, instances: InstancePool, leaving: Callable[[dict[str, Role]], None], changed: Callable[[], None]
+    ) -> None:
+        self.instances = instances
+        self.leaving = leaving
+        self.changed = changed
         self.history: list[RoleChangeRecord] = []
-        self.under_way = False  # a set of changes is being made (between its phases too)
         self._lock = asyncio.Lock()  # one set of changes at a time
 
     def layout(self) -> dict[str, Role]:
         """The role of every healthy instance."""
-        return {s.name: s.role for s in self.orchestrator.instances if s.failure is None}
+        return {s.name: s.role for s in self.instances.live()}
 
     async def set_roles(self, roles: dict[str, Role | str], reason: str = "operator") -> list[RoleChangeRecord]:
         """Give the named instances these roles; returns a record per instance whose role changed.
@@ -59,22 +63,21 @@ class RoleChanger:
         async with self._lock:
             changes = self._check(roles)
             if changes:  # what the layout being left served, by an operator's change too
-                self.orchestrator.controller.record_left(self.layout(), time.time())
+                self.leaving(self.layout())
             records = []
-            self.under_way = bool(changes)
+            self.instances.changing_roles = bool(changes)
             try:
                 for phase in self._phases(changes):
                     records += await asyncio.gather(*(self._change(entry, role, reason) for entry, role in phase))
             finally:
-                self.under_way = False
-                await self.orchestrator.failover.pools_changed()
-                if records:  # by an operator too: the controller lets the new layout settle
-                    self.orchestrator.controller.layout_changed(time.time())
-                    self.orchestrator.spread_prompts()
+                self.instances.changing_roles = False
+                await self.instances.changed()
+                if records:
+                    self.changed()
             return records
 
     def _check(self, roles: dict[str, Role | str]) -> dict[InstanceState, Role]:
-        by_name = {s.name: s for s in self.orchestrator.instances}
+        by_name = {s.name: s for s in self.instances.instances}
         changes = {}
         for name, role in roles.items():
             entry = by_name.get(name)
@@ -101,7 +104,6 @@ class RoleChanger:
         return [phase for phase in (to_decode, others, from_decode) if phase]
 
     async def _change(self, entry: InstanceState, role: Role, reason: str) -> RoleChangeRecord:
-        orchestrator = self.orchestrator
         record = RoleChangeRecord(entry.name, entry.role, role, time.time(), 0.0, reason)
         entry.changing_to = role
         try:
@@ -116,7 +118,7 @@ class RoleChanger:
             logger.error("%s could not change to %s: %s", entry.name, role, e)
         finally:
             entry.changing_to = None
-            await orchestrator.failover.pools_changed()
+            await self.instances.changed()
         self.history.append(record)
         return record
 

@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from distserve.core.handover import Handover
-from distserve.core.outputs import RequestDelta
 from distserve.core.role import Role
 from distserve.core.sequence import Sequence
-from distserve.engine.role import InstanceRole, RoleStats
+from distserve.engine.role import InstanceRole, PullOutcome, RoleContext, RoleStats
 from distserve.scheduling.block_manager import BlockManager
 from distserve.scheduling.scheduler import PrefillFirstScheduler
-
-if TYPE_CHECKING:
-    from distserve.engine.llm_engine import LLMEngine
 
 RunKey = tuple[str, int]  # (request id, attempt)
 
@@ -109,62 +105,48 @@ class DecodeRole(InstanceRole):
     prefix_caching = False
     takes_prompts = False
 
-    def __init__(self, engine: LLMEngine) -> None:
-        config = engine.config.scheduler
-        super().__init__(engine, PrefillFirstScheduler(config, engine.block_manager, engine.step_time))
-        self.admission = DecodeAdmission(engine.block_manager, config.max_num_seqs)
+    def __init__(self, context: RoleContext) -> None:
+        super().__init__(context, PrefillFirstScheduler(context.config, context.block_manager, context.step_time))
+        self.admission = DecodeAdmission(context.block_manager, context.config.max_num_seqs)
         # The sibling samples of handed-over requests, forked from the carrier once its KV is here.
         self.siblings: dict[RunKey, list[Sequence]] = {}
 
     def add(self, seq: Sequence) -> None:
         raise self._not_this_role("new prompts go to prefill or colocated instances")
 
-    def add_handover(self, handover: Handover) -> None:
-        seq = Sequence.from_handover(handover)
-        self.engine.register(seq)
-        if handover.siblings:
-            siblings = [Sequence.from_handover(handover, sample) for sample in handover.siblings]
-            for sibling in siblings:
-                self.engine.register(sibling, sibling=True)
+    def add_handover(self, seq: Sequence, handover: Handover, siblings: list[Sequence]) -> None:
+        if siblings:
             self.siblings[_key(seq)] = siblings
         self.admission.add(seq, handover)
 
-    def tick(self, now: float) -> list[RequestDelta]:
-        admitted = self.admission.admit(self.scheduler.num_running)
-        if admitted and self.engine.kv_puller is None:
-            raise RuntimeError(f"{self.engine.name}: a decode engine needs a KV puller to take requests over")
-        for seq, handover in admitted:
-            self.engine.kv_puller.submit(handover, list(seq.block_table))
-        return []
+    def admit(self) -> list[tuple[Sequence, Handover]]:
+        return self.admission.admit(self.scheduler.num_running)
 
     def pull_done(
         self, request_id: str, attempt: int, start: float | None, end: float | None, error: str | None
-    ) -> list[RequestDelta]:
+    ) -> PullOutcome | None:
         """The KV of a run has arrived (``error`` None) or could not be pulled; ``start`` and ``end``
-        are the pull's wall-clock times."""
+        are the pull's wall-clock times. None when no such pull was under way."""
         result = self.admission.done((request_id, attempt), error)
         if result is None:
-            return []
+            return None
         seq, reason = result
-        siblings = [s for s in self.siblings.pop((request_id, attempt), []) if not s.is_finished]
+        samples = [seq, *(s for s in self.siblings.pop((request_id, attempt), []) if not s.is_finished)]
         if reason is not None:
-            return [self.engine.finish(s, reason) for s in (seq, *siblings)]
-        for sibling in siblings:
-            self.engine.block_manager.fork(seq, sibling)
-        for sample in (seq, *siblings):
+            return PullOutcome(samples, reason)
+        for sibling in samples[1:]:
+            self.context.block_manager.fork(seq, sibling)
+        for sample in samples:
             sample.metrics.decode_admitted = seq.metrics.decode_admitted
             sample.metrics.migration_start, sample.metrics.migration_end = start, end
             self.scheduler.running.add(sample)
-        return []
+        return PullOutcome(samples, None)
 
-    def abort(self, seq: Sequence, reason: str) -> RequestDelta | None:
-        if seq.is_finished:  # a sibling whose carrier's pull ended it already
-            return None
+    def cancel(self, seq: Sequence) -> bool:
         if self.admission.cancel(seq):
             self.siblings.pop(_key(seq), None)  # they are stopped with it (``abort_request``)
-            return self.engine.finish(seq, reason)
-        self.engine.forget(seq)  # its id is free for a re-run; the pull's end finishes it
-        return None
+            return True
+        return False  # the pull's end finishes it
 
     def ready_to_leave(self) -> bool:
         return not len(self.admission)

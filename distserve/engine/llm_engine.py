@@ -23,7 +23,7 @@ from distserve.engine.executor import make_executor
 from distserve.engine.input_processor import InputProcessor
 from distserve.engine.kv_hold import KVHold
 from distserve.engine.prefill_role import PrefillRole
-from distserve.engine.role import ColocatedRole, InstanceRole
+from distserve.engine.role import ColocatedRole, InstanceRole, RoleContext
 from distserve.model_executor.model_loader import eos_token_ids, load_tokenizer, resolve_model
 from distserve.model_executor.model_runner import BatchInput, SeqInput
 from distserve.model_executor.token_bitmask import allocate_bitmask
@@ -89,7 +89,8 @@ class LLMEngine:
         role_class = ROLE_CLASSES[role]
         # Prefix caching follows the role: a decode role must not share blocks whose KV is still arriving.
         self.block_manager.set_prefix_caching(self.config.cache.enable_prefix_caching and role_class.prefix_caching)
-        return role_class(self, finishing=True) if finishing else role_class(self)
+        context = RoleContext(self.name, self.config.scheduler, self.block_manager, self.step_time, self.kv_hold)
+        return role_class(context, finishing=True) if finishing else role_class(context)
 
     def change_role(self, role: Role | str) -> list[RequestDelta]:
         """Play ``role`` from now on, keeping the weights, the KV cache and the executor; call between
@@ -194,10 +195,20 @@ class LLMEngine:
         """Decode: take a prefilled request over; it decodes once its KV has been pulled. A request
         this engine holds itself (it changed role since, to decode or colocated) decodes from its
         blocks here at once, unless its end came already (its hold expired, or it was aborted)."""
-        if handover.prefill_instance != self.name:
-            self.role.add_handover(handover)
-        elif seq := self.kv_hold.take(handover.request_id, handover.attempt):
-            self.role.adopt(seq)
+        if handover.prefill_instance == self.name:
+            if seq := self.kv_hold.take(handover.request_id, handover.attempt):
+                self.role.adopt(seq)
+            return
+        seq = Sequence.from_handover(handover)
+        siblings = [Sequence.from_handover(handover, sample) for sample in handover.siblings]
+        self.role.add_handover(seq, handover, siblings)  # a role that takes none over refuses it here
+        try:
+            self.register(seq)
+            for sibling in siblings:
+                self.register(sibling, sibling=True)
+        except BaseException:
+            self.role.cancel(seq)
+            raise
 
     def hand_off(self, seq: Sequence, siblings: list[Sequence] = ()) -> Handover:
         """Hold ``seq``'s KV for a decode instance to pull, and the hand-over that says where it is.
@@ -235,7 +246,10 @@ class LLMEngine:
         self, request_id: str, attempt: int, start: float | None, end: float | None, error: str | None
     ) -> list[RequestDelta]:
         """Decode: a run's KV pull ended (``error`` None: it arrived); the deltas that follow."""
-        return self.role.pull_done(request_id, attempt, start, end, error)
+        outcome = self.role.pull_done(request_id, attempt, start, end, error)
+        if outcome is None or outcome.finish_reason is None:
+            return []
+        return [self.finish(seq, outcome.finish_reason) for seq in outcome.samples]
 
     def abort_request(self, request_id: str, attempt: int | None = None, reason: str = "abort") -> list[RequestDelta]:
         """Stop a request (``attempt``: only that run) wherever it is, every sample of it, and free
@@ -244,8 +258,15 @@ class LLMEngine:
         ``reason`` is "abort" when a client cancels, "error" when the request cannot go on here.
         """
         samples = list(self.requests.get(request_id, {}).values())
-        ended = [self.role.abort(seq, reason) for seq in samples if attempt is None or seq.attempt == attempt]
-        return [delta for delta in ended if delta is not None]
+        deltas = []
+        for seq in samples:
+            if (attempt is not None and seq.attempt != attempt) or seq.is_finished:
+                continue  # finished: a sibling whose carrier's failed pull ended it already
+            if self.role.cancel(seq):
+                deltas.append(self.finish(seq, reason))
+            else:
+                self.forget(seq)  # its id is free for a re-run; the end of its KV pull finishes it
+        return deltas
 
     def give_back(self, runs: list[tuple[str, int]]) -> list[RequestDelta]:
         """End with ``finish_reason="requeue"``, to run elsewhere, those of these runs (request id,
@@ -264,10 +285,14 @@ class LLMEngine:
     def tick(self) -> list[RequestDelta]:
         """Housekeeping between steps: held KV pulled (freed: the request goes on elsewhere) or past
         its deadline (failed), then the role's own (decode: admissions)."""
-        now = time.monotonic()
         self._free_released()
-        deltas = [self.finish(seq, "error") for seq in self.kv_hold.expire(now)]
-        return deltas + self.role.tick(now)
+        deltas = [self.finish(seq, "error") for seq in self.kv_hold.expire(time.monotonic())]
+        admitted = self.role.admit()
+        if admitted and self.kv_puller is None:
+            raise RuntimeError(f"{self.name}: a decode engine needs a KV puller to take requests over")
+        for seq, handover in admitted:
+            self.kv_puller.submit(handover, list(seq.block_table))
+        return deltas
 
     def _free_released(self) -> None:
         """Free the held KV that decode instances have pulled: those requests go on elsewhere."""
@@ -348,8 +373,9 @@ class LLMEngine:
         for delta in deltas:
             delta.first = True
         going_on = [(s, d) for s, d in zip(samples, deltas) if not s.is_finished]
-        if going_on:
-            going_on[0][1].handover = self.role.after_prefill_samples(seq, [s for s, _ in going_on])
+        if going_on and self.role.after_prefill_samples(seq, [s for s, _ in going_on]):
+            carrier, *siblings = (s for s, _ in going_on)
+            going_on[0][1].handover = self.hand_off(carrier, siblings)
         return deltas
 
     def _constrain(self, seqs: list[Sequence], inputs: list[SeqInput]) -> None:
@@ -392,7 +418,7 @@ class LLMEngine:
             self._finish(seq, reason)
             return self._delta(seq, [token], self._unsent_text(seq), **extras)
         text = self._unsent_text(seq)  # first: the hand-over says how much text was sent
-        handover = self.role.after_prefill(seq) if after_prefill else None
+        handover = self.hand_off(seq) if after_prefill and self.role.after_prefill(seq) else None
         return self._delta(seq, [token], text, handover, first=after_prefill, **extras)
 
     @staticmethod

@@ -5,52 +5,43 @@ prompt is scheduled while held KV passes its limit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from distserve.core.handover import Handover
 from distserve.core.role import Role
 from distserve.core.sequence import Sequence
-from distserve.engine.role import InstanceRole, RoleStats, colocated_scheduler
+from distserve.engine.role import InstanceRole, RoleContext, RoleStats, colocated_scheduler
 from distserve.scheduling.scheduler import PrefillOnlyScheduler, ScheduledBatch
-
-if TYPE_CHECKING:
-    from distserve.engine.llm_engine import LLMEngine
 
 
 class PrefillRole(InstanceRole):
     role = Role.PREFILL
     decodes = False
 
-    def __init__(self, engine: LLMEngine, finishing: bool = False) -> None:
+    def __init__(self, context: RoleContext, finishing: bool = False) -> None:
         """``finishing``: the engine leaves colocated with requests still decoding, which this role
         decodes to their end (``finish_decoding_as_prefill``). Until its next role change it
         schedules as a colocated instance, so their tokens run beside the new prompts, and it
         hands every new prompt on after its first token, so no request joins them."""
         if finishing:
-            scheduler = colocated_scheduler(engine)
+            scheduler = colocated_scheduler(context)
         else:
-            scheduler = PrefillOnlyScheduler(engine.config.scheduler, engine.block_manager, engine.step_time)
-        super().__init__(engine, scheduler)
+            scheduler = PrefillOnlyScheduler(context.config, context.block_manager, context.step_time)
+        super().__init__(context, scheduler)
         self.finishing = finishing
         self.num_throttled_steps = 0
 
     def schedule(self) -> ScheduledBatch:
-        if self.engine.kv_hold.full:
+        if self.context.kv_hold.full:
             self.num_throttled_steps += 1
             return ScheduledBatch([], is_prefill=True)
         return super().schedule()
 
-    def after_prefill(self, seq: Sequence) -> Handover:
+    def after_prefill(self, seq: Sequence) -> bool:
         if self.finishing:
             self.scheduler.finish_running(seq)
-        return self.engine.hand_off(seq)
+        return True
 
-    def after_prefill_samples(self, prompt_seq: Sequence, samples: list[Sequence]) -> Handover:
+    def after_prefill_samples(self, prompt_seq: Sequence, samples: list[Sequence]) -> bool:
         # The first carries the prompt's KV; the others share it and cross with it.
-        carrier, *siblings = samples
-        if self.finishing:
-            self.scheduler.finish_running(carrier)
-        return self.engine.hand_off(carrier, siblings)
+        return self.after_prefill(samples[0])
 
     def stats(self) -> RoleStats:
         return RoleStats(num_throttled_steps=self.num_throttled_steps)

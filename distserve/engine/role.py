@@ -1,30 +1,51 @@
 """An engine's role: what it does with the requests it is given.
 
 The engine (block manager, detokenizer, executor, output deltas) is the same in every role; the
-role object decides what a step schedules and what happens around it, and holds the role's own
+role object decides what a step schedules and what follows a prefill, and holds the role's own
 state machine (``PrefillRole``: back-pressure from the KV held for decode; ``DecodeRole``: the
-admission of handed-over requests). An engine swaps its role object to change role while running
-(``LLMEngine.change_role``); the new role adopts the requests it can serve.
+admission of handed-over requests). A role decides and the engine acts: a role sees only the
+engine's parts that outlive it (``RoleContext``) and returns what is to happen (a request leaves for
+decode, a pull starts, a request ends), never calling back into the engine. An engine swaps its
+role object to change role while running (``LLMEngine.change_role``); the new role adopts the
+requests it can serve.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from distserve.core.config import SchedulerConfig
 from distserve.core.handover import Handover
-from distserve.core.outputs import RequestDelta
 from distserve.core.role import Role
 from distserve.core.sequence import Sequence
+from distserve.engine.kv_hold import KVHold
+from distserve.scheduling.block_manager import BlockManager
 from distserve.scheduling.scheduler import (
     ChunkedPrefillScheduler,
     PrefillFirstScheduler,
     ScheduledBatch,
     Scheduler,
 )
+from distserve.scheduling.step_time import StepTimeModel
 
-if TYPE_CHECKING:
-    from distserve.engine.llm_engine import LLMEngine
+
+@dataclass
+class RoleContext:
+    """The parts of an engine a role works with: they outlive a role change."""
+
+    name: str  # the instance's
+    config: SchedulerConfig
+    block_manager: BlockManager
+    step_time: StepTimeModel
+    kv_hold: KVHold
+
+
+@dataclass
+class PullOutcome:
+    """How a run whose KV pull ended goes on: its samples, and the reason they end (None: they decode)."""
+
+    samples: list[Sequence]
+    finish_reason: str | None
 
 
 @dataclass
@@ -44,12 +65,12 @@ class InstanceRole:
     takes_prompts = True  # whether it runs new prompts (a decode role only recomputes its own)
     decodes = True  # whether it decodes (a prefill role hands every request on after its first token)
 
-    def __init__(self, engine: LLMEngine, scheduler: Scheduler) -> None:
-        self.engine = engine
+    def __init__(self, context: RoleContext, scheduler: Scheduler) -> None:
+        self.context = context
         self.scheduler = scheduler
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.engine.name})"
+        return f"{type(self).__name__}({self.context.name})"
 
     def add(self, seq: Sequence) -> None:
         """A new request, to run from its prompt."""
@@ -66,40 +87,42 @@ class InstanceRole:
         """Whether the engine may swap this role for another now (a decode role: no KV arriving)."""
         return True
 
-    def after_prefill(self, seq: Sequence) -> Handover | None:
+    def after_prefill(self, seq: Sequence) -> bool:
         """Called when an unfinished request has sampled its token after a prefill (its first, or
-        the next after a recompute); a prefill role keeps its KV for decode and returns the hand-over."""
-        return None
+        the next after a recompute); whether it leaves for decode now (a prefill role: the engine
+        holds its KV for a decode instance to pull)."""
+        return False
 
-    def after_prefill_samples(self, prompt_seq: Sequence, samples: list[Sequence]) -> Handover | None:
+    def after_prefill_samples(self, prompt_seq: Sequence, samples: list[Sequence]) -> bool:
         """As ``after_prefill`` for a request of n samples at its prompt's end: ``samples`` are
         those that go on (``prompt_seq``, which ran the prompt, among them unless it ended at its
         first token), the others forked from it. A decoding role runs the forks beside it; a
-        prefill role hands them all over at once."""
+        prefill role hands them all over at once, the first carrying the prompt's KV."""
         for sample in samples:
             if sample is not prompt_seq:
                 self.scheduler.running.add(sample)
-        return None
+        return False
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted request wherever the role has it and free its blocks."""
         self.scheduler.finish(seq)
 
-    def abort(self, seq: Sequence, reason: str) -> RequestDelta | None:
-        """Stop ``seq``; its final delta, or None when that comes later (decode: KV still arriving)."""
-        return self.engine.finish(seq, reason)
+    def cancel(self, seq: Sequence) -> bool:
+        """Stop ``seq``: True when it ends now, False when it ends later (decode: its KV still arriving)."""
+        return True
 
-    def tick(self, now: float) -> list[RequestDelta]:
-        """Housekeeping between steps (``now``: ``time.monotonic()``); the deltas it produced."""
+    def admit(self) -> list[tuple[Sequence, Handover]]:
+        """Between steps: the handed-over requests given blocks, whose KV pulls are to start now."""
         return []
 
     def stats(self) -> RoleStats:
         return RoleStats()
 
     def _not_this_role(self, what: str) -> RuntimeError:
-        return RuntimeError(f"{self.engine.name} is a {self.role} instance: {what}")
+        return RuntimeError(f"{self.context.name} is a {self.role} instance: {what}")
 
-    def add_handover(self, handover: Handover) -> None:
+    def add_handover(self, seq: Sequence, handover: Handover, siblings: list[Sequence]) -> None:
+        """Take a prefilled request over: ``seq`` carries its KV, ``siblings`` are its other samples."""
         raise self._not_this_role("only decode instances take requests over from prefill")
 
     def adopt(self, seq: Sequence) -> None:
@@ -110,16 +133,14 @@ class InstanceRole:
 
     def pull_done(
         self, request_id: str, attempt: int, start: float | None, end: float | None, error: str | None
-    ) -> list[RequestDelta]:
+    ) -> PullOutcome | None:
         raise self._not_this_role("only decode instances pull KV")
 
 
-def colocated_scheduler(engine: LLMEngine) -> Scheduler:
-    """A scheduler of both phases for ``engine``: chunked prefill or prefill-first, as configured."""
-    config = engine.config.scheduler
-    if config.enable_chunked_prefill:
-        return ChunkedPrefillScheduler(config, engine.block_manager, engine.step_time)
-    return PrefillFirstScheduler(config, engine.block_manager, engine.step_time)
+def colocated_scheduler(context: RoleContext) -> Scheduler:
+    """A scheduler of both phases: chunked prefill or prefill-first, as configured."""
+    scheduler = ChunkedPrefillScheduler if context.config.enable_chunked_prefill else PrefillFirstScheduler
+    return scheduler(context.config, context.block_manager, context.step_time)
 
 
 class ColocatedRole(InstanceRole):
@@ -127,5 +148,5 @@ class ColocatedRole(InstanceRole):
 
     role = Role.COLOCATED
 
-    def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine, colocated_scheduler(engine))
+    def __init__(self, context: RoleContext) -> None:
+        super().__init__(context, colocated_scheduler(context))
