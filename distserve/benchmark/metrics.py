@@ -10,6 +10,9 @@ from typing import Any
 
 import numpy as np
 
+from distserve.core.latency import Attainment, time_per_output_token
+from distserve.core.latency import attainment as latency_attainment
+
 
 @dataclass
 class RequestRecord:
@@ -39,13 +42,9 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float:
-        """Time per output token after the first. A single-token request has no decode phase, so
-        its TPOT is 0.0 and it meets any TPOT SLO (as in DistServe); NaN without tokens."""
-        if not self.token_times:
-            return math.nan
-        if len(self.token_times) == 1:
-            return 0.0
-        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+        """``time_per_output_token``: 0.0 for a single token; NaN without tokens."""
+        tpot = time_per_output_token(self.token_times)
+        return math.nan if tpot is None else tpot
 
     @property
     def itls(self) -> list[float]:
@@ -85,27 +84,9 @@ class SLO:
         return SLO(self.ttft * factor, self.tpot * factor)
 
 
-@dataclass
-class Attainment:
-    """Fractions of requests meeting both SLOs, the TTFT SLO, and the TPOT SLO."""
-
-    both: float
-    ttft: float
-    tpot: float
-
-
 def attainment(records: Sequence[RequestRecord], slo: SLO) -> Attainment:
     """SLO attainment over all records; a failed request misses all three."""
-    if not records:
-        raise ValueError("attainment of no requests")
-    ttft_met = [r.ok and r.ttft <= slo.ttft for r in records]
-    tpot_met = [r.ok and r.tpot <= slo.tpot for r in records]
-    n = len(records)
-    return Attainment(
-        both=sum(a and b for a, b in zip(ttft_met, tpot_met)) / n,
-        ttft=sum(ttft_met) / n,
-        tpot=sum(tpot_met) / n,
-    )
+    return latency_attainment(((r.ttft, r.tpot) if r.ok else (None, None) for r in records), slo.ttft, slo.tpot)
 
 
 @dataclass

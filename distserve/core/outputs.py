@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from distserve.core.handover import Handover
+from distserve.core.latency import time_per_output_token
 
 
 @dataclass
@@ -46,10 +47,8 @@ class RequestMetrics:
 
     @property
     def tpot(self) -> float | None:
-        """Mean time per output token after the first: (last - first) / (tokens - 1)."""
-        if len(self.token_times) < 2:
-            return None
-        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
+        """``time_per_output_token`` of the request's tokens: 0.0 for one, None for none."""
+        return time_per_output_token(self.token_times)
 
 
 @dataclass

@@ -71,7 +71,7 @@ class ServingMetrics:
         self.generation_tokens.inc(len(output.output_token_ids))
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
-        if m.tpot is not None:
+        if len(m.token_times) > 1:  # a request of one token has no decode phase to time
             self.tpot.observe(m.tpot)
         if m.arrival_time is not None and m.token_times:
             self.e2e.observe(m.token_times[-1] - m.arrival_time)
