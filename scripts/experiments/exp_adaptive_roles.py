@@ -1,7 +1,7 @@
 """Goodput of adaptive roles against static deployments of the same 2 instances, on long prompts,
 short prompts, and a workload that alternates between the two.
 
-    python scripts/exp_adaptive_roles.py [--phase-seconds 10] [--out results/adaptive-roles]
+    python scripts/experiments/exp_adaptive_roles.py [--phase-seconds 10] [--out results/adaptive-roles]
 
 Deployments (one torch thread per instance): **colocated** (2 instances, prefill-first), **chunked**
 (2 colocated instances with chunked prefill), **disaggregated** (1 prefill + 1 decode), **adaptive**

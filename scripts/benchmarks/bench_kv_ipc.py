@@ -10,7 +10,7 @@ fallback without Triton), and then copies the same bytes in one contiguous piece
 prefill rank's cache through the same mapping (``recv_probe``): the raw speed. Medians of the
 repeats, after one warm-up each.
 
-    python scripts/bench_kv_ipc.py [--tokens 512,2048,8192] [--repeats 10] [--json kv_ipc.json]
+    python scripts/benchmarks/bench_kv_ipc.py [--tokens 512,2048,8192] [--repeats 10] [--json kv_ipc.json]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ``RequestOutput``s (the prompt and everything generated so far, every step) against the
 ``RequestDelta``s engines emit (the step's new token and text), for the same step.
 
-    python scripts/bench_output_messages.py [--batch 128] [--prompt 1000] [--generated 256]
+    python scripts/benchmarks/bench_output_messages.py [--batch 128] [--prompt 1000] [--generated 256]
 
 Prints bytes per step and the time to convert, pickle and unpickle one step's messages (Ray
 pickles an actor call's result), and the ratio of the whole outputs to the deltas.

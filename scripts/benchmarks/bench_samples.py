@@ -2,7 +2,7 @@
 requests of one sample each, with the prefix cache (how vLLM's engine shares a prompt between a
 request's samples) and without it, on one engine.
 
-    python scripts/bench_samples.py [--prompts 8] [--prompt-len 512] [--max-tokens 64] [--n 4]
+    python scripts/benchmarks/bench_samples.py [--prompts 8] [--prompt-len 512] [--max-tokens 64] [--n 4]
 
 The 58M dummy Llama, ``--threads`` torch threads, sampling at temperature 0.8 (seeded: sample i of
 a prompt draws with seed + i in every mode, so all modes generate the same tokens; EOS ignored).

@@ -3,7 +3,7 @@ the batch sizes a served load has: torch's ``linear`` (MKL, weights [out, in]), 
 stored transposed, MKL's packed GEMM and oneDNN's packed GEMM (torch's own ops, weights reordered
 once for the batch size). A decode step's time is mostly these on CPU: this says which call to make.
 
-    python scripts/bench_gemm.py [--threads 1] [--batches 1,2,4,8,16,32,64]
+    python scripts/benchmarks/bench_gemm.py [--threads 1] [--batches 1,2,4,8,16,32,64]
 
 Each figure is the median over ``--repeats`` passes of all 57 linears (8 layers of q, k, v, o,
 gate, up, down, and the LM head), in milliseconds, with the bytes of weights read per second.

@@ -2,7 +2,7 @@
 eager forward against the same model under ``torch.compile`` (inductor, dynamic shapes), in one
 process, on the same requests.
 
-    python scripts/exp_compiled_step.py [--threads 2] [--batch 4] [--rounds 3]
+    python scripts/experiments/exp_compiled_step.py [--threads 2] [--batch 4] [--rounds 3]
 
 The 58M dummy Llama, ``--batch`` prompts of 64 random tokens, 64 greedy output tokens each (EOS
 ignored), timed as a whole ``LLM.generate`` divided by its 64 steps (the prefill step included),

@@ -2,7 +2,7 @@
 time from a prompt's arrival to its first token, alone and with N requests decoding in the same
 steps, and the decode-only step at each N.
 
-    python scripts/bench_mixed_steps.py [--decoding 0,3,6,10] [--prompt 1024] [--context 1000]
+    python scripts/benchmarks/bench_mixed_steps.py [--decoding 0,3,6,10] [--prompt 1024] [--context 1000]
 
 One engine, one torch thread, the 58M dummy Llama (``--model`` for another). The decoding requests
 have ``--context`` prompt tokens each and are past their prefill when the timed prompt arrives;

@@ -1,7 +1,7 @@
 """Where a request's time goes, per deployment: queueing, prefill batch, KV migration, TTFT and
 TPOT from the timings the server reports on each stream's last message.
 
-    python scripts/stage_times.py [--rates 0.5,8] [--requests 40]
+    python scripts/experiments/stage_times.py [--rates 0.5,8] [--requests 40]
 
 Long-prompts workload of exp_disagg_vs_colocated.py (512-768 prompt tokens, 64 output tokens),
 1 prefill + 1 decode against 2 colocated instances, one torch thread per instance.

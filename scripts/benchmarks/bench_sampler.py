@@ -1,7 +1,7 @@
 """The sampler on one decode step's logits: rows with a temperature only (drawn without sorting
 the vocabulary) against rows with top-p (sorted to cut the tail), and greedy rows, in one process.
 
-    python scripts/bench_sampler.py [--batch 16] [--vocab 32000] [--threads 1]
+    python scripts/benchmarks/bench_sampler.py [--batch 16] [--vocab 32000] [--threads 1]
 """
 
 from __future__ import annotations

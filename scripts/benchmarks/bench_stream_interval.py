@@ -1,6 +1,6 @@
 """What an instance's output batches cost its step loop, and what ``stream_interval`` gives back.
 
-    python scripts/bench_stream_interval.py [--tokens 512] [--repeats 2]
+    python scripts/benchmarks/bench_stream_interval.py [--tokens 512] [--repeats 2]
 
 1. One instance actor (``tiny-llama``, one torch thread) decodes one request at a time (40-token
    prompt, ``--tokens`` out) while a caller long-polls ``get_outputs`` as the orchestrator does,

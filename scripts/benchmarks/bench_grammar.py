@@ -3,7 +3,7 @@ to read a tokenizer, to compile a JSON schema, any JSON object, a regex and a ch
 request's token bitmask and accept a token along a 200-token JSON document, and whether walks that
 only ever pick allowed tokens end in text of the language asked for.
 
-    python scripts/bench_grammar.py [--walks 20] [--repeats 5]
+    python scripts/benchmarks/bench_grammar.py [--walks 20] [--repeats 5]
 
 Two tokenizers: the built-in tiny model's (1024 tokens) and a 32000-token byte-level BPE trained
 here in seconds on the Python standard library's sources (a realistic vocabulary size; no download).

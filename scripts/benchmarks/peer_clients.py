@@ -1,11 +1,11 @@
 """Run the clients people already use against distserve's OpenAI-compatible server, and say what fails.
 
     # against a server already running (its /v1 routes at URL), with the model's tokenizer directory
-    python scripts/peer_clients.py --url http://127.0.0.1:8000 --model tiny-llama
+    python scripts/benchmarks/peer_clients.py --url http://127.0.0.1:8000 --model tiny-llama
     # or start `distserve launch` here, run the clients, stop it
-    python scripts/peer_clients.py --launch disaggregated            # 1 prefill + 1 decode instance
-    python scripts/peer_clients.py --launch colocated                # 1 colocated instance
-    python scripts/peer_clients.py --launch colocated --launch-model llama-58m   # the 58M dummy Llama
+    python scripts/benchmarks/peer_clients.py --launch disaggregated            # 1 prefill + 1 decode instance
+    python scripts/benchmarks/peer_clients.py --launch colocated                # 1 colocated instance
+    python scripts/benchmarks/peer_clients.py --launch colocated --launch-model llama-58m   # the 58M dummy Llama
 
 Clients, each run as a subprocess from a virtualenv of its own (docs/benchmarks.md, "Other clients
 against distserve", has the install commands), chosen with ``--clients a,b,...`` (default all):
@@ -13,7 +13,7 @@ against distserve", has the install commands), chosen with ``--clients a,b,...``
     vllm-completions  vllm bench serve --backend vllm: streamed /v1/completions, random dataset
     vllm-chat         vllm bench serve --backend openai-chat --endpoint /v1/chat/completions
     guidellm          guidellm run: streamed /v1/chat/completions, synthetic_text data, constant rate
-    lm-eval-mc        lm_eval --model local-completions on scripts/lm_eval_task's distserve_tiny_mc:
+    lm-eval-mc        lm_eval --model local-completions on scripts/benchmarks/lm_eval_task's distserve_tiny_mc:
                       64 log-likelihood requests (token-id prompts, echo: true, logprobs: 1)
     lm-eval-gen       the same 16 questions as distserve_tiny_gen: generation with stop strings
 

@@ -3,7 +3,7 @@ and TTFT/TPOT percentiles predicted for the same requests (same lengths and arri
 ``distserve bench`` then sends to a real deployment, for 1 prefill + 1 decode and for 2 colocated
 instances, on a short-prompt/long-output and a long-prompt/short-output workload.
 
-    python scripts/exp_placement_accuracy.py [--num-requests 100] [--out results/placement-accuracy]
+    python scripts/experiments/exp_placement_accuracy.py [--num-requests 100] [--out results/placement-accuracy]
 
 1. ``distserve profile`` (in this process, one torch thread, as each instance gets) fits the latency
    model of the engine's forward passes, alone.

@@ -1,7 +1,7 @@
 """What sets a colocated instance's TPOT under a served load: its steps, split into those that ran
 prompt tokens and decode-only ones, against each request's time per output token.
 
-    python scripts/exp_served_steps.py [--rate 2] [--requests 60] [--threads 2] [--no-packed] [--chunk 512]
+    python scripts/experiments/exp_served_steps.py [--rate 2] [--requests 60] [--threads 2] [--no-packed] [--chunk 512]
 
 One colocated instance of the 58M dummy Llama (``--threads`` torch threads), requests of 256 random
 prompt tokens and 64 output tokens (EOS ignored) arriving as a Poisson process, as `vllm bench

@@ -10,8 +10,8 @@ ranks).
 
 Run (about 3 minutes on 2 CPU cores):
 
-    DISTSERVE_CACHE_DIR=/tmp/dscache python scripts/bench_parallel.py
-    python scripts/bench_parallel.py --layouts 1x1,2x1 --batch-sizes 1,16 --device cuda --dtype bfloat16
+    DISTSERVE_CACHE_DIR=/tmp/dscache python scripts/benchmarks/bench_parallel.py
+    python scripts/benchmarks/bench_parallel.py --layouts 1x1,2x1 --batch-sizes 1,16 --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ end-to-end latency.
 
 Run (about 2 minutes on 2 CPU cores):
 
-    DISTSERVE_CACHE_DIR=/tmp/dscache python scripts/bench_migration.py
-    python scripts/bench_migration.py --device cuda --dtype bfloat16 --prompt-lens 512,2048,8192
+    DISTSERVE_CACHE_DIR=/tmp/dscache python scripts/benchmarks/bench_migration.py
+    python scripts/benchmarks/bench_migration.py --device cuda --dtype bfloat16 --prompt-lens 512,2048,8192
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ with the same resources (2 instances doing both phases: prefill-first, and with 
 as vLLM colocates), on the same machine and workloads, measured with ``distserve bench`` through
 the gRPC frontend.
 
-    python scripts/exp_disagg_vs_colocated.py [--num-requests 100] [--out results/disagg-vs-colocated]
+    python scripts/experiments/exp_disagg_vs_colocated.py [--num-requests 100] [--out results/disagg-vs-colocated]
 
 Each instance gets the same share of the machine (``--cpu-threads`` torch threads; on GPUs it
 would be one GPU each). SLOs are set per workload from the colocated deployment's single-request

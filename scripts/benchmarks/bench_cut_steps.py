@@ -1,7 +1,7 @@
 """TPOT-aware chunking on one colocated instance: do steps cut to the TPOT SLO take what the
 step-time line said they would?
 
-    python scripts/bench_cut_steps.py [--rate 0.3] [--seconds 90] [--slo-tpot 0.0645]
+    python scripts/benchmarks/bench_cut_steps.py [--rate 0.3] [--seconds 90] [--slo-tpot 0.0645]
 
 One engine in this process (the 58M-parameter Llama of the offline benchmark, dummy weights, one
 torch thread), chunked prefill with a 256-token budget and ``tpot_aware_chunking``; requests of

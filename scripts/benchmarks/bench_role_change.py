@@ -1,7 +1,7 @@
 """How long a role change takes under load: 2 instances flip between 1 prefill + 1 decode and 2
 colocated (chunked prefill) while requests stream, and every change is timed.
 
-    python scripts/bench_role_change.py [--changes 20] [--rate 10] [--device cuda]
+    python scripts/benchmarks/bench_role_change.py [--changes 20] [--rate 10] [--device cuda]
 
 Per change it prints the operator's wait (``set_roles`` asked to returned: every phase, each
 instance's swap, the orchestrator's bookkeeping) and each instance's own time (the call reaching

@@ -7,7 +7,7 @@ a cached prefix (the chunks of chunked prefill, or a prompt whose prefix the cac
 prompts with nothing cached (SDPA over their own fresh K/V, causal, as the reference runs them).
 Prints the mean time of each path, their ratio, and the largest difference between their outputs.
 
-    python scripts/bench_paged_attention.py [--threads 2] [--heads 8 --kv-heads 8 --head-dim 64]
+    python scripts/benchmarks/bench_paged_attention.py [--threads 2] [--heads 8 --kv-heads 8 --head-dim 64]
 """
 
 from __future__ import annotations
