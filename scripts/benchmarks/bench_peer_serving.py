@@ -22,8 +22,8 @@ goodput counted under TTFT ``--slo-ttft`` ms and TPOT ``--slo-tpot`` ms. The tab
 end has TTFT and TPOT p50 / p90, goodput and each server's start-up time; ``--out DIR`` keeps each
 server's log and the client's JSON results.
 
-vLLM comes from the virtualenv ``--venvs``/vllm (docs/benchmarks.md, "Other clients against
-distserve", has its install commands).
+vLLM comes from the virtualenv ``--venvs``/vllm (docs/experiments/peer-clients.md, "Install", has its
+install commands).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def start_server(name: str, args: argparse.Namespace, out: Path, env: dict[str, 
     if name in VLLM_SERVERS:
         vllm = executable(args.venvs, "vllm", "vllm")
         if vllm is None:
-            raise SystemExit(f"vllm is not installed in {args.venvs / 'vllm'} (see docs/benchmarks.md)")
+            raise SystemExit(f"vllm is not installed in {args.venvs / 'vllm'} (see docs/experiments/peer-clients.md)")
         return VllmServer(vllm, args.tokenizer, VLLM_SERVERS[name], out / "server.log", env)
     deployment, extra = DISTSERVE_SERVERS[name]
     return LaunchedServer(deployment, MODEL, extra, out, None)
@@ -151,7 +151,9 @@ def main() -> int:
         parser.error(f"unknown servers {unknown}: choose from {', '.join(known)}")
     args.rates = [float(r) for r in args.rates.split(",")]
     if executable(args.venvs, "vllm", "vllm") is None:
-        parser.error(f"vllm bench serve is needed: no vllm in {args.venvs / 'vllm'} (see docs/benchmarks.md)")
+        parser.error(
+            f"vllm bench serve is needed: no vllm in {args.venvs / 'vllm'} (see docs/experiments/peer-clients.md)"
+        )
     out = args.out or Path(tempfile.mkdtemp(prefix="peer-serving-"))
     out.mkdir(parents=True, exist_ok=True)
     args.tokenizer, args.api_key = model_files(MODEL, out)[0], None

@@ -7,8 +7,8 @@
     python scripts/benchmarks/peer_clients.py --launch colocated                # 1 colocated instance
     python scripts/benchmarks/peer_clients.py --launch colocated --launch-model llama-58m   # the 58M dummy Llama
 
-Clients, each run as a subprocess from a virtualenv of its own (docs/benchmarks.md, "Other clients
-against distserve", has the install commands), chosen with ``--clients a,b,...`` (default all):
+Clients, each run as a subprocess from a virtualenv of its own (docs/experiments/peer-clients.md,
+"Install", has the install commands), chosen with ``--clients a,b,...`` (default all):
 
     vllm-completions  vllm bench serve --backend vllm: streamed /v1/completions, random dataset
     vllm-chat         vllm bench serve --backend openai-chat --endpoint /v1/chat/completions
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in clients:
                 command = client_command(name, args, proxy_url, out, max_model_len)
                 if command is None:
-                    print(f"{name}: not installed (see docs/benchmarks.md)", flush=True)
+                    print(f"{name}: not installed (see docs/experiments/peer-clients.md)", flush=True)
                     results.append((name, None, Tally(), []))
                     continue
                 tally = Tally(capture=(out / f"{name}.jsonl").open("w"))
