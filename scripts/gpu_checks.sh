@@ -33,8 +33,8 @@ step kernels "${KERNELS_LIMIT:-120}" $python -m pytest -p no:cacheprovider -q -r
 step tests "${TESTS_LIMIT:-300}" $python -m pytest -m gpu -p no:cacheprovider -q -rs --durations=15 \
     ${TESTS_K:+-k "$TESTS_K"} tests/test_gpu.py tests/test_kv_ipc.py
 # shellcheck disable=SC2086
-step bench_gpu "${BENCH_LIMIT:-240}" $python scripts/bench_gpu.py --json "$out/bench_gpu.json" ${BENCH_ARGS:-}
-step bench_kv_ipc "${IPC_LIMIT:-90}" $python scripts/bench_kv_ipc.py --json "$out/bench_kv_ipc.json"
+step bench_gpu "${BENCH_LIMIT:-240}" $python scripts/benchmarks/bench_gpu.py --json "$out/bench_gpu.json" ${BENCH_ARGS:-}
+step bench_kv_ipc "${IPC_LIMIT:-90}" $python scripts/benchmarks/bench_kv_ipc.py --json "$out/bench_kv_ipc.json"
 # What loading every kernel at start (instances' default) costs in device memory, against CUDA's
 # lazy default: a process that has run a matrix product and SDPA, each way.
 for mode in LAZY EAGER; do
@@ -47,7 +47,7 @@ print('$mode: device memory in use', round((total - free) / 2**20), 'MiB')"
 done
 # Role changes with kernels loaded lazily and at start (needs Ray).
 for mode in LAZY EAGER; do
-    step "role_change_$mode" "${ROLE_LIMIT:-150}" env CUDA_MODULE_LOADING=$mode $python scripts/bench_role_change.py \
+    step "role_change_$mode" "${ROLE_LIMIT:-150}" env CUDA_MODULE_LOADING=$mode $python scripts/benchmarks/bench_role_change.py \
         --device cuda --model llama-3-8b --load-format dummy --changes 16 --rate 10
 done
 cat "$out/summary.txt"

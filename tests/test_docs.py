@@ -67,3 +67,35 @@ def test_architecture_doc_maps_every_module():
     modules -= {"placement/__main__.py"}
     assert modules <= set(mapped), sorted(modules - set(mapped))
     assert set(mapped) - {"v1/"} <= modules, sorted(set(mapped) - {"v1/"} - modules)
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors for a markdown file's headings (outside code blocks)."""
+    anchors, counts, fenced = set(), {}, False
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if fenced or not line.startswith("#"):
+            continue
+        slug = re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        anchors.add(slug if slug not in counts else f"{slug}-{counts[slug]}")
+        counts[slug] = counts.get(slug, 0) + 1
+    return anchors
+
+
+def test_relative_links_in_docs_resolve():
+    """Every relative link in README.md and docs/ names a file that exists, and a heading in it if it names one."""
+    root = Path(__file__).parent.parent
+    broken = []
+    for page in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            if not resolved.exists():
+                broken.append(f"{page.relative_to(root)}: {target}")
+            elif anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
+                broken.append(f"{page.relative_to(root)}: {target} (no such heading)")
+    assert not broken, broken

@@ -4,7 +4,7 @@ layout its GEMM reads ("packed").
 torch's ``linear`` on CPU calls MKL's sgemm on the weight as stored, which at the few rows of a
 decode step is far from the memory bound: for the 58M benchmark Llama's 57 linears, a step of 4
 rows takes 31.7 ms against 14.4 ms packed on 2 threads, 34.0 against 18.9 ms on one
-(``scripts/bench_gemm.py``). Packed for 64 rows, the layout is no slower from 1 row to a 256-token
+(``scripts/benchmarks/bench_gemm.py``). Packed for 64 rows, the layout is no slower from 1 row to a 256-token
 prompt chunk, so one packed copy serves every step; it replaces the weight, so memory stays the
 same. Float32 only: without AVX-512 bfloat16 support, a bfloat16 GEMM is slower than float32 here.
 """

@@ -1,0 +1,185 @@
+"""KV pulled over CUDA IPC between two processes on one GPU, against a raw copy of the same bytes.
+
+Two spawned processes each hold one rank's KV cache of a Llama-3-8B shape (32 layers, 8 KV heads
+of 128, bfloat16, blocks of 16 tokens): a prefill rank and a decode rank, joined by a KV channel,
+which picks CUDA IPC. For each token count the decode rank pulls that many tokens from scattered
+blocks of the prefill rank's cache into scattered blocks of its own, as the migrator asks it
+(``recv`` with both sides' slots, timed on the decode rank until its copies are done: one Triton
+gather-scatter over every layer), then the same through torch's per-layer gather and scatter (the
+fallback without Triton), and then copies the same bytes in one contiguous piece out of the
+prefill rank's cache through the same mapping (``recv_probe``): the raw speed. Medians of the
+repeats, after one warm-up each.
+
+    python scripts/benchmarks/bench_kv_ipc.py [--tokens 512,2048,8192] [--repeats 10] [--json kv_ipc.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import queue
+import random
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from functools import partial
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
+
+import torch
+import torch.multiprocessing as mp
+
+from distserve.kv_transfer.channel import STAGING_TOKENS, KVTransfer
+from distserve.kv_transfer.plan import KVLayout, token_slots
+from distserve.kv_transfer.slot_copy import copy_slots
+
+CHANNEL = "bench-prefill.0>bench-decode.0"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", default="512,2048,8192", help="tokens per pull, comma-separated")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--num-layers", type=int, default=32)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=2048, help="blocks of each rank's cache")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--chunk-tokens", type=int, default=STAGING_TOKENS, help="tokens of one layer per copy")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
+    p.add_argument("--json", metavar="PATH", help="also write the figures here")
+    return p.parse_args()
+
+
+def make_rank(args: argparse.Namespace, seed: int) -> KVTransfer:
+    """One rank's cache ``[layers, 2, slots, kv_heads, head_dim]`` on cuda:0, holding every layer
+    and head, and its end of the KV channels."""
+    layout = KVLayout(range(args.num_layers), range(args.num_kv_heads))
+    shape = (args.num_layers, 2, args.num_blocks * args.block_size, args.num_kv_heads, args.head_dim)
+    cache = torch.empty(shape, dtype=getattr(torch, args.dtype), device="cuda:0")
+    generator = torch.Generator("cuda:0").manual_seed(seed)
+    for layer in cache:  # a layer at a time: one draw of the whole cache would pass 2**31 elements
+        layer.normal_(generator=generator)
+    return KVTransfer(cache, layout, chunk_tokens=args.chunk_tokens)
+
+
+def source(args: argparse.Namespace, addresses: Queue, results: Queue, done: Event) -> None:
+    """The prefill rank: hosts the store, connects, and keeps its cache until the run is done (the
+    decode rank reads it in place; over IPC ``send`` moves nothing)."""
+    try:
+        transfer = make_rank(args, seed=1)
+        address = transfer.store_address()
+        addresses.put(address)
+        transfer.connect(CHANNEL, True, address)
+        done.wait(args.timeout)
+    except BaseException:
+        results.put({"error": f"the prefill rank failed:\n{traceback.format_exc()}"})
+
+
+def median_seconds(call: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``call`` after one warm-up; ``call`` returns once the GPU is done."""
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def torch_pull(transfer: KVTransfer, dst_slots: list[int], src_slots: list[int]) -> None:
+    """The pull of ``recv`` with torch's per-layer copy in place of the kernel: every layer and head."""
+    src_cache = transfer._group(CHANNEL).tensor
+    stream = transfer._stream()
+    with torch.cuda.stream(stream):
+        index = torch.tensor(dst_slots, dtype=torch.long, device=transfer.device)
+        src_index = torch.tensor(src_slots, dtype=torch.long, device=transfer.device)
+        copy_slots(transfer.kv_tensor, index, src_cache, src_index, transfer.chunk_tokens, kernel=False)
+    stream.synchronize()
+
+
+def destination(args: argparse.Namespace, addresses: Queue, results: Queue) -> None:
+    """The decode rank: connects, then for each token count pulls from scattered blocks and copies
+    the same bytes contiguously; puts its figures (or its error) on ``results``."""
+    try:
+        transfer = make_rank(args, seed=2)
+        transfer.connect(CHANNEL, False, addresses.get(timeout=args.timeout))
+        if transfer.transport(CHANNEL) != "ipc":
+            raise RuntimeError(f"the channel chose {transfer.transport(CHANNEL)}, not CUDA IPC")
+        layers, heads = range(args.num_layers), range(args.num_kv_heads)
+        rng = random.Random(0)
+        rows = []
+        for tokens in [int(x) for x in args.tokens.split(",")]:
+            num_blocks = math.ceil(tokens / args.block_size)
+            # Blocks drawn at random on each side: a pull from and into a fragmented cache.
+            src_slots = token_slots(rng.sample(range(args.num_blocks), num_blocks), tokens, args.block_size)
+            dst_slots = token_slots(rng.sample(range(args.num_blocks), num_blocks), tokens, args.block_size)
+            num_bytes = transfer.recv(CHANNEL, dst_slots, layers, heads, src_slots)
+            # A check of what arrived, first and last layer: the source's cache is mapped here.
+            src_cache = transfer._group(CHANNEL).tensor
+            for layer in (0, args.num_layers - 1):
+                if not torch.equal(transfer.kv_tensor[layer][:, dst_slots], src_cache[layer][:, src_slots]):
+                    raise RuntimeError(f"layer {layer} of a {tokens}-token pull differs from the source")
+            pull = median_seconds(partial(transfer.recv, CHANNEL, dst_slots, layers, heads, src_slots), args.repeats)
+            fallback = median_seconds(partial(torch_pull, transfer, dst_slots, src_slots), args.repeats)
+            raw = median_seconds(partial(transfer.recv_probe, CHANNEL, num_bytes), args.repeats)
+            row = {"tokens": tokens, "bytes": num_bytes, "ipc_seconds": pull, "torch_seconds": fallback}
+            rows.append(row | {"raw_seconds": raw})
+        results.put({"device": torch.cuda.get_device_name(0), "rows": rows})
+    except BaseException:
+        results.put({"error": f"the decode rank failed:\n{traceback.format_exc()}"})
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        print("bench_kv_ipc.py needs a CUDA device, and none is visible.", file=sys.stderr)
+        sys.exit(2)
+    most = max(int(x) for x in args.tokens.split(","))
+    if most > args.num_blocks * args.block_size:
+        sys.exit(f"{most} tokens do not fit in {args.num_blocks} blocks of {args.block_size}")
+    ctx = mp.get_context("spawn")
+    addresses, results, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+    processes = [
+        ctx.Process(target=source, args=(args, addresses, results, done), daemon=True),
+        ctx.Process(target=destination, args=(args, addresses, results), daemon=True),
+    ]
+    for p in processes:
+        p.start()
+    try:
+        answer = results.get(timeout=args.timeout)
+    except queue.Empty:
+        answer = {"error": f"no figures within {args.timeout:.0f} s"}
+    finally:
+        done.set()
+        for p in processes:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if "error" in answer:
+        sys.exit(answer["error"])
+
+    print(
+        f"\n{answer['device']}: {args.num_layers} layers, {args.num_kv_heads} KV heads of {args.head_dim}, "
+        f"{args.dtype}, blocks of {args.block_size}; two processes, one GPU; medians of {args.repeats}\n"
+    )
+    print("| tokens | KV MiB | IPC pull ms | GB/s | torch per-layer ms | raw copy ms | raw GB/s | pull / raw speed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in answer["rows"]:
+        pull, raw, num_bytes = row["ipc_seconds"], row["raw_seconds"], row["bytes"]
+        row.update(ipc_gb_per_s=num_bytes / pull / 1e9, raw_gb_per_s=num_bytes / raw / 1e9, ratio=raw / pull)
+        print(
+            f"| {row['tokens']} | {num_bytes / 2**20:.1f} | {pull * 1e3:.2f} | {row['ipc_gb_per_s']:.1f} "
+            f"| {row['torch_seconds'] * 1e3:.2f} | {raw * 1e3:.2f} | {row['raw_gb_per_s']:.1f} | {row['ratio']:.2f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": answer["device"], "args": vars(args), "rows": answer["rows"]}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""KV migration speed: a prefill instance's KV pulled by a decode instance, against the raw link.
+
+A 1 prefill + 1 decode cluster serves one dummy Llama-shaped model. For each prompt length it
+runs requests one at a time and reads the decode instance's migration records (bytes, start,
+end: from the decode instance asking both sides to move the request's token slots until both
+answered). In the same run, over a pair communicator between the same two processes, it times
+one contiguous tensor of the same bytes sent the same way (a call to each side, until both
+answered): the raw transport. It also reports migration time as a share of each request's
+end-to-end latency.
+
+Run (about 2 minutes on 2 CPU cores):
+
+    DISTSERVE_CACHE_DIR=/tmp/dscache python scripts/benchmarks/bench_migration.py
+    python scripts/benchmarks/bench_migration.py --device cuda --dtype bfloat16 --prompt-lens 512,2048,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+from transformers.utils import logging as hf_logging
+
+from distserve import Cluster, SamplingParams
+from distserve.engine.ray_runtime import one_gpu_shared_options
+from distserve.model_executor.tiny_models import write_llama_shape
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt-lens", default="128,512,1024,2048")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request (for the latency share)")
+    p.add_argument("--hidden-size", type=int, default=1024)
+    p.add_argument("--num-layers", type=int, default=8)
+    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    return p.parse_args()
+
+
+def write_model_dir(root: Path, args: argparse.Namespace) -> Path:
+    """config.json and a tokenizer, no weights: the engine draws dummy weights from the shapes."""
+    return write_llama_shape(
+        root / "bench-migration-llama",
+        hidden_size=args.hidden_size,
+        intermediate_size=args.hidden_size * 2,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.hidden_size // 128,
+        num_key_value_heads=args.num_kv_heads,
+        max_position_embeddings=8192 + 1024,
+    )
+
+
+def raw_transfer_seconds(prefill, decode, num_bytes: int, repeats: int) -> float:
+    """Median time of one contiguous ``num_bytes`` tensor over a fresh pair communicator."""
+    src = ray.get(prefill.kv_endpoints.remote())[0]
+    dst = ray.get(decode.kv_endpoints.remote())[0]
+    channel = f"bench-raw-{num_bytes}"
+    address = ray.get(src.call("store_address"))
+    ray.get([src.call("connect", channel, True, address), dst.call("connect", channel, False, address)])
+    times = []
+    for _ in range(repeats + 1):
+        start = time.time()
+        ray.get([src.call("send_probe", channel, num_bytes), dst.call("recv_probe", channel, num_bytes)])
+        times.append(time.time() - start)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    args = parse_args()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    ray.init(include_dashboard=False, log_to_driver=False, **one_gpu_shared_options())  # one GPU: both on it
+    lengths = [int(x) for x in args.prompt_lens.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model_dir(Path(tmp), args)
+        cluster = Cluster(
+            model=str(model_dir),
+            load_format="dummy",
+            device=args.device,
+            dtype=args.dtype,
+            num_kv_blocks=(max(lengths) + args.output_len) // 16 * 2 + 16,
+            max_num_batched_tokens=max(lengths),
+            prefill={},
+            decode={},
+        )
+        try:
+            orchestrator = cluster._async.orchestrator
+            prefill, decode = (s.handle for s in orchestrator.instances)
+            params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+            cluster.generate([[5] * 64], params)  # warm up: first channel, first steps
+            rows = []
+            for length in lengths:
+                outputs = []
+                for i in range(args.repeats):
+                    outputs += cluster.generate([[(7 + i + j) % 30000 + 3 for j in range(length)]], params)
+                records = ray.get(decode.migrations.remote())
+                mig = [records[o.request_id] for o in outputs]
+                seconds = statistics.median(r.end - r.start for r in mig)
+                num_bytes = mig[0].num_bytes
+                raw = raw_transfer_seconds(prefill, decode, num_bytes, args.repeats)
+                e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outputs]
+                share = statistics.median((r.end - r.start) / t for r, t in zip(mig, e2e))
+                rows.append((length, num_bytes, seconds, raw, statistics.median(e2e), share))
+                print(f"{length} tokens done", flush=True)
+        finally:
+            cluster.shutdown()
+    print(
+        f"\nmodel: Llama-shaped, {args.num_layers} layers, {args.num_kv_heads} KV heads of 128, {args.dtype} "
+        f"on {args.device}; {args.output_len} output tokens; medians of {args.repeats}\n"
+    )
+    print(
+        "| prompt tokens | KV MiB | migration ms | GB/s | raw ms | raw GB/s | migration / raw speed "
+        "| request latency s | migration share |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for length, num_bytes, seconds, raw, e2e, share in rows:
+        print(
+            f"| {length} | {num_bytes / 2**20:.1f} | {seconds * 1e3:.1f} | {num_bytes / seconds / 1e9:.2f} "
+            f"| {raw * 1e3:.1f} | {num_bytes / raw / 1e9:.2f} | {raw / seconds:.2f} | {e2e:.2f} | {share:.2%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

