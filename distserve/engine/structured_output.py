@@ -3,7 +3,7 @@
 Constraining a request to a language is done with a token bitmask per step: each step, a request's
 matcher writes which tokens may come next into its row of an int32 bitmask (bit ``t % 32`` of word
 ``t // 32`` for token ``t``), the sampler sets every other token's logit to -inf, and the token
-sampled is fed back to the matcher. The grammar library is xgrammar (scripts/bench_grammar.py
+sampled is fed back to the matcher. The grammar library is xgrammar (scripts/benchmarks/bench_grammar.py
 measured it against llguidance: a faster mask per token, and a CPU kernel to apply it). It compiles
 more slowly (10-25 ms for a JSON schema or regex on 32000 tokens), hence the cache of compiled
 grammars, which are immutable and shared by every request with the same spec, and a compile that
@@ -53,7 +53,7 @@ from distserve.model_executor.token_bitmask import bitmask_words, word_bit
 
 # Bytes 0x00-0x1f other than \n and \r. Valid JSON text never holds them raw, yet xgrammar 0.2.9
 # lets strings with minLength/maxLength take them (xgrammar issue #800: the walk in
-# scripts/bench_grammar.py wrote raw \x01 and \t into such strings). Tokens holding one are kept out
+# scripts/benchmarks/bench_grammar.py wrote raw \x01 and \t into such strings). Tokens holding one are kept out
 # of JSON masks: \t is JSON whitespace too, but never needed, and space, \n and \r remain.
 _JSON_BANNED_BYTES = frozenset(range(0x20)) - {0x0A, 0x0D}
 _JSON_KINDS = ("json", "json_object")
