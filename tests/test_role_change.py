@@ -17,8 +17,8 @@ from distserve import AsyncCluster, SamplingParams
 from distserve.cluster.api import make_cluster_config
 from distserve.cluster.config import ClusterConfig
 from distserve.cluster.layout_forecast import ChunkedPrefill
-from distserve.cluster.role_control_config import RoleControlConfig
-from distserve.cluster.role_controller import (
+from distserve.cluster.role_control.config import RoleControlConfig
+from distserve.cluster.role_control.controller import (
     Arrival,
     Attainment,
     FinishedRequest,

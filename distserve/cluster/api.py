@@ -20,7 +20,7 @@ from distserve.cluster.config import CLUSTER_KEYS, ROLES, ClusterConfig
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.orchestrator import Orchestrator
 from distserve.cluster.role_changes import RoleChangeRecord
-from distserve.cluster.role_controller import RequestSLO
+from distserve.cluster.role_control.controller import RequestSLO
 from distserve.core.config import EngineConfig
 from distserve.core.outputs import RequestOutput
 from distserve.core.role import Role

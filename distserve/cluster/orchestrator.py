@@ -33,7 +33,7 @@ from distserve.cluster.core_plan import plan_cores
 from distserve.cluster.failover import Failover
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
-from distserve.cluster.role_controller import Arrival, FinishedRequest, InFlight, RequestSLO, RoleController
+from distserve.cluster.role_control.controller import Arrival, FinishedRequest, InFlight, RequestSLO, RoleController
 from distserve.cluster.routing import InstanceState, Router, spread_prompts
 from distserve.core.cpu_cores import available_cores
 from distserve.core.errors import InstanceFailure, RequestError

@@ -13,7 +13,7 @@ from contextlib import contextmanager, nullcontext
 from distserve.cluster.api import AsyncCluster
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.role_changes import RoleChangeRecord
-from distserve.cluster.role_controller import RequestSLO
+from distserve.cluster.role_control.controller import RequestSLO
 from distserve.core.outputs import RequestOutput
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams

@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.role_changes import RoleChangeRecord
-from distserve.cluster.role_controller import RequestSLO
+from distserve.cluster.role_control.controller import RequestSLO
 from distserve.core.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams, StructuredOutputsParams

@@ -73,7 +73,7 @@ from statistics import fmean
 from typing import TYPE_CHECKING, Literal
 
 from distserve.cluster.layout_forecast import ChunkedPrefill, Demand, forecast
-from distserve.cluster.role_control_config import RoleControlConfig
+from distserve.cluster.role_control.config import RoleControlConfig
 from distserve.core.role import Role
 from distserve.scheduling.step_time import StepCost
 

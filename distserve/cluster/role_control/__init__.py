@@ -1,0 +1,1 @@
+"""Roles that follow the load: the role controller and its settings."""
