@@ -24,7 +24,6 @@ from distserve.cluster.role_control.controller import (
     FinishedRequest,
     InFlight,
     Load,
-    RequestSLO,
     RoleController,
     Share,
     attainment,
@@ -34,6 +33,7 @@ from distserve.cluster.role_control.controller import (
 from distserve.cluster.routing import spread_prompts
 from distserve.core.errors import RequestError
 from distserve.core.role import Role
+from distserve.core.slo import RequestSLO
 from distserve.entrypoints.client import CallError, Client
 from distserve.entrypoints.prometheus import ServingMetrics
 from distserve.entrypoints.server import BackgroundServer

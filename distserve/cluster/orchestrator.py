@@ -33,7 +33,7 @@ from distserve.cluster.core_plan import plan_cores
 from distserve.cluster.failover import Failover
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
-from distserve.cluster.role_control.controller import Arrival, FinishedRequest, InFlight, RequestSLO, RoleController
+from distserve.cluster.role_control.controller import Arrival, FinishedRequest, InFlight, RoleController
 from distserve.cluster.routing import InstanceState, Router, spread_prompts
 from distserve.core.cpu_cores import available_cores
 from distserve.core.errors import InstanceFailure, RequestError
@@ -41,6 +41,7 @@ from distserve.core.handover import Handover
 from distserve.core.outputs import OutputBuilder, RequestDelta, RequestMetrics, RequestOutput
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
+from distserve.core.slo import RequestSLO
 from distserve.engine.executor import cluster_device
 from distserve.engine.input_processor import InputProcessor
 from distserve.model_executor.model_loader import eos_token_ids, load_tokenizer, resolve_model

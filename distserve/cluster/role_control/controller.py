@@ -75,6 +75,7 @@ from typing import TYPE_CHECKING, Literal
 from distserve.cluster.layout_forecast import ChunkedPrefill, Demand, forecast
 from distserve.cluster.role_control.config import RoleControlConfig
 from distserve.core.role import Role
+from distserve.core.slo import RequestSLO
 from distserve.scheduling.step_time import StepCost
 
 if TYPE_CHECKING:
@@ -92,20 +93,6 @@ DECODE_ROOM = 0.6
 NEAR_SLO = 0.9  # a quantile this close to its SLO is pressure on it, before a window misses
 # A rate, and what a layout did under it, is said by no fewer arrivals or requests than this.
 MIX_ARRIVALS = 3
-
-
-@dataclass(frozen=True)
-class RequestSLO:
-    """A request's own latency objectives, in seconds; None: the cluster's."""
-
-    ttft: float | None = None
-    tpot: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("ttft", "tpot"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"slo_{name} must be > 0 seconds, got {value}")
 
 
 @dataclass
