@@ -33,7 +33,8 @@ from distserve.cluster.core_plan import plan_cores
 from distserve.cluster.failover import Failover
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
-from distserve.cluster.role_control.controller import Arrival, FinishedRequest, InFlight, RoleController
+from distserve.cluster.role_control.controller import RoleController
+from distserve.cluster.role_control.request_records import Arrival, FinishedRequest, InFlight
 from distserve.cluster.routing import InstanceState, Router, spread_prompts
 from distserve.core.cpu_cores import available_cores
 from distserve.core.errors import InstanceFailure, RequestError
@@ -218,6 +219,10 @@ class Orchestrator:
             raise
         control.mode = role_control or previous
         return records
+
+    async def change_roles(self, roles: dict[str, Role], reason: str) -> None:
+        """The role controller's changes (its ``ClusterView``): ``RoleChanger.set_roles`` with what it saw."""
+        await self.roles.set_roles(roles, reason)
 
     def add_instance(self, entry: InstanceState, replacing: InstanceState | None = None) -> None:
         """Serve from ``entry`` (in place of ``replacing``) and start polling it."""
