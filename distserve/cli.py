@@ -19,7 +19,7 @@ from pathlib import Path
 from distserve.benchmark.command import add_bench_args
 from distserve.benchmark.profiler import add_profile_args
 from distserve.cluster.config import POOL_FLAGS
-from distserve.cluster.role_control_config import ROLE_CONTROL_MODES
+from distserve.cluster.role_control.config import ROLE_CONTROL_MODES
 from distserve.core.config import FIELD_SECTION, SECTIONS, EngineConfig
 from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.client import CallError

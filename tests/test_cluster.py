@@ -510,7 +510,7 @@ def test_the_orchestrator_gives_each_run_its_ttft_deadline(ray_cluster, llama, p
     arriving in that order. The deadline policy prefills them by arrival plus SLO, fcfs by arrival;
     the feasible deadline policy runs one whose deadline passed while it waited after the others.
     Outputs stay greedy."""
-    from distserve.cluster.role_controller import RequestSLO
+    from distserve.core.slo import RequestSLO
 
     # 100 blocks of 8 tokens: the long request's 600 + 200 tokens fill them all; the others need 26.
     long_prompt, *prompts = random_prompts([600, 208, 208, 208], 1024, seed=11)
@@ -561,7 +561,7 @@ def test_the_orchestrator_gives_each_run_its_tpot_slo(ray_cluster, llama, own, c
     no step fits, and in one step under a loose SLO of its own (the budget is 256 tokens): its last
     chunk's batch holds 8 prompt tokens and the decoding one's token, or all 200. Outputs stay
     greedy."""
-    from distserve.cluster.role_controller import RequestSLO
+    from distserve.core.slo import RequestSLO
 
     decoding, prompt = random_prompts([100, 200], 1024, seed=12)
 

@@ -17,23 +17,16 @@ from distserve import AsyncCluster, SamplingParams
 from distserve.cluster.api import make_cluster_config
 from distserve.cluster.config import ClusterConfig
 from distserve.cluster.layout_forecast import ChunkedPrefill
-from distserve.cluster.role_control_config import RoleControlConfig
-from distserve.cluster.role_controller import (
-    Arrival,
-    Attainment,
-    FinishedRequest,
-    InFlight,
-    Load,
-    RequestSLO,
-    RoleController,
-    Share,
-    attainment,
-    miss_margin,
-    propose,
-)
+from distserve.cluster.role_control.attainment import Attainment, Share, attainment, miss_margin
+from distserve.cluster.role_control.config import RoleControlConfig
+from distserve.cluster.role_control.controller import RoleController
+from distserve.cluster.role_control.load import Load
+from distserve.cluster.role_control.policy import propose
+from distserve.cluster.role_control.request_records import Arrival, FinishedRequest, InFlight
 from distserve.cluster.routing import spread_prompts
 from distserve.core.errors import RequestError
 from distserve.core.role import Role
+from distserve.core.slo import RequestSLO
 from distserve.entrypoints.client import CallError, Client
 from distserve.entrypoints.prometheus import ServingMetrics
 from distserve.entrypoints.server import BackgroundServer

@@ -20,11 +20,11 @@ from distserve.cluster.config import CLUSTER_KEYS, ROLES, ClusterConfig
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.orchestrator import Orchestrator
 from distserve.cluster.role_changes import RoleChangeRecord
-from distserve.cluster.role_controller import RequestSLO
 from distserve.core.config import EngineConfig
 from distserve.core.outputs import RequestOutput
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
+from distserve.core.slo import RequestSLO
 from distserve.engine.ray_runtime import ensure_ray_async
 
 

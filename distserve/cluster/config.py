@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distserve.cluster.role_control_config import RoleControlConfig
+from distserve.cluster.role_control.config import RoleControlConfig
 from distserve.core.config import FIELD_SECTION, EngineConfig, is_int, is_number, read_sections
 from distserve.core.cpu_cores import UNBOUND, format_cores, parse_cores
 from distserve.core.role import ROLES, Role

@@ -34,7 +34,8 @@ from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.instance_pool import InstancePool
 from distserve.cluster.request_table import RequestState, RequestTable
 from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
-from distserve.cluster.role_controller import Arrival, FinishedRequest, InFlight, RequestSLO, RoleController
+from distserve.cluster.role_control.controller import RoleController
+from distserve.cluster.role_control.request_records import Arrival, FinishedRequest, InFlight
 from distserve.cluster.routing import InstanceState, Router, spread_prompts
 from distserve.core.cpu_cores import available_cores
 from distserve.core.errors import InstanceFailure, RequestError
@@ -42,6 +43,7 @@ from distserve.core.handover import Handover
 from distserve.core.outputs import RequestDelta, RequestOutput
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
+from distserve.core.slo import RequestSLO
 from distserve.engine.executor import cluster_device
 from distserve.engine.input_processor import InputProcessor
 from distserve.model_executor.model_loader import eos_token_ids, load_tokenizer, resolve_model
@@ -143,6 +145,10 @@ class Orchestrator:
             raise
         control.mode = role_control or previous
         return records
+
+    async def change_roles(self, roles: dict[str, Role], reason: str) -> None:
+        """The role controller's changes (its ``ClusterView``): ``RoleChanger.set_roles`` with what it saw."""
+        await self.roles.set_roles(roles, reason)
 
     def add_instance(self, entry: InstanceState, replacing: InstanceState | None = None) -> None:
         """Serve from ``entry`` (in place of ``replacing``) and start polling it."""

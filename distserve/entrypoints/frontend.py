@@ -13,10 +13,10 @@ from contextlib import contextmanager, nullcontext
 from distserve.cluster.api import AsyncCluster
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.role_changes import RoleChangeRecord
-from distserve.cluster.role_controller import RequestSLO
 from distserve.core.outputs import RequestOutput
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
+from distserve.core.slo import RequestSLO
 from distserve.entrypoints.errors import (
     InvalidRequest,
     Overloaded,

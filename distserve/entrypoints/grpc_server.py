@@ -12,10 +12,10 @@ from grpc_reflection.v1alpha import reflection
 
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.role_changes import RoleChangeRecord
-from distserve.cluster.role_controller import RequestSLO
 from distserve.core.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams, StructuredOutputsParams
+from distserve.core.slo import RequestSLO
 from distserve.entrypoints.errors import InvalidRequest, ServingError, to_serving_error
 from distserve.entrypoints.frontend import Frontend
 from distserve.entrypoints.preflight import check_port
