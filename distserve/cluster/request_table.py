@@ -28,10 +28,10 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 
-from distserve.cluster.role_controller import RequestSLO
 from distserve.cluster.routing import InstanceState
 from distserve.core.outputs import OutputBuilder, RequestMetrics, RequestOutput
 from distserve.core.sampling_params import SamplingParams
+from distserve.core.slo import RequestSLO
 
 
 @dataclass
