@@ -54,11 +54,13 @@ def _stop(ray, handle) -> None:
     ray.kill(handle)
 
 
-# qwen2-tp2xpp2 and opt-tp2 are slow scenarios: llama-tp2xpp2-chunked16, qwen2-pp2 and the TP=3
-# OPT case below run the same sharding.
+# qwen2-tp2xpp2, llama-tp2 and opt-tp2 are slow scenarios: qwen2-tp2 (its one KV head replicated on
+# both ranks), llama-tp2xpp2-chunked16, qwen2-pp2 and the TP=3 OPT case below run the same sharding.
 @pytest.mark.parametrize(
     "family, tp, pp, chunk",
-    [pytest.param("tiny-llama", 2, 1, 0, id="llama-tp2"), pytest.param("tiny-qwen2", 1, 2, 0, id="qwen2-pp2"),
+    [pytest.param("tiny-qwen2", 2, 1, 0, id="qwen2-tp2"),
+     pytest.param("tiny-llama", 2, 1, 0, id="llama-tp2", marks=pytest.mark.slow),
+     pytest.param("tiny-qwen2", 1, 2, 0, id="qwen2-pp2"),
      pytest.param("tiny-qwen2", 2, 2, 0, id="qwen2-tp2xpp2", marks=pytest.mark.slow),
      pytest.param("tiny-opt", 2, 1, 0, id="opt-tp2", marks=pytest.mark.slow),
      pytest.param("tiny-llama", 2, 2, 16, id="llama-tp2xpp2-chunked16")],
