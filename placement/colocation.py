@@ -60,7 +60,8 @@ def colocated_spec(problem: PhaseProblem, par: Parallelism, chunk_tokens: int, c
     prefill, decode = models.prefill_spec(par), models.decode_spec(par)
     num_blocks = models.kv_capacity_tokens(par) // BLOCK_SIZE
     return ColocatedInstanceSpec(count, prefill.batch_time, decode.step_time, chunk_tokens, models.max_batch_size,
-                                 BLOCK_SIZE, num_blocks, chunked_prefill=True)  # fmt: skip
+                                 BLOCK_SIZE, num_blocks, chunked_prefill=True,
+                                 step_times=decode.step_times)  # fmt: skip
 
 
 def colocated_attainment(problem: PhaseProblem, par: Parallelism, chunk_tokens: int, rate: float,
