@@ -52,9 +52,9 @@ def _tally(admitted: list[str], steps: dict[str, int], request_ids: list[str], c
 
 
 def _engine_run(options: dict) -> tuple[list[str], dict[str, int]]:
+    options = {"max_num_batched_tokens": 64, **options}
     config = EngineConfig.from_flat(model="tiny-llama", block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS,
-                                    max_num_seqs=MAX_SEQS, max_num_batched_tokens=options.pop("max_num_batched_tokens", 64),
-                                    **options)  # fmt: skip
+                                    max_num_seqs=MAX_SEQS, **options)  # fmt: skip
     engine = LLMEngine(config)
     observe = engine.step_time.observe
     engine.step_time.observe = lambda num_tokens, seconds: observe(num_tokens, _seconds(num_tokens))
@@ -109,7 +109,7 @@ def _simulated_run(options: dict, monkeypatch) -> tuple[list[str], dict[str, int
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_simulation_schedules_as_the_engine_does(case, monkeypatch):
-    engine_admitted, engine_steps = _engine_run(dict(CASES[case]))
+    engine_admitted, engine_steps = _engine_run(CASES[case])
     simulated_admitted, simulated_steps = _simulated_run(CASES[case], monkeypatch)
     assert simulated_admitted == engine_admitted
     assert simulated_steps == engine_steps
