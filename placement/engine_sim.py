@@ -270,7 +270,7 @@ class _EngineSim:
         inst = self.assign(min(roomy, key=lambda e: (e.prefill_tokens + req.prompt_len, e.load_tokens)), r)
         inst.prefill_tokens += req.prompt_len
         deadline = None if req.ttft_slo is None else req.arrival + req.ttft_slo
-        seq = SimSequence(r, req.prompt_len, req.prompt_len, now, req.priority, deadline, req.tpot_slo)
+        seq = SimSequence(r, req.prompt_len, req.prompt_len, req.output_len, now, req.priority, deadline, req.tpot_slo)
         inst.scheduler.add(seq)
         self.timelines[r].prefill_queued = now
         self.timelines[r].prefill_instance = inst.name
@@ -343,9 +343,8 @@ class _EngineSim:
             return False
         if isinstance(inst, _Decode) and inst.pending:
             return False
-        reqs = self.reqs
         # Steps to the first finish: a sequence of n tokens at the first step has n + j after step j.
-        max_steps = min(reqs[s.index].output_len + s.num_prompt_tokens - s.num_tokens for s in seqs)
+        max_steps = min(seq.final_num_tokens - seq.num_tokens for seq in seqs)
         if max_steps < 2:
             return False
         until = self.heap[0][0] if self.heap else float("inf")
@@ -370,50 +369,58 @@ class _EngineSim:
         if inst.step_model is not None:  # the engine's own record of its steps
             for start, end in zip(step.starts, step.ends):
                 inst.step_model.observe(tokens, end - start)
-        start = step.starts[0]
         delivered = [_later(end, self.delays.delivery) for end in step.ends]  # when the orchestrator has the token
         num_steps = len(delivered)
         decode_steps = [(s, e, size) for s, e in zip(step.starts, step.ends)]  # shared by every timeline
-        hands_over = isinstance(inst, _Prefill)
-        reqs, timelines = self.reqs, self.timelines
+        timelines = self.timelines
+        # This loop runs once per sequence per batch (a stretch: per stretch), the simulation's hottest.
         for i, seq in enumerate(seqs):
-            r = seq.index
-            req, timeline = reqs[r], timelines[r]
-            if computed is not None and timeline.prefill_start is None:
-                timeline.prefill_start = start
-            if computed is not None and seq.num_computed_tokens + computed[i] < seq.num_tokens:
-                seq.num_computed_tokens += computed[i]  # a chunk short of the prompt's end samples nothing
-                continue
+            timeline = timelines[seq.index]
+            if computed is not None:
+                if timeline.prefill_start is None:
+                    timeline.prefill_start = step.starts[0]
+                if seq.num_computed_tokens + computed[i] < seq.num_tokens:
+                    seq.num_computed_tokens += computed[i]  # a chunk short of the prompt's end samples nothing
+                    continue
             seq.num_tokens += num_steps
             seq.num_computed_tokens = seq.num_tokens - 1
             timeline.token_times += delivered
             if timeline.prefill_end is None:  # its first token (a prompt's last may run as a decode token)
-                inst.prefill_tokens -= req.prompt_len
+                inst.prefill_tokens -= seq.num_prompt_tokens
                 timeline.prefill_end = step.ends[0]
                 timeline.prefill_batch_size, timeline.prefill_batch_tokens = size, tokens
                 timeline.steps += decode_steps[1:]
             else:
                 timeline.steps += decode_steps
-            if seq.num_output_tokens >= req.output_len:
-                inst.scheduler.finish(seq)
-                timeline.finish = delivered[-1]
-                timeline.num_preemptions = seq.num_preemptions
-                for e in self.assigned[r]:
-                    e.load_tokens -= req.prompt_len + req.output_len
-            elif hands_over:
-                inst.held[r] = seq
-                inst.held_blocks += len(seq.block_table)
-                timeline.handover = delivered[0]
-                if self.delays.delivery or self.delays.dispatch:  # the orchestrator relays it to a decode instance
-                    self.push(_later(delivered[0], self.delays.dispatch), _HANDOVER, 0, (r, inst, seq.num_tokens))
-                else:
-                    self.hand_over(delivered[0], r, inst, seq.num_tokens)
+            if seq.num_tokens >= seq.final_num_tokens:
+                self.finish(inst, seq, delivered[-1])
+            elif isinstance(inst, _Prefill):
+                self.hold(inst, seq, delivered[0])
+
+    def finish(self, inst: _Engine, seq: SimSequence, now: float) -> None:
+        inst.scheduler.finish(seq)
+        timeline = self.timelines[seq.index]
+        timeline.finish = now
+        timeline.num_preemptions = seq.num_preemptions
+        for e in self.assigned[seq.index]:
+            e.load_tokens -= seq.final_num_tokens
+
+    def hold(self, inst: _Prefill, seq: SimSequence, now: float) -> None:
+        """Keep a prefilled request's KV for decode, and hand the request over."""
+        inst.held[seq.index] = seq
+        inst.held_blocks += len(seq.block_table)
+        self.timelines[seq.index].handover = now
+        handover = (seq.index, inst, seq.num_tokens)
+        if self.delays.delivery or self.delays.dispatch:  # the orchestrator relays it to a decode instance
+            self.push(_later(now, self.delays.dispatch), _HANDOVER, 0, handover)
+        else:
+            self.hand_over(now, *handover)
 
     def hand_over(self, now: float, r: int, prefill: _Prefill, num_tokens: int) -> None:
         decode = self.route(self.decodes, r)
         req = self.reqs[r]
-        decode.pending.append((SimSequence(r, num_tokens, req.prompt_len, now, req.priority, None, req.tpot_slo),
-                               prefill))  # fmt: skip
+        seq = SimSequence(r, num_tokens, req.prompt_len, req.output_len, now, req.priority, None, req.tpot_slo)
+        decode.pending.append((seq, prefill))
         self.timelines[r].decode_instance = decode.name
 
     def pulled(self, now: float, inst: _Decode, seq: SimSequence, prefill: _Prefill) -> None:

@@ -23,6 +23,7 @@ class SimSequence(Sequence):
         index: int,
         num_tokens: int,
         prompt_len: int,
+        output_len: int,
         arrival: float,
         priority: int = 0,
         ttft_deadline: float | None = None,
@@ -32,6 +33,7 @@ class SimSequence(Sequence):
         self.index = index  # in the simulation's list of requests
         self.num_prompt_tokens = prompt_len
         self.num_tokens = num_tokens
+        self.final_num_tokens = prompt_len + output_len  # it makes exactly ``output_len`` tokens
 
     def __len__(self) -> int:
         return self.num_tokens

@@ -187,6 +187,19 @@ class BlockManager:
             index = seq.num_tokens // self.block_size - 1
             self._register(seq, index, seq.block_table[index])
 
+    def append_slots(self, seqs: list[Sequence]) -> None:
+        """``append_slot`` for each of ``seqs`` in turn. It does nothing for a sequence whose newest
+        token has a slot in its own last block and does not fill it, the most of them at most steps:
+        those are passed over here at the cost of a check, as this runs every step for every
+        decoding sequence."""
+        size, used = self.block_size, self._used
+        for seq in seqs:
+            num_tokens, table = seq.num_tokens, seq.block_table
+            index = (num_tokens - 1) // size
+            if num_tokens % size and index < len(table) and used[table[index]].ref_count == 1:
+                continue
+            self.append_slot(seq)
+
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks. Tail blocks are freed first so that they are evicted first."""
         for block_id in reversed(seq.block_table):

@@ -53,8 +53,7 @@ class RunningBatch:
             others: list[Sequence] = []
             for seq in self.seqs:
                 (batch if decodes(seq) else others).append(seq)
-            for seq in batch:
-                self.block_manager.append_slot(seq)
+            self.block_manager.append_slots(batch)
             return batch, others, []
         queue = list(self.seqs)
         batch, others = [], []
