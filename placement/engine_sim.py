@@ -62,6 +62,7 @@ from operator import attrgetter
 from typing import TypeVar
 
 from distserve.core.config import SchedulerConfig
+from distserve.core.sequence import SequenceStatus
 from distserve.scheduling.block_manager import BlockManager
 from distserve.scheduling.scheduler import (
     ChunkedPrefillScheduler,
@@ -141,6 +142,12 @@ class _Engine:
         self.busy = False
         self.load_tokens = 0  # the router's load
         self.prefill_tokens = 0  # prompt tokens routed here and not yet prefilled
+        # The steps every decoding sequence takes part in (all with chunked prefill; decode steps
+        # otherwise) and their tokens' times, kept once here rather than on every timeline: a
+        # decoding sequence's timeline gets the ones since it joined (``decoding``) when it leaves.
+        self.logged_steps: list[tuple[float, float, int]] = []
+        self.logged_tokens: list[float] = []
+        self.decoding: dict[SimSequence, int] = {}  # by where its steps begin in the logs
 
     @staticmethod
     def make_scheduler(config: SchedulerConfig, manager: BlockManager, step_model: StepTimeModel | None,
@@ -283,7 +290,11 @@ class _EngineSim:
             self.admit(now, inst)
         if not inst.may_schedule():
             return
+        preemptions = inst.scheduler.num_preemptions
         batch = inst.scheduler.schedule()
+        if inst.scheduler.num_preemptions != preemptions:  # they left the running batch
+            for seq in [seq for seq in inst.decoding if seq.status is SequenceStatus.WAITING]:
+                self.leave(inst, seq)
         if not batch.seqs:
             return
         seqs, latency = batch.seqs, inst.latency
@@ -371,33 +382,56 @@ class _EngineSim:
                 inst.step_model.observe(tokens, end - start)
         delivered = [_later(end, self.delays.delivery) for end in step.ends]  # when the orchestrator has the token
         num_steps = len(delivered)
-        decode_steps = [(s, e, size) for s, e in zip(step.starts, step.ends)]  # shared by every timeline
-        timelines = self.timelines
+        decode_steps = [(s, e, size) for s, e in zip(step.starts, step.ends)]
+        if computed is None or batch.num_new_tokens is not None:  # every decoding sequence is in it
+            inst.logged_steps += decode_steps
+            inst.logged_tokens += delivered
+        decoding = inst.decoding
         # This loop runs once per sequence per batch (a stretch: per stretch), the simulation's hottest.
         for i, seq in enumerate(seqs):
-            timeline = timelines[seq.index]
-            if computed is not None:
+            if computed is not None and seq.num_computed_tokens + computed[i] < seq.num_tokens:
+                seq.num_computed_tokens += computed[i]  # a chunk short of the prompt's end samples nothing
+                timeline = self.timelines[seq.index]
                 if timeline.prefill_start is None:
                     timeline.prefill_start = step.starts[0]
-                if seq.num_computed_tokens + computed[i] < seq.num_tokens:
-                    seq.num_computed_tokens += computed[i]  # a chunk short of the prompt's end samples nothing
-                    continue
+                continue
             seq.num_tokens += num_steps
             seq.num_computed_tokens = seq.num_tokens - 1
-            timeline.token_times += delivered
-            if timeline.prefill_end is None:  # its first token (a prompt's last may run as a decode token)
-                inst.prefill_tokens -= seq.num_prompt_tokens
-                timeline.prefill_end = step.ends[0]
-                timeline.prefill_batch_size, timeline.prefill_batch_tokens = size, tokens
-                timeline.steps += decode_steps[1:]
-            else:
-                timeline.steps += decode_steps
+            joins = seq not in decoding
+            if joins:  # its first token, or its first since a recompute or a pull: onto its own timeline
+                self.record(inst, seq, step, delivered, decode_steps, tokens)
             if seq.num_tokens >= seq.final_num_tokens:
                 self.finish(inst, seq, delivered[-1])
             elif isinstance(inst, _Prefill):
                 self.hold(inst, seq, delivered[0])
+            elif joins:
+                decoding[seq] = len(inst.logged_tokens)
+
+    def record(self, inst: _Engine, seq: SimSequence, step: _Step, delivered: list[float],
+               decode_steps: list[tuple[float, float, int]], tokens: int) -> None:  # fmt: skip
+        """The tokens ``seq`` took in ``step`` onto its timeline."""
+        timeline = self.timelines[seq.index]
+        if step.computed is not None and timeline.prefill_start is None:
+            timeline.prefill_start = step.starts[0]
+        timeline.token_times += delivered
+        if timeline.prefill_end is None:  # its first token (a prompt's last may run as a decode token)
+            inst.prefill_tokens -= seq.num_prompt_tokens
+            timeline.prefill_end = step.ends[0]
+            timeline.prefill_batch_size, timeline.prefill_batch_tokens = len(step.batch.seqs), tokens
+            timeline.steps += decode_steps[1:]
+        else:
+            timeline.steps += decode_steps
+
+    def leave(self, inst: _Engine, seq: SimSequence) -> None:
+        """``seq`` decodes no more on ``inst`` (for now): the logged steps it took part in onto its timeline."""
+        start = inst.decoding.pop(seq, None)
+        if start is not None:
+            timeline = self.timelines[seq.index]
+            timeline.steps += inst.logged_steps[start:]
+            timeline.token_times += inst.logged_tokens[start:]
 
     def finish(self, inst: _Engine, seq: SimSequence, now: float) -> None:
+        self.leave(inst, seq)
         inst.scheduler.finish(seq)
         timeline = self.timelines[seq.index]
         timeline.finish = now
