@@ -277,7 +277,8 @@ class _EngineSim:
         inst = self.assign(min(roomy, key=lambda e: (e.prefill_tokens + req.prompt_len, e.load_tokens)), r)
         inst.prefill_tokens += req.prompt_len
         deadline = None if req.ttft_slo is None else req.arrival + req.ttft_slo
-        seq = SimSequence(r, req.prompt_len, req.prompt_len, req.output_len, now, req.priority, deadline, req.tpot_slo)
+        seq = SimSequence(r, req.prompt_len, req.prompt_len, req.output_len, inst.manager.block_size, now,
+                          req.priority, deadline, req.tpot_slo)  # fmt: skip
         inst.scheduler.add(seq)
         self.timelines[r].prefill_queued = now
         self.timelines[r].prefill_instance = inst.name
@@ -453,7 +454,8 @@ class _EngineSim:
     def hand_over(self, now: float, r: int, prefill: _Prefill, num_tokens: int) -> None:
         decode = self.route(self.decodes, r)
         req = self.reqs[r]
-        seq = SimSequence(r, num_tokens, req.prompt_len, req.output_len, now, req.priority, None, req.tpot_slo)
+        seq = SimSequence(r, num_tokens, req.prompt_len, req.output_len, decode.manager.block_size, now,
+                          req.priority, None, req.tpot_slo)  # fmt: skip
         decode.pending.append((seq, prefill))
         self.timelines[r].decode_instance = decode.name
 

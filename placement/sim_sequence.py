@@ -4,7 +4,8 @@ The scheduler and block manager read a ``Sequence``'s token count, and a full bl
 key it in the prefix cache. Here block ``i`` of request ``r`` holds the one "token" ``(r, i)``: no
 two requests share a prefix, and a request's blocks match its own alone, so a recompute after a
 preemption finds those still cached, as the engine's would. A prompt of thousands of tokens costs
-nothing to make, and a decode step adds one to a count.
+nothing to make, and a decode step adds one to a count. The blocks' hashes, which a ``Sequence``
+works out from their tokens as they fill, are their keys made one number, all known at once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from distserve.core.sampling_params import SamplingParams
 from distserve.core.sequence import Sequence
 
 _PARAMS = SamplingParams()
+_BLOCK_INDEX_BITS = 32  # a block's hash: its request's index, then its own
 
 
 class SimSequence(Sequence):
@@ -24,6 +26,7 @@ class SimSequence(Sequence):
         num_tokens: int,
         prompt_len: int,
         output_len: int,
+        block_size: int,
         arrival: float,
         priority: int = 0,
         ttft_deadline: float | None = None,
@@ -34,6 +37,8 @@ class SimSequence(Sequence):
         self.num_prompt_tokens = prompt_len
         self.num_tokens = num_tokens
         self.final_num_tokens = prompt_len + output_len  # it makes exactly ``output_len`` tokens
+        first = index << _BLOCK_INDEX_BITS
+        self.block_hashes = list(range(first, first + self.final_num_tokens // block_size))
 
     def __len__(self) -> int:
         return self.num_tokens
