@@ -398,6 +398,8 @@ class _EngineSim:
                 continue
             seq.num_tokens += num_steps
             seq.num_computed_tokens = seq.num_tokens - 1
+            if seq.num_tokens < seq.final_num_tokens and seq in decoding:
+                continue  # it decodes on, its tokens in the logs
             joins = seq not in decoding
             if joins:  # its first token, or its first since a recompute or a pull: onto its own timeline
                 self.record(inst, seq, step, delivered, decode_steps, tokens)
@@ -405,7 +407,7 @@ class _EngineSim:
                 self.finish(inst, seq, delivered[-1])
             elif isinstance(inst, _Prefill):
                 self.hold(inst, seq, delivered[0])
-            elif joins:
+            else:
                 decoding[seq] = len(inst.logged_tokens)
 
     def record(self, inst: _Engine, seq: SimSequence, step: _Step, delivered: list[float],
