@@ -341,7 +341,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         )
         ranked += result.low[: args.top]
     ranked.sort(key=lambda c: -c.per_gpu)
-    colocated = [] if args.no_colocated else search_colocated(problem, args.chunk_tokens, args.processes or 1)
+    colocated = [] if args.no_colocated else search_colocated(problem, args.chunk_tokens, args.processes, args.top)
     if not args.no_colocated:
         print(format_colocated(colocated, args.chunk_tokens, args.top))
         verdict = compare_deployments(ranked, colocated)
@@ -477,7 +477,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if isinstance(deployment, ColocatedDeployment):
         par, chunk, count = deployment.parallelism, deployment.chunk_tokens, deployment.instances
         measure = lambda rate: colocated_attainment(problem, par, chunk, rate, count)  # noqa: E731
-        knee = count * colocated_goodput((problem, par, chunk)).goodput
+        knee = count * colocated_goodput(problem, par, chunk).goodput
         rates = args.rates or [args.rate or notes.get("rate") or knee]
         points = [(rate, measure(rate)) for rate in rates]
         for rate, attained in points:

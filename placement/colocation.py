@@ -12,6 +12,7 @@ as its whole model, which can only understate it.
 from __future__ import annotations
 
 import math
+import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
@@ -60,7 +61,8 @@ def colocated_spec(problem: PhaseProblem, par: Parallelism, chunk_tokens: int, c
     prefill, decode = models.prefill_spec(par), models.decode_spec(par)
     num_blocks = models.kv_capacity_tokens(par) // BLOCK_SIZE
     return ColocatedInstanceSpec(count, prefill.batch_time, decode.step_time, chunk_tokens, models.max_batch_size,
-                                 BLOCK_SIZE, num_blocks, chunked_prefill=True)  # fmt: skip
+                                 BLOCK_SIZE, num_blocks, chunked_prefill=True,
+                                 step_times=decode.step_times)  # fmt: skip
 
 
 def colocated_attainment(problem: PhaseProblem, par: Parallelism, chunk_tokens: int, rate: float,
@@ -80,24 +82,48 @@ def colocated_capacity(problem: PhaseProblem, par: Parallelism, chunk_tokens: in
     return sustained_rate([r.finish for r in simulate_colocated(reqs, colocated_spec(problem, par, chunk_tokens))])
 
 
-def colocated_goodput(task: tuple[PhaseProblem, Parallelism, int]) -> ColocatedGoodput:
-    problem, par, chunk_tokens = task
+def colocated_goodput(problem: PhaseProblem, par: Parallelism, chunk_tokens: int,
+                      cap: float | None = None) -> ColocatedGoodput:  # fmt: skip
+    """One instance's goodput, at most ``cap`` (its ``colocated_capacity``, found when not given)."""
+    cap = colocated_capacity(problem, par, chunk_tokens) if cap is None else cap
     goodput = capped_goodput(lambda rate: colocated_attainment(problem, par, chunk_tokens, rate),
-                             problem.objective.target, colocated_capacity(problem, par, chunk_tokens),
-                             f"a colocated TP,PP={par} instance")  # fmt: skip
+                             problem.objective.target, cap, f"a colocated TP,PP={par} instance")  # fmt: skip
     return ColocatedGoodput(par, goodput)
 
 
-def search_colocated(problem: PhaseProblem, chunk_tokens: int, processes: int = 1) -> list[ColocatedGoodput]:
-    """Every candidate TP,PP as a colocated instance that meets the SLOs at some rate, best goodput
-    per GPU first."""
+def _capacity_task(task: tuple[PhaseProblem, Parallelism, int]) -> float:
+    return colocated_capacity(*task)
+
+
+def _goodput_task(task: tuple[PhaseProblem, Parallelism, int, float]) -> ColocatedGoodput:
+    return colocated_goodput(*task)
+
+
+def search_colocated(problem: PhaseProblem, chunk_tokens: int, processes: int | None = None,
+                     keep: int = 5) -> list[ColocatedGoodput]:  # fmt: skip
+    """The candidate TP,PPs as colocated instances that meet the SLOs at some rate, best goodput per
+    GPU first, over ``processes`` worker processes (default: one per CPU). The ``keep`` best are
+    exact; the list may leave out others: an instance's goodput is at most its capacity, so one
+    whose capacity per GPU is under the ``keep``-th best goodput per GPU found so far is not
+    searched. Candidates are searched in waves of ``processes``, highest capacity per GPU first."""
     longest = max(r.prompt_len + r.output_len for r in problem.requests)
-    tasks = [(problem, par, chunk_tokens) for par in problem.models.candidates(min_kv_tokens=longest)]
-    if processes > 1 and len(tasks) > 1:
-        with ProcessPoolExecutor(min(processes, len(tasks))) as pool:
-            found = list(pool.map(colocated_goodput, tasks))
-    else:
-        found = [colocated_goodput(task) for task in tasks]
+    pars = problem.models.candidates(min_kv_tokens=longest)
+    processes = processes or os.cpu_count() or 1
+    pool = ProcessPoolExecutor(min(processes, len(pars))) if processes > 1 and len(pars) > 1 else None
+    run = map if pool is None else pool.map
+    try:
+        caps = dict(zip(pars, run(_capacity_task, [(problem, par, chunk_tokens) for par in pars])))
+        pending = sorted(pars, key=lambda par: (-caps[par] / par.gpus, par.gpus))
+        found: list[ColocatedGoodput] = []
+        while pending:
+            best = sorted((g.per_gpu for g in found), reverse=True)
+            bar = best[keep - 1] if len(best) >= keep else 0.0
+            pending = [par for par in pending if caps[par] / par.gpus >= bar]
+            wave, pending = pending[:processes], pending[processes:]
+            found += run(_goodput_task, [(problem, par, chunk_tokens, caps[par]) for par in wave])
+    finally:
+        if pool is not None:
+            pool.shutdown()
     return sorted((g for g in found if g.goodput > 0), key=lambda g: (-g.per_gpu, g.parallelism.gpus))
 
 

@@ -1,7 +1,12 @@
-"""Block mode: a discrete-event simulation that makes, for every request, the choices the real
-engine makes, and records its whole ``RequestTimeline``.
+"""Block mode: a discrete-event simulation that runs the engine's own scheduler for every instance
+and records each request's whole ``RequestTimeline``.
 
-Each rule is the engine's (module or function in ``distserve/`` in brackets):
+Each instance owns a ``distserve.scheduling`` ``BlockManager`` and the scheduler its role runs
+(``PrefillOnlyScheduler``, ``PrefillFirstScheduler`` or ``ChunkedPrefillScheduler``) under the
+spec's ``SchedulerConfig``, every policy included; requests are ``SimSequence``s (``Sequence``s
+whose tokens are counted, not held); the scheduler's clock is the simulated time and its step
+times those simulated. Around it, each rule is the engine's (module or function in
+``distserve/`` in brackets):
 
 * Routing (``cluster/routing.py`` ``Router``): a prompt goes to the instance of the entry pool
   with room for it in its KV cache (any, when none has) that has the fewest prompt tokens to
@@ -12,34 +17,39 @@ Each rule is the engine's (module or function in ``distserve/`` in brackets):
   lowest index. Prompts are taken to share no prefix, so no prefix cache shortens a prefill's
   count. All instances of a pool have the same KV size, so load per KV token orders them as load
   does.
-* Step loop (``cluster/instance.py`` ``Instance._run``): an instance runs one batch at a time (pipeline
-  stages take turns, so ``stage_time`` has no place here); between batches it ticks its role, then
-  schedules. Whatever reaches it during a batch waits for the batch's end.
-* Scheduling (``placement.kv_blocks``, mirroring ``scheduling/``): FCFS prefill batches under the
-  token budget, sequence slots and free blocks; decode steps grow sequences a block at a time and
-  preempt the most recently admitted ones for recompute when no block is free.
-* Prefill instances (``engine/prefill_role.py`` ``PrefillRole``, ``KVHold``): ``PrefillOnlyScheduler``
-  batches (at most ``max_num_seqs``); a prefilled request keeps its blocks until its KV is pulled,
-  and no prompt is scheduled while held blocks reach ``kv_hold_fraction`` of the pool. A request
-  with one output token finishes there and frees its blocks at once.
+* Step loop (``cluster/instance.py`` ``Instance._run``; ``engine/llm_engine.py`` ``LLMEngine.step``):
+  an instance runs one batch at a time (pipeline stages take turns, so ``stage_time`` has no place
+  here); between batches it ticks its role, then schedules. Whatever reaches it during a batch waits
+  for the batch's end. After a batch each sequence takes its token, or the chunk it ran when that
+  falls short of its prompt's end, and the instance's ``StepTimeModel`` sees the batch's tokens and time.
+* Prefill instances (``engine/prefill_role.py`` ``PrefillRole``, ``KVHold``): a prefilled request
+  keeps its blocks until its KV is pulled, and no prompt is scheduled while held blocks reach
+  ``kv_hold_fraction`` of the pool. A request with one output token finishes there and frees its
+  blocks at once.
 * Decode instances (``engine/decode_role.py`` ``DecodeAdmission.admit``): hand-overs are admitted in
   arrival order while ``running + pulling < max_num_seqs`` and blocks for the prompt and the first
   token (``Sequence.from_handover``) can be allocated; no prefix cache. The ``Migrator``
   (``kv_transfer/migrator.py``) pulls one request at a time, in admission order, taking
   ``transfer_time(prompt_len)``; at the pull's end the prefill instance frees the KV and the request
   joins the running batch. Preempted requests are recomputed there by ``PrefillFirstScheduler``.
-* Colocated instances (``engine/role.py`` ``ColocatedRole``): ``PrefillFirstScheduler`` over new and
-  preempted requests, with the prefix cache; or ``ChunkedPrefillScheduler`` (``chunked_prefill``),
-  whose step of decode tokens and prompt chunks takes ``step_time`` of its decode part plus
-  ``batch_time`` of its chunks (the two fits' constant terms both count: an approximation), and
-  whose chunks short of a prompt's end sample nothing.
+* Colocated instances (``engine/role.py`` ``ColocatedRole``): ``PrefillFirstScheduler``, or
+  ``ChunkedPrefillScheduler`` (``chunked_prefill``), whose step of decode tokens and prompt chunks
+  takes ``step_time`` of its decode part plus ``batch_time`` of its chunks (the two fits' constant
+  terms both count: an approximation).
 * Latency: a prefill batch takes ``batch_time(tokens computed per sequence)``, a decode step
   ``step_time(batch size, sum of the sequences' tokens)``; a batch's tokens are sampled at its end.
 
+Steady stretches of decode steps (``decode_stretch``) pass at once, with the result of stepping:
+when a decode step ends with nothing else due at the instance before the step after it would
+begin, the step is drawn out into the stretch it starts, to its first step that ends at or after
+the next event, a finish, or a block that is not free. Events at one time are taken in the order
+they were made, as stepping makes them. An instance slowed by contention, or with a step gap,
+steps one step at a time.
+
 Not modeled: the time between steps (scheduling, RPCs, detokenization: a step starts when the last
-one ends, a hand-over reaches decode when its prefill ends), the first pull's channel setup, the
-``sjf`` and ``priority`` policies, prompts sharing prefixes, EOS and stop strings (a request makes
-exactly ``output_len`` tokens), the context limit, ``kv_hold_timeout`` and failures (no re-runs).
+one ends, a hand-over reaches decode when its prefill ends), the first pull's channel setup, prompts
+sharing prefixes, EOS and stop strings (a request makes exactly ``output_len`` tokens), the context
+limit, ``kv_hold_timeout`` and failures (no re-runs).
 """
 
 from __future__ import annotations
@@ -51,7 +61,18 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import TypeVar
 
-from placement.kv_blocks import BatchScheduler, BlockPool, ChunkedBatchScheduler, SimSeq
+from distserve.core.config import SchedulerConfig
+from distserve.core.sequence import SequenceStatus
+from distserve.scheduling.block_manager import BlockManager
+from distserve.scheduling.scheduler import (
+    ChunkedPrefillScheduler,
+    PrefillFirstScheduler,
+    PrefillOnlyScheduler,
+    ScheduledBatch,
+)
+from distserve.scheduling.step_time import StepTimeModel
+from placement.decode_stretch import grow_blocks, step_ends, steps_with_free_blocks
+from placement.sim_sequence import SimSequence
 from placement.sim_specs import (
     ColocatedInstanceSpec,
     Contention,
@@ -60,12 +81,14 @@ from placement.sim_specs import (
     ServingDelays,
     SimRequest,
     SimResult,
+    StepTimes,
 )
 
 _ARRIVAL, _STEP_DONE, _PULLED, _HANDOVER = range(4)
 
 
 NO_DELAYS = ServingDelays()
+NO_CONTENTION = Contention()
 
 
 def _later(time: float, delay: float) -> float:
@@ -73,75 +96,107 @@ def _later(time: float, delay: float) -> float:
     return time + delay if delay else time
 
 
+class _Clock:
+    """The simulated time, which the schedulers read as the engine's read the wall clock."""
+
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class _Latency:
+    batch_time: Callable[[list[int]], float]
+    step_time: Callable[[int, int], float] | None  # None: never decodes (prefill instances)
+    step_times: StepTimes | None = None
+
+
 class _Engine:
-    """One instance's engine as the simulation drives it; the base runs ``PrefillFirstScheduler``."""
+    """One instance's engine as the simulation drives it: its block manager and its role's scheduler."""
 
     def __init__(
         self,
         name: str,
-        scheduler: BatchScheduler,
-        batch_time: Callable[[list[int]], float],
-        step_time: Callable[[int, int], float] | None,
+        config: SchedulerConfig,
+        manager: BlockManager,
+        latency: _Latency,
         contention: Contention,
-        prefill_contention: Contention | None = None,
+        prefill_contention: Contention | None,
+        clock: _Clock,
     ) -> None:
         self.name = name
+        self.manager = manager
+        # The engine's step times, only where its scheduler reads them: the cut of chunks to a TPOT
+        # SLO and the ``deadline-feasible`` policy.
+        reads_step_times = config.policy == "deadline-feasible" or (
+            config.enable_chunked_prefill and config.tpot_aware_chunking
+        )
+        self.step_model = StepTimeModel() if reads_step_times else None
+        self.scheduler = self.make_scheduler(config, manager, self.step_model, clock)
+        self.latency = latency
         self.contention = contention  # of the batches it runs; of its decode steps when the next is given
         self.prefill_contention = prefill_contention or contention
         self.pulls_until = 0.0  # a KV pull into or out of this instance runs until then
         self.index = 0  # in the simulation's list of instances
-        self.scheduler = scheduler
-        self.pool = scheduler.pool
-        self.batch_time = batch_time
-        self.step_time = step_time  # None: never decodes (prefill instances)
         self.busy = False
         self.load_tokens = 0  # the router's load
         self.prefill_tokens = 0  # prompt tokens routed here and not yet prefilled
+        # The steps every decoding sequence takes part in (all with chunked prefill; decode steps
+        # otherwise) and their tokens' times, kept once here rather than on every timeline: a
+        # decoding sequence's timeline gets the ones since it joined (``decoding``) when it leaves.
+        self.logged_steps: list[tuple[float, float, int]] = []
+        self.logged_tokens: list[float] = []
+        self.decoding: dict[SimSequence, int] = {}  # by where its steps begin in the logs
 
-    def next_batch(self) -> tuple[list[SimSeq], list[int] | None, list[SimSeq]]:
-        return self.scheduler.schedule()
+    @staticmethod
+    def make_scheduler(config: SchedulerConfig, manager: BlockManager, step_model: StepTimeModel | None,
+                       clock: _Clock) -> PrefillFirstScheduler | PrefillOnlyScheduler:  # fmt: skip
+        scheduler_class = ChunkedPrefillScheduler if config.enable_chunked_prefill else PrefillFirstScheduler
+        return scheduler_class(config, manager, step_model, clock)
 
-    def finish(self, seq: SimSeq) -> None:
-        self.scheduler.finish(seq)
+    def may_schedule(self) -> bool:
+        return True
 
 
 class _Prefill(_Engine):
-    def __init__(self, name: str, scheduler: BatchScheduler, spec: PrefillInstanceSpec) -> None:
-        super().__init__(name, scheduler, spec.batch_time, None, spec.contention)
-        self.held: dict[int, SimSeq] = {}
+    def __init__(self, name: str, config: SchedulerConfig, manager: BlockManager, spec: PrefillInstanceSpec,
+                 clock: _Clock) -> None:  # fmt: skip
+        super().__init__(name, config, manager, _Latency(spec.batch_time, None), spec.contention, None, clock)
+        self.held: dict[int, SimSequence] = {}
         self.held_blocks = 0
-        self.hold_limit = max(1, int(spec.kv_hold_fraction * self.pool.num_blocks))
+        self.hold_limit = max(1, int(config.kv_hold_fraction * manager.num_blocks))
 
-    def next_batch(self) -> tuple[list[SimSeq], list[int] | None, list[SimSeq]]:
-        if self.held_blocks >= self.hold_limit:
-            return [], None, []
-        batch, computed = self.scheduler.schedule_prefill(self.scheduler.max_num_seqs)
-        return batch, computed, []
+    @staticmethod
+    def make_scheduler(config: SchedulerConfig, manager: BlockManager, step_model: StepTimeModel | None,
+                       clock: _Clock) -> PrefillOnlyScheduler:  # fmt: skip
+        return PrefillOnlyScheduler(config, manager, step_model, clock)
 
-    def finish(self, seq: SimSeq) -> None:
-        self.pool.release(seq)  # ``PrefillOnlyScheduler`` keeps no running batch, only the blocks
+    def may_schedule(self) -> bool:
+        return self.held_blocks < self.hold_limit  # ``KVHold.full`` stops ``PrefillRole.schedule``
 
 
 class _Decode(_Engine):
-    def __init__(
-        self,
-        name: str,
-        scheduler: BatchScheduler,
-        batch_time: Callable[[list[int]], float],
-        step_time: Callable[[int, int], float],
-        contention: Contention,
-    ) -> None:
-        super().__init__(name, scheduler, batch_time, step_time, contention)
-        self.pending: deque[tuple[SimSeq, _Prefill]] = deque()  # hand-overs, with where their KV is held
+    def __init__(self, name: str, config: SchedulerConfig, manager: BlockManager, latency: _Latency,
+                 contention: Contention, clock: _Clock) -> None:  # fmt: skip
+        super().__init__(name, config, manager, latency, contention, None, clock)
+        self.pending: deque[tuple[SimSequence, _Prefill]] = deque()  # hand-overs, with where their KV is held
         self.pulling = 0
         self.puller_free = 0.0  # when the migrator's thread is done with the pulls it was given
 
 
 @dataclass
 class _Step:
-    start: float
-    batch: list[SimSeq]
-    computed: list[int] | None  # tokens each sequence computes in a prefill batch; None for a decode step
+    """A batch in flight; a decode step drawn out into a steady stretch stands for all its steps."""
+
+    batch: ScheduledBatch
+    computed: list[int] | None  # tokens each sequence computes; None for decode steps
+    starts: list[float]  # of each step
+    ends: list[float]  # of each step, where its tokens are sampled
+
+    @property
+    def stretched(self) -> bool:
+        return len(self.starts) > 1
 
 
 _E = TypeVar("_E", bound=_Engine)
@@ -156,9 +211,11 @@ class _EngineSim:
         decodes: list[_Decode],
         transfer_time: Callable[[int], float],
         delays: ServingDelays,
+        clock: _Clock,
     ) -> None:
         self.reqs = requests
         self.delays = delays
+        self.clock = clock
         self.entry, self.decodes, self.transfer_time = entry, decodes, transfer_time
         self.instances: list[_Engine] = [*entry, *decodes]
         for i, inst in enumerate(self.instances):
@@ -181,12 +238,14 @@ class _EngineSim:
         heapq.heapify(heap)
         while heap:
             now, _, kind, inst, payload = heapq.heappop(heap)
+            self.clock.now = now
             if kind == _ARRIVAL:
                 self.arrive(now, payload)
             elif kind == _STEP_DONE:
-                self.step_done(now, self.instances[inst], payload)
+                if not self.stretch(self.instances[inst], payload):
+                    self.step_done(self.instances[inst], payload)
             elif kind == _HANDOVER:
-                self.hand_over(*payload)
+                self.hand_over(now, *payload)
             else:
                 self.pulled(now, self.instances[inst], *payload)
             # Everything that happens at one instant reaches the instances before any of them goes on.
@@ -213,11 +272,14 @@ class _EngineSim:
 
     def arrive(self, now: float, r: int) -> None:
         req = self.reqs[r]
-        capacity = self.entry[0].pool.num_blocks * self.entry[0].pool.block_size
+        capacity = self.entry[0].manager.num_blocks * self.entry[0].manager.block_size
         roomy = [e for e in self.entry if e.load_tokens + req.prompt_len + req.output_len <= capacity] or self.entry
         inst = self.assign(min(roomy, key=lambda e: (e.prefill_tokens + req.prompt_len, e.load_tokens)), r)
         inst.prefill_tokens += req.prompt_len
-        inst.scheduler.waiting.append(SimSeq(r, self.reqs[r].prompt_len))
+        deadline = None if req.ttft_slo is None else req.arrival + req.ttft_slo
+        seq = SimSequence(r, req.prompt_len, req.prompt_len, req.output_len, inst.manager.block_size, now,
+                          req.priority, deadline, req.tpot_slo)  # fmt: skip
+        inst.scheduler.add(seq)
         self.timelines[r].prefill_queued = now
         self.timelines[r].prefill_instance = inst.name
 
@@ -227,28 +289,36 @@ class _EngineSim:
             return
         if isinstance(inst, _Decode):
             self.admit(now, inst)
-        batch, computed, preempted = inst.next_batch()
-        for seq in preempted:
-            self.timelines[seq.request].num_preemptions += 1
-        if not batch:
+        if not inst.may_schedule():
             return
-        chunks = computed
-        if computed is None:
-            duration = inst.step_time(len(batch), sum(map(_num_tokens, batch)))
-        elif isinstance(inst.scheduler, ChunkedBatchScheduler):
-            num_decode = len(batch) - len(inst.scheduler.chunks)  # packed first, as the engine does
-            chunks = computed[num_decode:] or None
-            context = sum(map(_num_tokens, batch[:num_decode]))
-            duration = inst.step_time(num_decode, context) if num_decode else 0
-            duration += inst.batch_time(chunks) if chunks else 0
-        else:
-            duration = inst.batch_time(computed)
+        preemptions = inst.scheduler.num_preemptions
+        batch = inst.scheduler.schedule()
+        if inst.scheduler.num_preemptions != preemptions:  # they left the running batch
+            for seq in [seq for seq in inst.decoding if seq.status is SequenceStatus.WAITING]:
+                self.leave(inst, seq)
+        if not batch.seqs:
+            return
+        seqs, latency = batch.seqs, inst.latency
+        chunks = None
+        if not batch.is_prefill:
+            computed = None
+            duration = latency.step_time(len(seqs), sum(map(_num_tokens, seqs)))
+        elif batch.num_new_tokens is None:  # a prefill batch of whole prompts (their uncached tokens)
+            computed = chunks = [seq.num_tokens - seq.num_computed_tokens for seq in seqs]
+            duration = latency.batch_time(computed)
+        else:  # decode tokens, then prompt chunks
+            computed, num_decode = batch.num_new_tokens, batch.num_decode
+            chunks = computed[num_decode:]
+            context = sum(map(_num_tokens, seqs[:num_decode]))
+            duration = latency.step_time(num_decode, context) if num_decode else 0
+            duration += latency.batch_time(chunks)
         inst.busy = True
         factor = self.contention_factor(now, inst, inst.contention if chunks is None else inst.prefill_contention)
         if factor != 1:  # (exact latencies, such as the tests' fractions, stay exact without contention)
             duration *= factor
         # The instance's turn ends a step gap after the batch: its outputs are processed, then it schedules.
-        self.push(_later(now + duration, self.delays.step_gap), _STEP_DONE, inst.index, _Step(now, batch, computed))
+        end = now + duration
+        self.push(_later(end, self.delays.step_gap), _STEP_DONE, inst.index, _Step(batch, computed, [now], [end]))
 
     def contention_factor(self, now: float, inst: _Engine, contention: Contention) -> float:
         """What else runs as ``inst`` starts a batch (``inst.busy`` is already set, so it is not counted)."""
@@ -259,88 +329,153 @@ class _EngineSim:
         return contention.alone
 
     def admit(self, now: float, inst: _Decode) -> None:
-        scheduler, pool = inst.scheduler, inst.pool
+        scheduler, manager = inst.scheduler, inst.manager
         while inst.pending:
             seq, prefill = inst.pending[0]
-            if len(scheduler.running) + inst.pulling >= scheduler.max_num_seqs or not pool.can_allocate(seq):
+            if scheduler.num_running + inst.pulling >= scheduler.running.max_num_seqs or not manager.can_allocate(seq):
                 return
             inst.pending.popleft()
-            pool.allocate(seq, [])
+            manager.allocate(seq)
+            seq.num_computed_tokens = seq.num_tokens - 1  # what the pull brings
             inst.pulling += 1
-            timeline = self.timelines[seq.request]
+            timeline = self.timelines[seq.index]
             timeline.decode_admitted = now
             timeline.migration_start = start = max(now, inst.puller_free)
-            inst.puller_free = end = start + self.transfer_time(self.reqs[seq.request].prompt_len)
+            inst.puller_free = end = start + self.transfer_time(self.reqs[seq.index].prompt_len)
             inst.pulls_until = prefill.pulls_until = end  # pulls run in admission order: the latest ends last
             self.push(end, _PULLED, inst.index, (seq, prefill))
 
-    def step_done(self, turn_end: float, inst: _Engine, step: _Step) -> None:
+    def stretch(self, inst: _Engine, step: _Step) -> bool:
+        """Draw a decode step that ends now out into the steady stretch it starts (``decode_stretch``);
+        whether it was (its end is then the stretch's, the step to come back at)."""
+        if step.computed is not None or step.stretched or self.delays.step_gap:
+            return False
+        scheduler, seqs = inst.scheduler, step.batch.seqs
+        if inst.contention != NO_CONTENTION or len(scheduler.waiting) or scheduler.num_running != len(seqs):
+            return False
+        if isinstance(inst, _Decode) and inst.pending:
+            return False
+        # Steps to the first finish: a sequence of n tokens at the first step has n + j after step j.
+        max_steps = min(seq.final_num_tokens - seq.num_tokens for seq in seqs)
+        if max_steps < 2:
+            return False
+        until = self.heap[0][0] if self.heap else float("inf")
+        latency = inst.latency
+        ends = step_ends(latency.step_time, latency.step_times, len(seqs), sum(map(_num_tokens, seqs)),
+                         step.ends[0], max_steps, until)  # fmt: skip
+        steps = steps_with_free_blocks(seqs, inst.manager.block_size, inst.manager.num_free_blocks, len(ends))
+        if steps < 2:
+            return False
+        grow_blocks(inst.manager, seqs, steps)
+        step.ends = ends[:steps]
+        step.starts += step.ends[:-1]
+        self.push(step.ends[-1], _STEP_DONE, inst.index, step)
+        return True
+
+    def step_done(self, inst: _Engine, step: _Step) -> None:
         inst.busy = False
         self.dirty.add(inst.index)
-        size = len(step.batch)
-        sampled = turn_end - self.delays.step_gap if self.delays.step_gap else turn_end
-        delivered = _later(sampled, self.delays.delivery)  # when the orchestrator has the token
-        # Hoisted out of the loop below, which runs once per sequence per step: the simulator's hottest.
-        chunked = isinstance(inst.scheduler, ChunkedBatchScheduler)
-        hands_over = isinstance(inst, _Prefill)
-        computed, start = step.computed, step.start
-        decode_step = (start, sampled, size)  # one tuple shared by every timeline this step decodes
-        reqs, timelines = self.reqs, self.timelines
-        for i, seq in enumerate(step.batch):
-            r = seq.request
-            req, timeline = reqs[r], timelines[r]
-            if chunked:
-                seq.num_computed += computed[i]
+        batch, computed = step.batch, step.computed
+        seqs, size = batch.seqs, len(batch.seqs)
+        tokens = size if computed is None else sum(computed)  # the batch's, each step
+        if inst.step_model is not None:  # the engine's own record of its steps
+            for start, end in zip(step.starts, step.ends):
+                inst.step_model.observe(tokens, end - start)
+        delivered = [_later(end, self.delays.delivery) for end in step.ends]  # when the orchestrator has the token
+        num_steps = len(delivered)
+        decode_steps = [(s, e, size) for s, e in zip(step.starts, step.ends)]
+        if computed is None or batch.num_new_tokens is not None:  # every decoding sequence is in it
+            inst.logged_steps += decode_steps
+            inst.logged_tokens += delivered
+        decoding = inst.decoding
+        # This loop runs once per sequence per batch (a stretch: per stretch), the simulation's hottest.
+        for i, seq in enumerate(seqs):
+            if computed is not None and seq.num_computed_tokens + computed[i] < seq.num_tokens:
+                seq.num_computed_tokens += computed[i]  # a chunk short of the prompt's end samples nothing
+                timeline = self.timelines[seq.index]
                 if timeline.prefill_start is None:
-                    timeline.prefill_start = start
-                if seq.num_computed < seq.num_tokens:  # a chunk short of the prompt's end
-                    continue
-                seq.num_computed = seq.num_tokens
-            seq.num_tokens += 1
-            timeline.token_times.append(delivered)
-            if computed is not None and timeline.prefill_end is None:
-                inst.prefill_tokens -= req.prompt_len
-                if timeline.prefill_start is None or not chunked:
-                    timeline.prefill_start = start
-                timeline.prefill_end = sampled
-                timeline.prefill_batch_size, timeline.prefill_batch_tokens = size, sum(computed)
+                    timeline.prefill_start = step.starts[0]
+                continue
+            seq.num_tokens += num_steps
+            seq.num_computed_tokens = seq.num_tokens - 1
+            if seq.num_tokens < seq.final_num_tokens and seq in decoding:
+                continue  # it decodes on, its tokens in the logs
+            joins = seq not in decoding
+            if joins:  # its first token, or its first since a recompute or a pull: onto its own timeline
+                self.record(inst, seq, step, delivered, decode_steps, tokens)
+            if seq.num_tokens >= seq.final_num_tokens:
+                self.finish(inst, seq, delivered[-1])
+            elif isinstance(inst, _Prefill):
+                self.hold(inst, seq, delivered[0])
             else:
-                timeline.steps.append(decode_step)
-            if seq.num_tokens - req.prompt_len >= req.output_len:
-                inst.finish(seq)
-                timeline.finish = delivered
-                for e in self.assigned[r]:
-                    e.load_tokens -= req.prompt_len + req.output_len
-            elif hands_over:
-                inst.held[r] = seq
-                inst.held_blocks += len(seq.blocks)
-                timeline.handover = delivered
-                handover = (r, inst, seq.num_tokens)
-                if self.delays.delivery or self.delays.dispatch:  # the orchestrator relays it to a decode instance
-                    self.push(_later(delivered, self.delays.dispatch), _HANDOVER, 0, handover)
-                else:
-                    self.hand_over(*handover)
+                decoding[seq] = len(inst.logged_tokens)
 
-    def hand_over(self, r: int, prefill: _Prefill, num_tokens: int) -> None:
+    def record(self, inst: _Engine, seq: SimSequence, step: _Step, delivered: list[float],
+               decode_steps: list[tuple[float, float, int]], tokens: int) -> None:  # fmt: skip
+        """The tokens ``seq`` took in ``step`` onto its timeline."""
+        timeline = self.timelines[seq.index]
+        if step.computed is not None and timeline.prefill_start is None:
+            timeline.prefill_start = step.starts[0]
+        timeline.token_times += delivered
+        if timeline.prefill_end is None:  # its first token (a prompt's last may run as a decode token)
+            inst.prefill_tokens -= seq.num_prompt_tokens
+            timeline.prefill_end = step.ends[0]
+            timeline.prefill_batch_size, timeline.prefill_batch_tokens = len(step.batch.seqs), tokens
+            timeline.steps += decode_steps[1:]
+        else:
+            timeline.steps += decode_steps
+
+    def leave(self, inst: _Engine, seq: SimSequence) -> None:
+        """``seq`` decodes no more on ``inst`` (for now): the logged steps it took part in onto its timeline."""
+        start = inst.decoding.pop(seq, None)
+        if start is not None:
+            timeline = self.timelines[seq.index]
+            timeline.steps += inst.logged_steps[start:]
+            timeline.token_times += inst.logged_tokens[start:]
+
+    def finish(self, inst: _Engine, seq: SimSequence, now: float) -> None:
+        self.leave(inst, seq)
+        inst.scheduler.finish(seq)
+        timeline = self.timelines[seq.index]
+        timeline.finish = now
+        timeline.num_preemptions = seq.num_preemptions
+        for e in self.assigned[seq.index]:
+            e.load_tokens -= seq.final_num_tokens
+
+    def hold(self, inst: _Prefill, seq: SimSequence, now: float) -> None:
+        """Keep a prefilled request's KV for decode, and hand the request over."""
+        inst.held[seq.index] = seq
+        inst.held_blocks += len(seq.block_table)
+        self.timelines[seq.index].handover = now
+        handover = (seq.index, inst, seq.num_tokens)
+        if self.delays.delivery or self.delays.dispatch:  # the orchestrator relays it to a decode instance
+            self.push(_later(now, self.delays.dispatch), _HANDOVER, 0, handover)
+        else:
+            self.hand_over(now, *handover)
+
+    def hand_over(self, now: float, r: int, prefill: _Prefill, num_tokens: int) -> None:
         decode = self.route(self.decodes, r)
-        decode.pending.append((SimSeq(r, num_tokens), prefill))
+        req = self.reqs[r]
+        seq = SimSequence(r, num_tokens, req.prompt_len, req.output_len, decode.manager.block_size, now,
+                          req.priority, None, req.tpot_slo)  # fmt: skip
+        decode.pending.append((seq, prefill))
         self.timelines[r].decode_instance = decode.name
 
-    def pulled(self, now: float, inst: _Decode, seq: SimSeq, prefill: _Prefill) -> None:
-        held = prefill.held.pop(seq.request)
-        prefill.held_blocks -= len(held.blocks)
-        prefill.pool.release(held)
+    def pulled(self, now: float, inst: _Decode, seq: SimSequence, prefill: _Prefill) -> None:
+        held = prefill.held.pop(seq.index)
+        prefill.held_blocks -= len(held.block_table)
+        prefill.manager.free(held)
         self.dirty.add(prefill.index)
         inst.pulling -= 1
-        inst.scheduler.running[seq.request] = seq
-        self.timelines[seq.request].migration_end = now
+        inst.scheduler.running.add(seq)
+        self.timelines[seq.index].migration_end = now
         self.dirty.add(inst.index)
 
 
-def _check_fits(requests: Sequence[SimRequest], pools: list[BlockPool]) -> None:
+def _check_fits(requests: Sequence[SimRequest], managers: list[BlockManager]) -> None:
     """The orchestrator's ``InputProcessor`` check against the smallest instance: a request that may grow
     past its KV is refused (here the whole run is, as the request could never be admitted)."""
-    smallest = min(pools, key=lambda p: p.num_blocks * p.block_size)
+    smallest = min(managers, key=lambda m: m.num_blocks * m.block_size)
     for r in requests:
         if r.output_len < 1:
             raise ValueError(f"output_len must be >= 1, got {r.output_len}")
@@ -363,34 +498,42 @@ def simulate_blocks(
         raise ValueError("block mode follows the engine, which keeps one batch in flight: stage_time must be None")
     if prefill.count < 1 or decode.count < 1:
         raise ValueError("need at least one prefill and one decode instance")
-    prefills: list[_Engine] = []
-    for i in range(prefill.count):
-        # No prompt is seen twice on a prefill instance, so its prefix cache would never hit.
-        pool = BlockPool(prefill.kv_capacity_tokens // prefill.block_size, prefill.block_size, False)
-        scheduler = BatchScheduler(pool, prefill.max_batch_tokens, prefill.max_batch_size)
-        prefills.append(_Prefill(f"prefill-{i}", scheduler, prefill))
-    recompute_time = decode.batch_time or prefill.batch_time
-    decodes = []
-    for i in range(decode.count):
-        pool = BlockPool(decode.kv_capacity_tokens // decode.block_size, decode.block_size, False)
-        scheduler = BatchScheduler(pool, decode.max_batch_tokens, decode.max_batch_size)
-        decodes.append(_Decode(f"decode-{i}", scheduler, recompute_time, decode.step_time, decode.contention))
-    _check_fits(requests, [e.pool for e in (*prefills, *decodes)])
-    return _EngineSim(requests, prefills, decodes, transfer_time, delays).run()
+    clock = _Clock()
+    prefill_config = SchedulerConfig(
+        policy=prefill.policy,
+        max_num_batched_tokens=prefill.max_batch_tokens,
+        max_num_seqs=prefill.max_batch_size,
+        kv_hold_fraction=prefill.kv_hold_fraction,
+    )
+    # No prompt is seen twice on a prefill instance, so its prefix cache would never hit; a decode
+    # instance has none (``DecodeRole.prefix_caching``).
+    prefills = [_Prefill(f"prefill-{i}", prefill_config, BlockManager(prefill.kv_capacity_tokens // prefill.block_size,
+                                                                     prefill.block_size, False), prefill, clock)
+                for i in range(prefill.count)]  # fmt: skip
+    decode_config = SchedulerConfig(max_num_batched_tokens=decode.max_batch_tokens, max_num_seqs=decode.max_batch_size)
+    latency = _Latency(decode.batch_time or prefill.batch_time, decode.step_time, decode.step_times)
+    decodes = [_Decode(f"decode-{i}", decode_config,
+                       BlockManager(decode.kv_capacity_tokens // decode.block_size, decode.block_size, False),
+                       latency, decode.contention, clock)
+               for i in range(decode.count)]  # fmt: skip
+    _check_fits(requests, [e.manager for e in (*prefills, *decodes)])
+    return _EngineSim(requests, prefills, decodes, transfer_time, delays, clock).run()
 
 
 def simulate_colocated(
     requests: Sequence[SimRequest], spec: ColocatedInstanceSpec, delays: ServingDelays = NO_DELAYS
 ) -> list[SimResult]:
-    """Colocated instances (``PrefillFirstScheduler``); results (with timelines) in request order."""
+    """Colocated instances (``PrefillFirstScheduler`` or ``ChunkedPrefillScheduler``); results (with
+    timelines) in request order."""
     if spec.count < 1:
         raise ValueError("need at least one colocated instance")
-    instances: list[_Engine] = []
-    for i in range(spec.count):
-        pool = BlockPool(spec.num_blocks, spec.block_size, spec.prefix_caching)
-        scheduler_class = ChunkedBatchScheduler if spec.chunked_prefill else BatchScheduler
-        scheduler = scheduler_class(pool, spec.max_batch_tokens, spec.max_batch_size)
-        instances.append(_Engine(f"colocated-{i}", scheduler, spec.batch_time, spec.step_time, spec.contention,
-                                 spec.prefill_contention))  # fmt: skip
-    _check_fits(requests, [e.pool for e in instances])
-    return _EngineSim(requests, instances, [], lambda tokens: 0.0, delays).run()
+    clock = _Clock()
+    config = SchedulerConfig(policy=spec.policy, max_num_batched_tokens=spec.max_batch_tokens,
+                             max_num_seqs=spec.max_batch_size, enable_chunked_prefill=spec.chunked_prefill,
+                             tpot_aware_chunking=spec.tpot_aware_chunking)  # fmt: skip
+    latency = _Latency(spec.batch_time, spec.step_time, spec.step_times)
+    instances = [_Engine(f"colocated-{i}", config, BlockManager(spec.num_blocks, spec.block_size, spec.prefix_caching),
+                         latency, spec.contention, spec.prefill_contention, clock)
+                 for i in range(spec.count)]  # fmt: skip
+    _check_fits(requests, [e.manager for e in instances])
+    return _EngineSim(requests, instances, [], lambda tokens: 0.0, delays, clock).run()

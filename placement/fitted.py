@@ -57,6 +57,15 @@ class FittedLatency:
             raise ValueError(f"batch_size must be at least 1, got {batch_size!r}")
         if total_context < 0:
             raise ValueError(f"total_context must be non-negative, got {total_context!r}")
+        return self._decode_line(batch_size, total_context)
+
+    def decode_times(self, batch_size: int, total_context: int, steps: int) -> np.ndarray:
+        """``decode_time`` of ``steps`` decode steps of the same sequences, the first from
+        ``total_context`` tokens, each one token per sequence more (the very floats it gives)."""
+        self.decode_time(batch_size, total_context)  # the arguments' checks
+        return self._decode_line(batch_size, total_context + batch_size * np.arange(steps, dtype=np.int64))
+
+    def _decode_line(self, batch_size: int, total_context: int | np.ndarray) -> float | np.ndarray:
         d, e, f = self.decode
         return d + e * batch_size + f * total_context
 

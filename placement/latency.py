@@ -15,6 +15,7 @@ from distserve.core.model_presets import ModelShape
 from placement.fitted import FittedLatency
 from placement.hardware import ClusterSpec
 from placement.roofline import Efficiency, RooflineModel, kv_transfer_time
+from placement.sim_specs import StepTimes
 from placement.simulator import DecodeInstanceSpec, PrefillInstanceSpec
 
 PHASES = ("prefill", "decode")
@@ -123,11 +124,13 @@ class InstanceModels:
         if fitted is None:
             roofline = self.roofline(par)
             step_time: Callable[[int, int], float] = roofline.decode_time
+            step_times: StepTimes = roofline.decode_times
             stage_time = roofline.decode_stage_time if par.pp > 1 else None
         else:
-            step_time = fitted.decode_time
+            step_time, step_times = fitted.decode_time, fitted.decode_times
             stage_time = (lambda batch, context: fitted.decode_time(batch, context) / par.pp) if par.pp > 1 else None
-        return DecodeInstanceSpec(count, step_time, stage_time, self.max_batch_size, self.kv_capacity_tokens(par))
+        return DecodeInstanceSpec(count, step_time, stage_time, self.max_batch_size, self.kv_capacity_tokens(par),
+                                  step_times=step_times)  # fmt: skip
 
     def transfer_time(self, same_node: bool) -> Callable[[int], float]:
         """KV transfer of a prompt from a prefill to a decode instance, over NVLink within a node or the

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
+
 from distserve.core.model_presets import ModelShape
 from placement.hardware import ClusterSpec
 
@@ -130,7 +132,10 @@ class RooflineModel:
 
     def _roofline(self, flops: float, bytes_moved: float) -> float:
         gpu, eff = self.cluster.gpu, self.efficiency
-        return max(flops / (gpu.flops * eff.compute), bytes_moved / (gpu.memory_bandwidth * eff.memory))
+        compute, memory = flops / (gpu.flops * eff.compute), bytes_moved / (gpu.memory_bandwidth * eff.memory)
+        if isinstance(compute, np.ndarray):  # the times of several steps at once (``decode_times``)
+            return np.maximum(compute, memory)
+        return max(compute, memory)
 
     @cached_property
     def _spans_nodes(self) -> bool:
@@ -187,6 +192,10 @@ class RooflineModel:
             raise ValueError(f"batch_size must be at least 1, got {batch_size!r}")
         if total_context < 0:
             raise ValueError(f"total_context must be non-negative, got {total_context!r}")
+        return self._decode_stage_times_of(batch_size, total_context)
+
+    def _decode_stage_times_of(self, batch_size: int, total_context: int) -> list[float]:
+        """The stages' times, ``total_context`` a number or an array of them (each a step's)."""
         m = self.model
         # Each new token attends to its whole context: QK^T and AV are 2*context*head_dim FLOPs per head each.
         attention = 4 * total_context * m.head_dim * m.num_heads / self.tp
@@ -203,7 +212,25 @@ class RooflineModel:
     def decode_time(self, batch_size: int, total_context: int) -> float:
         """Seconds of one decode step of ``batch_size`` sequences whose contexts sum to ``total_context`` tokens."""
         stages = self._decode_stage_times(batch_size, total_context)
-        return sum(stages) + (self.pp - 1) * self._send_time(batch_size)
+        return _added_in_order(stages) + (self.pp - 1) * self._send_time(batch_size)
+
+    def decode_times(self, batch_size: int, total_context: int, steps: int) -> np.ndarray:
+        """``decode_time`` of ``steps`` decode steps of the same sequences, the first from
+        ``total_context`` tokens, each one token per sequence more: the same arithmetic in the same
+        order over an array, so each time is the very float ``decode_time`` gives."""
+        self._decode_stage_times(batch_size, total_context)  # the arguments' checks
+        contexts = total_context + batch_size * np.arange(steps, dtype=np.int64)
+        stages = self._decode_stage_times_of(batch_size, contexts)  # type: ignore[arg-type]
+        return _added_in_order(stages) + (self.pp - 1) * self._send_time(batch_size)
+
+
+def _added_in_order(times: list) -> float:
+    """The stages' times added first to last (``sum`` may add floats otherwise, which would part a
+    step's time from the same step's in ``decode_times``)."""
+    total = times[0]
+    for time in times[1:]:
+        total = total + time
+    return total
 
 
 def kv_transfer_time(model: ModelShape, tokens: int, bandwidth_bytes_per_s: float, dtype_bytes: int = 2) -> float:

@@ -16,7 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from placement.timeline import RequestTimeline
+
+# ``step_time`` of several decode steps at once: (batch size, the first step's total context, steps)
+# -> each step's time, a step's context ``batch size`` tokens more than the step before's. Given the
+# same floats ``step_time`` gives one by one, it lets block mode pass a steady stretch of decode
+# steps at once (``RooflineModel.decode_times``, ``FittedLatency.decode_times``).
+StepTimes = Callable[[int, int, int], np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,10 @@ class SimRequest:
     prompt_len: int
     output_len: int
     request_id: str | None = None  # its timeline's id; its index in the request list when None
+    # Block mode: what the engine's scheduling policies read of a request (``Sequence``'s fields).
+    priority: int = 0
+    ttft_slo: float | None = None  # its TTFT deadline is its arrival plus this
+    tpot_slo: float | None = None
 
     def new_timeline(self, index: int) -> RequestTimeline:
         """An empty timeline of this request, ``index``-th of its list."""
@@ -65,6 +77,7 @@ class PrefillInstanceSpec:
     max_batch_size: int = 256  # block mode: max_num_seqs, which caps a prefill batch too
     kv_hold_fraction: float = 0.5  # block mode: no prompt is scheduled while held KV passes this share
     contention: Contention = Contention()  # block mode
+    policy: str = "fcfs"  # block mode: the order prompts are taken in (``SchedulerConfig.policy``)
 
 
 @dataclass
@@ -79,6 +92,7 @@ class DecodeInstanceSpec:
     # Block mode: latency of those batches; None takes the prefill instances' (same model, same parallelism).
     batch_time: Callable[[list[int]], float] | None = None
     contention: Contention = Contention()  # block mode
+    step_times: StepTimes | None = None  # block mode: step_time over a steady stretch, when known
 
 
 @dataclass
@@ -99,6 +113,9 @@ class ColocatedInstanceSpec:
     chunked_prefill: bool = False
     contention: Contention = Contention()  # of its decode steps
     prefill_contention: Contention | None = None  # of its prefill batches; None: the steps'
+    policy: str = "fcfs"  # the order prompts are taken in (``SchedulerConfig.policy``)
+    tpot_aware_chunking: bool = False  # ``SchedulerConfig.tpot_aware_chunking``, with chunked_prefill
+    step_times: StepTimes | None = None  # step_time over a steady stretch, when known
 
 
 @dataclass

@@ -1,5 +1,4 @@
-"""Per-request timelines of the simulator against schedules computed by hand, and its block rules
-against the engine's own scheduler."""
+"""Per-request timelines of the simulator against schedules computed by hand."""
 
 import dataclasses
 import random
@@ -7,12 +6,6 @@ from fractions import Fraction
 
 import pytest
 
-from distserve.core.config import SchedulerConfig
-from distserve.core.sampling_params import SamplingParams
-from distserve.core.sequence import Sequence
-from distserve.scheduling.block_manager import BlockManager
-from distserve.scheduling.scheduler import ChunkedPrefillScheduler, PrefillFirstScheduler
-from placement.kv_blocks import BatchScheduler, BlockPool, ChunkedBatchScheduler, SimSeq
 from placement.simulator import (
     ColocatedInstanceSpec,
     Contention,
@@ -282,48 +275,6 @@ def test_timeline_jsonl_round_trip(tmp_path):
         RequestTimeline.from_json({**timelines[0].to_json(), "extra": 1})
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_block_rules_match_the_engine_scheduler(prefix_caching):
-    """``BatchScheduler``/``BlockPool`` and the engine's ``PrefillFirstScheduler``/``BlockManager`` driven
-    side by side make the same batches, preemptions and block tables."""
-    rng = random.Random(7)
-    manager = BlockManager(12, 4, prefix_caching)
-    real = PrefillFirstScheduler(SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=5), manager)
-    pool = BlockPool(12, 4, prefix_caching)
-    sim = BatchScheduler(pool, 24, 5)
-    outputs: dict[int, int] = {}
-    sim_seqs: dict[int, SimSeq] = {}
-    preemptions = 0
-    for _ in range(2000):
-        if rng.random() < 0.2:
-            r = len(outputs)
-            prompt = [r, *(rng.randrange(100) for _ in range(rng.randint(0, 19)))]  # no two share a prefix
-            outputs[r] = rng.randint(1, 48 - len(prompt))
-            real.add(Sequence(prompt, SamplingParams(max_tokens=outputs[r]), str(r), arrival_time=float(r)))
-            sim_seqs[r] = SimSeq(r, len(prompt))
-            sim.waiting.append(sim_seqs[r])
-        batch = real.schedule()
-        seqs, computed, preempted = sim.schedule()
-        assert [int(s.request_id) for s in batch.seqs] == [s.request for s in seqs]
-        assert batch.is_prefill == (computed is not None)
-        if computed is not None:
-            assert computed == [s.num_tokens - s.num_cached_tokens for s in batch.seqs]
-        assert [s.block_table for s in batch.seqs] == [s.blocks for s in seqs]
-        assert manager.num_free_blocks == pool.num_free
-        preemptions += len(preempted)
-        assert real.num_preemptions == preemptions
-        for seq, sim_seq in zip(batch.seqs, seqs):
-            seq.append_token(rng.randrange(100))
-            seq.num_computed_tokens = seq.num_tokens - 1
-            sim_seq.num_tokens += 1
-            if seq.num_output_tokens >= outputs[sim_seq.request]:
-                real.finish(seq)
-                sim.finish(sim_seq)
-    assert preemptions > 10
-    if prefix_caching:
-        assert manager.prefix_cache_hit_tokens > 0  # recomputes found their blocks
-
-
 def test_contention_stretches_batches_by_what_runs_beside_them():
     """Prefill 1 s, steps 0.25 s, pulls 0.5 s. Decode steps take 2x alone, 1x beside a prefill batch,
     3x during a pull into their instance; prefill batches 1.5x during a pull out of theirs. By hand:
@@ -342,48 +293,3 @@ def test_contention_stretches_batches_by_what_runs_beside_them():
     assert b.steps == [(2.75, 3.0, 1)]
     assert (c.prefill_start, c.prefill_end, c.finish) == (2.25, 3.75, 3.75)
     assert d.token_times == [5.0, 6.0] and d.steps == [(5.5, 6.0, 1)]
-
-
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_chunked_block_rules_match_the_engine_scheduler(prefix_caching):
-    """``ChunkedBatchScheduler`` and the engine's ``ChunkedPrefillScheduler`` side by side: the same
-    decode tokens and prompt chunks every step, the same preemptions and block tables."""
-    rng = random.Random(8)
-    manager = BlockManager(12, 4, prefix_caching)
-    config = SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=5, enable_chunked_prefill=True)
-    real = ChunkedPrefillScheduler(config, manager)
-    pool = BlockPool(12, 4, prefix_caching)
-    sim = ChunkedBatchScheduler(pool, 10, 5)
-    outputs: dict[int, int] = {}
-    preemptions = chunks_short_of_the_end = 0
-    for _ in range(2000):
-        if rng.random() < 0.2:
-            r = len(outputs)
-            prompt = [r, *(rng.randrange(100) for _ in range(rng.randint(0, 19)))]
-            outputs[r] = rng.randint(1, 48 - len(prompt))
-            real.add(Sequence(prompt, SamplingParams(max_tokens=outputs[r]), str(r), arrival_time=float(r)))
-            sim.waiting.append(SimSeq(r, len(prompt)))
-        batch = real.schedule()
-        seqs, computed, preempted = sim.schedule()
-        assert [int(s.request_id) for s in batch.seqs] == [s.request for s in seqs]
-        assert (batch.num_new_tokens or []) == computed
-        assert [s.block_table for s in batch.seqs] == [s.blocks for s in seqs]
-        assert manager.num_free_blocks == pool.num_free
-        preemptions += len(preempted)
-        assert real.num_preemptions == preemptions
-        for seq, sim_seq, n in zip(batch.seqs, seqs, computed):
-            sim_seq.num_computed += n
-            if seq.num_computed_tokens + n < seq.num_tokens:  # a chunk short of the prompt's end
-                seq.num_computed_tokens += n
-                chunks_short_of_the_end += 1
-                continue
-            seq.append_token(rng.randrange(100))
-            seq.num_computed_tokens = seq.num_tokens - 1
-            sim_seq.num_tokens += 1
-            sim_seq.num_computed = sim_seq.num_tokens - 1
-            if seq.num_output_tokens >= outputs[sim_seq.request]:
-                real.finish(seq)
-                sim.finish(sim_seq)
-    assert preemptions > 10 and chunks_short_of_the_end > 100
-    if prefix_caching:
-        assert manager.prefix_cache_hit_tokens > 0

@@ -64,7 +64,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # hashes of full blocks, grown lazily
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hits of the latest allocation
-        self.prefill_steps_waited = 0  # aging for the SJF policy
+        self.prefill_steps_waited = 0  # prefill steps it waited for, under the SJF policy (its aging)
         self.num_preemptions = 0
         self.metrics = RequestMetrics()
         # Logprobs of the prompt's tokens after the first, as its prefill chunks compute them

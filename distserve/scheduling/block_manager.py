@@ -5,6 +5,11 @@ prefixes up to hash collisions, which are ruled out by comparing the stored toke
 blocks that carry a hash stay findable until reused: the free list is ordered least recently
 freed first, so allocation evicts the coldest cached block.
 
+The free list is kept in three parts, in the order blocks are handed out: freed blocks without a
+hash (the latest first: nothing to reuse in them), blocks never used (by id) and freed blocks in
+the order they were freed. Blocks never used are only a counter and get their ``Block`` when first
+taken, so a pool of millions of blocks costs nothing to make (the planner simulates many).
+
 The samples of one request share their prompt's blocks (``fork``); the first of them to write a
 token into a shared block gets a copy of it (copy on write): the copies a step needs wait in
 ``pending_copies`` for the workers to make before its forward pass.
@@ -12,7 +17,7 @@ token into a shared block gets a copy of it (copy on write): the copies a step n
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from distserve.core.sequence import Sequence
 
@@ -38,8 +43,10 @@ class BlockManager:
             raise ValueError(f"need at least one block of at least one token, got {num_blocks} x {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._num_blocks = num_blocks
+        self._used: list[Block] = []  # blocks 0 .. next never-used id - 1
+        self._free_front: deque[int] = deque()  # freed without a hash, the latest first
+        self._free_back: OrderedDict[int, None] = OrderedDict()  # freed with a hash, least recently first
         self.hash_to_block_id: dict[int, int] = {}
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
@@ -48,17 +55,27 @@ class BlockManager:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return self._num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self._free_front) + self._num_blocks - len(self._used) + len(self._free_back)
+
+    @property
+    def blocks(self) -> list[Block]:
+        """Every block, by id (those never used made now)."""
+        return self._used + [Block(i) for i in range(len(self._used), self._num_blocks)]
+
+    @property
+    def free_block_ids(self) -> list[int]:
+        """The free blocks in the order they are handed out."""
+        return [*self._free_front, *range(len(self._used), self._num_blocks), *self._free_back]
 
     def set_prefix_caching(self, enabled: bool) -> None:
         """Turn prefix caching on or off; off forgets every cached block (they stay free)."""
         self.enable_prefix_caching = enabled
         if not enabled:
-            for block in self.blocks:
+            for block in self._used:
                 block.hash, block.token_ids = None, ()
             self.hash_to_block_id.clear()
 
@@ -91,7 +108,7 @@ class BlockManager:
             block_id = self.hash_to_block_id.get(self._block_hash(seq, i))
             if block_id is None:
                 break
-            if self.blocks[block_id].token_ids != tuple(seq.block_tokens(i, self.block_size)):
+            if self._used[block_id].token_ids != tuple(seq.block_tokens(i, self.block_size)):
                 break  # hash collision
             hits.append(block_id)
         return hits
@@ -103,7 +120,7 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._cached_prefix(seq)
-        reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        reused_free = sum(1 for b in hits if self._used[b].ref_count == 0)
         return seq.num_blocks(self.block_size) - len(hits) + reused_free <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, register: bool = True) -> None:
@@ -114,9 +131,9 @@ class BlockManager:
             raise RuntimeError(f"{seq} already holds blocks")
         hits = self._cached_prefix(seq)
         for block_id in hits:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_block_ids[block_id]
+            block = self._used[block_id]
+            if block.ref_count == 0:  # free and hashed, so among the blocks freed with a hash
+                del self._free_back[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
         num_full = seq.num_tokens // self.block_size
@@ -140,7 +157,7 @@ class BlockManager:
         if child.block_table:
             raise RuntimeError(f"{child} already holds blocks")
         for block_id in parent.block_table:
-            self.blocks[block_id].ref_count += 1
+            self._used[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
@@ -148,7 +165,7 @@ class BlockManager:
     def _needs_new_block(self, seq: Sequence) -> bool:
         """Whether the slot of ``seq``'s last token needs a block: past its blocks, or in one it shares."""
         index = (seq.num_tokens - 1) // self.block_size
-        return index >= len(seq.block_table) or self.blocks[seq.block_table[index]].ref_count > 1
+        return index >= len(seq.block_table) or self._used[seq.block_table[index]].ref_count > 1
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the KV of ``seq``'s last token has a slot (possibly after taking one new block)."""
@@ -160,7 +177,7 @@ class BlockManager:
         index = (seq.num_tokens - 1) // self.block_size
         if index >= len(seq.block_table):
             seq.block_table.append(self._take_free_block())
-        elif (shared := self.blocks[seq.block_table[index]]).ref_count > 1:
+        elif (shared := self._used[seq.block_table[index]]).ref_count > 1:
             copy = self._take_free_block()
             shared.ref_count -= 1
             self.pending_copies.append((shared.block_id, copy))
@@ -170,37 +187,56 @@ class BlockManager:
             index = seq.num_tokens // self.block_size - 1
             self._register(seq, index, seq.block_table[index])
 
+    def append_slots(self, seqs: list[Sequence]) -> None:
+        """``append_slot`` for each of ``seqs`` in turn. It does nothing for a sequence whose newest
+        token has a slot in its own last block and does not fill it, the most of them at most steps:
+        those are passed over here at the cost of a check, as this runs every step for every
+        decoding sequence."""
+        size, used = self.block_size, self._used
+        for seq in seqs:
+            num_tokens, table = seq.num_tokens, seq.block_table
+            index = (num_tokens - 1) // size
+            if num_tokens % size and index < len(table) and used[table[index]].ref_count == 1:
+                continue
+            self.append_slot(seq)
+
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks. Tail blocks are freed first so that they are evicted first."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
+            block = self._used[block_id]
             if block.ref_count <= 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated")
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_block_ids[block_id] = None
                 if block.hash is None:  # nothing to reuse: hand it out before cached blocks
-                    self.free_block_ids.move_to_end(block_id, last=False)
+                    self._free_front.appendleft(block_id)
+                else:
+                    self._free_back[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
 
     def _take_free_block(self) -> int:
-        if not self.free_block_ids:
+        if self._free_front:
+            block = self._used[self._free_front.popleft()]
+        elif len(self._used) < self._num_blocks:
+            block = Block(len(self._used))
+            self._used.append(block)
+        elif self._free_back:
+            block = self._used[self._free_back.popitem(last=False)[0]]
+        else:
             raise RuntimeError("out of KV blocks: the scheduler must check can_allocate/can_append first")
-        block_id, _ = self.free_block_ids.popitem(last=False)
-        block = self.blocks[block_id]
         if block.hash is not None:  # evict from the prefix cache
-            if self.hash_to_block_id.get(block.hash) == block_id:
+            if self.hash_to_block_id.get(block.hash) == block.block_id:
                 del self.hash_to_block_id[block.hash]
             block.hash = None
             block.token_ids = ()
         block.ref_count = 1
-        return block_id
+        return block.block_id
 
     def _register(self, seq: Sequence, index: int, block_id: int) -> None:
         if not self.enable_prefix_caching:
             return
-        block = self.blocks[block_id]
+        block = self._used[block_id]
         block.hash = self._block_hash(seq, index)
         block.token_ids = tuple(seq.block_tokens(index, self.block_size))
         self.hash_to_block_id[block.hash] = block_id

@@ -47,9 +47,16 @@ class RunningBatch:
         """A slot for the newest token of each sequence that ``decodes``, in admission order; when no
         block is free, the most recently admitted sequences (decoding or not) are preempted until the
         rest fit. Returns (sequences given a slot, the others, sequences preempted)."""
+        if self.block_manager.num_free_blocks >= len(self.seqs):
+            # A slot takes at most one block, so every sequence gets its own and none is preempted.
+            batch: list[Sequence] = []
+            others: list[Sequence] = []
+            for seq in self.seqs:
+                (batch if decodes(seq) else others).append(seq)
+            self.block_manager.append_slots(batch)
+            return batch, others, []
         queue = list(self.seqs)
-        batch: list[Sequence] = []
-        others: list[Sequence] = []
+        batch, others = [], []
         preempted: list[Sequence] = []
         while queue:
             seq = queue.pop(0)

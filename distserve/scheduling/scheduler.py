@@ -7,10 +7,14 @@ instance needs it too, because a sequence it preempts is recomputed through the 
 step under one token budget, as vLLM and Sarathi-Serve do.
 ``PrefillOnlyScheduler`` (prefill instances) runs prompts only: a sequence leaves it with its
 first token, and its blocks go with it to the role that holds them for decode.
+Each takes a ``clock``, the wall-clock time TTFT deadlines are against: the placement planner,
+which runs these schedulers in its simulation, gives them the simulated time.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,10 +75,14 @@ class Scheduler(Protocol):
 
 class PrefillFirstScheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, step_time: StepTimeModel | None = None
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        step_time: StepTimeModel | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.block_manager = block_manager
-        self.waiting = WaitingQueue(config, block_manager, step_time)
+        self.waiting = WaitingQueue(config, block_manager, step_time, clock)
         self.running = RunningBatch(block_manager, config.max_num_seqs)
 
     @property
@@ -139,9 +147,13 @@ class ChunkedPrefillScheduler(PrefillFirstScheduler):
     """
 
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, step_time: StepTimeModel | None = None
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        step_time: StepTimeModel | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        super().__init__(config, block_manager, step_time)
+        super().__init__(config, block_manager, step_time, clock)
         self.budget = config.max_num_batched_tokens
         self.step_time = step_time if config.tpot_aware_chunking else None
         self.chunks: list[tuple[Sequence, int]] = []  # the last step's prompt chunks: (sequence, first token)
@@ -178,18 +190,24 @@ class ChunkedPrefillScheduler(PrefillFirstScheduler):
     def tokens_within_tpot_slo(self, decode: list[Sequence]) -> int | None:
         """The tokens a step may run and keep the tightest TPOT SLO of ``decode``; None: no limit
         (off, none of them has one, or the step times are not known yet)."""
+        if self.step_time is None:
+            return None
         slos = [seq.tpot_slo for seq in decode if seq.tpot_slo]
-        if self.step_time is None or not slos:
+        if not slos:
             return None
         return self.step_time.tokens_within(TPOT_SLO_SHARE * min(slos))
 
 
 class PrefillOnlyScheduler:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, step_time: StepTimeModel | None = None
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        step_time: StepTimeModel | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.block_manager = block_manager
-        self.waiting = WaitingQueue(config, block_manager, step_time)
+        self.waiting = WaitingQueue(config, block_manager, step_time, clock)
         self.max_num_seqs = config.max_num_seqs
 
     num_preemptions = 0  # a prefill batch allocates all its blocks up front: nothing to preempt

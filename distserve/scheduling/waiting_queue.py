@@ -40,14 +40,24 @@ def policy_key(config: SchedulerConfig) -> Callable[[Sequence], tuple]:
 
 class WaitingQueue:
     def __init__(
-        self, config: SchedulerConfig, block_manager: BlockManager, step_time: StepTimeModel | None = None
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        step_time: StepTimeModel | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
         self.key = policy_key(config)
+        self.ages = config.policy == "sjf"
         self.late_last = config.policy == "deadline-feasible"
         self.step_time = step_time  # the instance's step times: how long a prompt's prefill takes
+        self.clock = clock  # wall-clock now, which TTFT deadlines are against (a simulation's own time)
         self.waiting: list[Sequence] = []
+        # Whether ``waiting`` is in policy order. Keys never change but by SJF's aging, so only an
+        # addition out of order, SJF, or the late ones moved last undo it; a sort of a list in order
+        # is then skipped (keys end in the unique seq_id, so the order is one whatever the start).
+        self.in_order = True
         self.resumed: deque[Sequence] = deque()
 
     def __len__(self) -> int:
@@ -55,6 +65,8 @@ class WaitingQueue:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        if self.waiting and self.key(seq) < self.key(self.waiting[-1]):
+            self.in_order = False
         self.waiting.append(seq)
 
     def resume(self, seq: Sequence) -> None:
@@ -116,10 +128,13 @@ class WaitingQueue:
         """Resumed sequences, then the waiting ones in policy order (none when no slot is free)."""
         if max_seqs <= 0:
             return []
-        self.waiting.sort(key=self.key)
+        if not self.in_order or self.ages:
+            self.waiting.sort(key=self.key)
+            self.in_order = True
         if self.late_last:
-            now = time.time()
+            now = self.clock()
             self.waiting.sort(key=lambda seq: self.is_late(seq, now))  # stable: deadline order within
+            self.in_order = False
         return [*self.resumed, *self.waiting]
 
     def is_late(self, seq: Sequence, now: float) -> bool:
@@ -137,11 +152,14 @@ class WaitingQueue:
         return now + line.seconds(uncached) > seq.ttft_deadline
 
     def _taken(self, batch: list[Sequence]) -> None:
-        """Drop the scheduled sequences from the queues; the others waited one more step."""
+        """Drop the scheduled sequences, the head of ``_in_order``, from the queues; the others waited
+        one more step (counted under SJF, the policy that reads it)."""
         if not batch:
             return
-        scheduled = {s.seq_id for s in batch}
-        self.resumed = deque(s for s in self.resumed if s.seq_id not in scheduled)
-        self.waiting = [s for s in self.waiting if s.seq_id not in scheduled]
-        for seq in self.waiting:
-            seq.prefill_steps_waited += 1
+        from_resumed = min(len(batch), len(self.resumed))
+        for _ in range(from_resumed):
+            self.resumed.popleft()
+        del self.waiting[: len(batch) - from_resumed]
+        if self.ages:
+            for seq in self.waiting:
+                seq.prefill_steps_waited += 1
