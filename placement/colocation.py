@@ -16,6 +16,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
+from distserve.core.latency import attainment
 from placement.engine_sim import simulate_colocated
 from placement.hardware import ClusterSpec
 from placement.latency import Parallelism
@@ -73,7 +74,7 @@ def colocated_attainment(problem: PhaseProblem, par: Parallelism, chunk_tokens: 
     reqs = [SimRequest(t / rate, r.prompt_len, r.output_len) for t, r in zip(arrivals, problem.requests)]
     results = simulate_colocated(reqs, colocated_spec(problem, par, chunk_tokens, count))
     objective = problem.objective
-    return sum(r.ttft <= objective.ttft and r.tpot <= objective.tpot for r in results) / len(results)
+    return attainment(((r.ttft, r.tpot) for r in results), objective.ttft, objective.tpot).both
 
 
 def colocated_capacity(problem: PhaseProblem, par: Parallelism, chunk_tokens: int) -> float:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from distserve.core.latency import attainment as latency_attainment
 from placement.engine_sim import simulate_blocks, simulate_colocated
 from placement.sim_specs import (
     ColocatedInstanceSpec,
@@ -287,8 +288,8 @@ def fit_transfer(real: Run) -> tuple[float, float]:
 
 def attainment(timelines: Sequence[RequestTimeline], ttft_slo: float, tpot_slo: float) -> float:
     """Share of requests meeting both SLOs; a failed request meets neither."""
-    ok = [t.error is None and t.ttft <= ttft_slo and (t.tpot or 0.0) <= tpot_slo for t in timelines]
-    return sum(ok) / len(ok)
+    latencies = ((t.ttft, t.tpot) if t.error is None else (None, None) for t in timelines)
+    return latency_attainment(latencies, ttft_slo, tpot_slo).both
 
 
 def format_stages(rows: Sequence[StageComparison]) -> str:

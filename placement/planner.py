@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from distserve.core.latency import attainment
 from placement.deployment import Deployment
 from placement.goodput import search_goodput
 from placement.latency import Parallelism
@@ -55,13 +56,12 @@ def simulate_deployment(problem: PhaseProblem, deployment: Deployment, rate: flo
         models.decode_spec(deployment.decode, deployment.decode_instances),
         models.transfer_time(same_node=deployment.affinity == "low"),
     )
-    ttft = [r.ttft <= objective.ttft for r in results]
-    tpot = [r.tpot <= objective.tpot for r in results]
+    met = attainment(((r.ttft, r.tpot) for r in results), objective.ttft, objective.tpot)
     return Prediction(
         rate,
-        sum(a and b for a, b in zip(ttft, tpot)) / n,
-        sum(ttft) / n,
-        sum(tpot) / n,
+        met.both,
+        met.ttft,
+        met.tpot,
         tuple(results),
     )
 

@@ -31,6 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 
+from distserve.core.latency import attainment
 from placement.deployment import Deployment
 from placement.goodput import search_goodput
 from placement.hardware import ClusterSpec
@@ -152,10 +153,10 @@ def phase_attainment(problem: PhaseProblem, phase: str, par: Parallelism, rate: 
     if phase == "prefill":
         reqs = [SimRequest(t, r.prompt_len, 1) for t, r in zip(arrivals, problem.requests)]
         results = simulate(reqs, models.prefill_spec(par), _unused_decode(), _no_transfer)
-        return sum(r.ttft <= objective.ttft for r in results) / len(results)
+        return attainment(((r.ttft, r.tpot) for r in results), objective.ttft, objective.tpot).ttft
     reqs = [SimRequest(t, r.prompt_len, r.output_len) for t, r in zip(arrivals, problem.requests)]
     results = simulate(reqs, _instant_prefill(), models.decode_spec(par), _no_transfer)
-    return sum(r.tpot <= objective.tpot for r in results) / len(results)
+    return attainment(((r.ttft, r.tpot) for r in results), objective.ttft, objective.tpot).tpot
 
 
 def capacity(problem: PhaseProblem, phase: str, par: Parallelism) -> float:

@@ -45,6 +45,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from distserve.core.latency import attainment as latency_attainment
 from placement.engine_sim import simulate_blocks, simulate_colocated
 from placement.sim_specs import (
     ColocatedInstanceSpec,
@@ -352,6 +353,4 @@ def simulate(
 
 def attainment(results: Sequence[SimResult], ttft_slo: float, tpot_slo: float) -> float:
     """Fraction of requests meeting both the TTFT and the TPOT SLO."""
-    if not results:
-        raise ValueError("no results")
-    return sum(r.ttft <= ttft_slo and r.tpot <= tpot_slo for r in results) / len(results)
+    return latency_attainment(((r.ttft, r.tpot) for r in results), ttft_slo, tpot_slo).both

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distserve.core.latency import time_per_output_token
+
 
 @dataclass
 class RequestTimeline:
@@ -43,11 +45,8 @@ class RequestTimeline:
 
     @property
     def tpot(self) -> float | None:
-        """(last - first token) / (tokens - 1); 0 with one token, None with none."""
-        times = self.token_times
-        if not times:
-            return None
-        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
+        """``time_per_output_token``: 0.0 with one token, None with none."""
+        return time_per_output_token(self.token_times)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)

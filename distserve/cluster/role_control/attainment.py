@@ -14,14 +14,14 @@ from distserve.cluster.role_control.request_records import FinishedRequest
 @dataclass
 class Attainment:
     ttft: float  # share of requests within the TTFT SLO
-    tpot: float  # of requests with more than one token, within the TPOT SLO
+    tpot: float  # of the requests whose TPOT is known, within the TPOT SLO
     both: float  # share within both
     num_requests: int
     # The target quantile of each latency as a fraction of its SLO (1 or more: under the target):
     # how close to its SLO each phase runs, which attainment alone does not say while it is met.
     ttft_level: float
     tpot_level: float
-    num_decoded: int  # requests whose TPOT is known (more than one token, finished)
+    num_decoded: int  # requests whose TPOT is known (finished, or in flight and past its SLO already)
 
 
 def attainment(requests: list[FinishedRequest], slo_ttft: float, slo_tpot: float, target: float = 0.9) -> Attainment:

@@ -28,4 +28,6 @@ class InFlight:
 class FinishedRequest(Arrival):
     finished: float = 0.0  # wall-clock time of its last token
     ttft: float = 0.0
-    tpot: float | None = None  # None: a single token
+    tpot: float | None = (
+        None  # None: not known yet (in flight); finished, ``time_per_output_token`` (0.0 for one token)
+    )
