@@ -372,9 +372,10 @@ def test_every_flag_of_every_place_command_has_help(capsys):
 
 
 def test_cli_plans_for_a_built_in_tiny_model_with_its_real_weights(tmp_path, capsys):
+    # Without the colocated comparison: test_placement_colocation plans and launches a colocated winner.
     plan = tmp_path / "plan.yaml"
     args = ["--model", "tiny-llama", "--gpus-per-node", "2", "--slo-ttft", "0.1", "--slo-tpot", "0.01",
-            "--num-requests", "200", "--processes", "1", "--out", str(plan)]  # fmt: skip
+            "--num-requests", "200", "--processes", "1", "--no-colocated", "--out", str(plan)]  # fmt: skip
     code, out, err = run_cli(args, capsys)
     assert code == 0, err
     _, _, document = read_plan(plan)
