@@ -18,7 +18,6 @@ from typing import Any
 
 import ray
 
-from distserve.cluster.config import ClusterConfig
 from distserve.cluster.instance import launch_instance
 from distserve.cluster.instance_pool import InstancePool
 from distserve.cluster.request_table import RequestState
@@ -33,22 +32,23 @@ REPLACEMENT_BACKOFF_S = 1.0
 
 
 class Failover:
-    """Replaces failed instances and says which requests need running again; the orchestrator
-    re-runs them. ``spawn`` runs a coroutine in the background; ``replaced(new, failed)`` puts a
-    started replacement to work."""
+    """Replaces failed instances (``replace``) under names after the cluster's (``name``) and says
+    which requests need running again; the orchestrator re-runs them. ``spawn`` runs a coroutine in
+    the background; ``replaced(new, failed)`` puts a started replacement to work."""
 
     def __init__(
         self,
-        config: ClusterConfig,
+        name: str,
+        replace: bool,
         instances: InstancePool,
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
         replaced: Callable[[InstanceState, InstanceState], None],
     ) -> None:
-        self.config = config
+        self.name = name
+        self.replace = replace
         self.instances = instances
         self.spawn = spawn
         self.replaced = replaced
-        self.closed = False  # the cluster is shutting down: nothing more is started
         self._generation = 0  # numbers replacement actors' names
 
     def instance_failed(
@@ -58,7 +58,7 @@ class Failover:
         with the failure to re-run (or fail) them with."""
         entry.failure = str(error)
         logger.error("instance %s failed: %s", entry.name, error)
-        if self.config.replace_failed_instances and not self.closed:
+        if self.replace and not self.instances.closed:
             self.instances.replacing[entry.role] = self.instances.replacing.get(entry.role, 0) + 1
             self.spawn(self._replace(entry))
         self.spawn(self._tell_peers(entry))
@@ -89,7 +89,7 @@ class Failover:
             entry = await self._launch_replacement(failed)
             if entry is None:
                 return
-            if self.closed:
+            if self.instances.closed:
                 ray.kill(entry.handle)
                 return
             logger.info("%s replaces %s", entry.name, failed.name)
@@ -103,10 +103,10 @@ class Failover:
         for attempt in range(REPLACEMENT_ATTEMPTS):
             if attempt:
                 await asyncio.sleep(REPLACEMENT_BACKOFF_S * 2 ** (attempt - 1))
-            if self.closed:
+            if self.instances.closed:
                 return None
             self._generation += 1
-            name = f"{self.config.name}-{failed.role}-r{self._generation}"
+            name = f"{self.name}-{failed.role}-r{self._generation}"
             try:
                 handle = await loop.run_in_executor(None, launch_instance, failed.config, name)
                 return InstanceState(name, failed.role, handle, await handle.info.remote(), failed.config)

@@ -23,6 +23,7 @@ class InstancePool:
         self.instances: list[InstanceState] = []
         self.replacing: dict[Role, int] = {}  # replacements under way, by role
         self.changing_roles = False  # a set of role changes is being made (between its phases too)
+        self.closed = False  # the cluster is shutting down: no instance is started or polled any more
         self._changed = asyncio.Condition()  # notified when a replacement or a role change ends
 
     def add(self, entry: InstanceState, replacing: InstanceState | None = None) -> None:

@@ -66,10 +66,11 @@ class Orchestrator:
         self.instance_pool = InstancePool()
         self.requests = RequestTable()
         self.router = Router(config.engine.cache.block_size)
-        self.failover = Failover(config, self.instance_pool, self.spawn, self._replaced)
+        self.failover = Failover(
+            config.name, config.replace_failed_instances, self.instance_pool, self.spawn, self._replaced
+        )
         self.roles = RoleChanger(self.instance_pool, self._leaving_layout, self._roles_changed)
         self.controller = RoleController(self, config.role_control)
-        self.closed = False
         self._pollers: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # hand-overs and aborts in flight, kept from the GC
 
@@ -84,7 +85,7 @@ class Orchestrator:
         if plan.config is not self.config and on_cpu:
             for line in plan.instance_lines():
                 logger.info("cores: %s", line)
-        self.config = self.failover.config = plan.config
+        self.config = plan.config
         configs = self.config.instance_configs()
         handles = await asyncio.gather(
             *(loop.run_in_executor(None, launch_instance, config, name) for name, config in configs),
@@ -115,8 +116,12 @@ class Orchestrator:
     def instances(self) -> list[InstanceState]:
         return self.instance_pool.instances
 
+    @property
+    def closed(self) -> bool:
+        return self.instance_pool.closed
+
     async def shutdown(self) -> None:
-        self.closed = self.failover.closed = True
+        self.instance_pool.closed = True
         for task in [*self._pollers, *self._background]:
             task.cancel()
         await asyncio.gather(*self._pollers, *self._background, return_exceptions=True)

@@ -2,7 +2,7 @@
 token. Its fields change only through the methods below; the orchestrator calls them as outputs
 and failures come in.
 
-A request's life (``RequestState.phase``)::
+A request's life::
 
     admitted -> prefilling (routed to a prefill or colocated instance; ``routed``)
         -> prefilled (its first token came; ``first_token``)
@@ -85,19 +85,6 @@ class RequestState:
     def __post_init__(self) -> None:
         self.samples = [SampleStream() for _ in range(self.params.n)]
         self.new_attempt(0)
-
-    @property
-    def phase(self) -> str:
-        """Where the request is in its life (see the module's docstring)."""
-        if self.finished or self.cancelled:
-            return "finished" if self.finished else "cancelled"
-        if self.rerunning:
-            return "re-running"
-        if self.decode is not None:
-            return "decoding" if self.metrics.migration_end is not None else "handed over"
-        if self.prefill is None:
-            return "admitted"
-        return "prefilled" if self.has_output else "prefilling"
 
     @property
     def load(self) -> int:
