@@ -3,7 +3,7 @@ chunked prefill (the deployment vLLM and Sarathi-Serve would serve), simulated o
 models, workload and SLOs as the prefill and decode instances.
 
 An instance of each candidate TP,PP is simulated alone (``ColocatedInstanceSpec`` with the
-engine's ``ChunkedPrefillScheduler``); its goodput is the highest rate at which the target share
+engine's scheduler in ``CHUNKED`` mode); its goodput is the highest rate at which the target share
 of requests meets both SLOs, and the best goodput per GPU is what the planner holds against the
 best disaggregated pair. Pipeline stages are not overlapped: a PP>1 colocated instance is timed
 as its whole model, which can only understate it.

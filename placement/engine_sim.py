@@ -1,11 +1,11 @@
 """Block mode: a discrete-event simulation that runs the engine's own scheduler for every instance
 and records each request's whole ``RequestTimeline``.
 
-Each instance owns a ``distserve.scheduling`` ``BlockManager`` and the scheduler its role runs
-(``PrefillOnlyScheduler``, ``PrefillFirstScheduler`` or ``ChunkedPrefillScheduler``) under the
-spec's ``SchedulerConfig``, every policy included; requests are ``SimSequence``s (``Sequence``s
-whose tokens are counted, not held); the scheduler's clock is the simulated time and its step
-times those simulated. Around it, each rule is the engine's (module or function in
+Each instance owns a ``distserve.scheduling`` ``BlockManager`` and the engine's ``Scheduler`` in the
+step mode its role sets (``PREFILL_ONLY``, ``PREFILL_FIRST`` or ``CHUNKED``) under the spec's
+``SchedulerConfig``, every policy included; requests are ``SimSequence``s (``Sequence``s whose
+tokens are counted, not held); the scheduler's clock is the simulated time and its step times
+those simulated. Around it, each rule is the engine's (module or function in
 ``distserve/`` in brackets):
 
 * Routing (``cluster/routing.py`` ``Router``): a prompt goes to the instance of the entry pool
@@ -31,11 +31,11 @@ times those simulated. Around it, each rule is the engine's (module or function 
   token (``Sequence.from_handover``) can be allocated; no prefix cache. The ``Migrator``
   (``kv_transfer/migrator.py``) pulls one request at a time, in admission order, taking
   ``transfer_time(prompt_len)``; at the pull's end the prefill instance frees the KV and the request
-  joins the running batch. Preempted requests are recomputed there by ``PrefillFirstScheduler``.
-* Colocated instances (``engine/role.py`` ``ColocatedRole``): ``PrefillFirstScheduler``, or
-  ``ChunkedPrefillScheduler`` (``chunked_prefill``), whose step of decode tokens and prompt chunks
-  takes ``step_time`` of its decode part plus ``batch_time`` of its chunks (the two fits' constant
-  terms both count: an approximation).
+  joins the running batch. Preempted requests are recomputed there (``PREFILL_FIRST``).
+* Colocated instances (``engine/role.py`` ``ColocatedRole``): ``PREFILL_FIRST``, or ``CHUNKED``
+  (``chunked_prefill``), whose step of decode tokens and prompt chunks takes ``step_time`` of its
+  decode part plus ``batch_time`` of its chunks (the two fits' constant terms both count: an
+  approximation).
 * Latency: a prefill batch takes ``batch_time(tokens computed per sequence)``, a decode step
   ``step_time(batch size, sum of the sequences' tokens)``; a batch's tokens are sampled at its end.
 
@@ -64,12 +64,7 @@ from typing import TypeVar
 from distserve.core.config import SchedulerConfig
 from distserve.core.sequence import SequenceStatus
 from distserve.scheduling.block_manager import BlockManager
-from distserve.scheduling.scheduler import (
-    ChunkedPrefillScheduler,
-    PrefillFirstScheduler,
-    PrefillOnlyScheduler,
-    ScheduledBatch,
-)
+from distserve.scheduling.scheduler import ScheduledBatch, Scheduler, StepMode
 from distserve.scheduling.step_time import StepTimeModel
 from placement.decode_stretch import grow_blocks, step_ends, steps_with_free_blocks
 from placement.sim_sequence import SimSequence
@@ -113,7 +108,8 @@ class _Latency:
 
 
 class _Engine:
-    """One instance's engine as the simulation drives it: its block manager and its role's scheduler."""
+    """One instance's engine as the simulation drives it: its block manager and scheduler, in its role's
+    step mode (both phases, as configured; a subclass's ``step_mode`` for its role)."""
 
     def __init__(
         self,
@@ -133,7 +129,7 @@ class _Engine:
             config.enable_chunked_prefill and config.tpot_aware_chunking
         )
         self.step_model = StepTimeModel() if reads_step_times else None
-        self.scheduler = self.make_scheduler(config, manager, self.step_model, clock)
+        self.scheduler = Scheduler(config, manager, self.step_model, clock, self.step_mode(config))
         self.latency = latency
         self.contention = contention  # of the batches it runs; of its decode steps when the next is given
         self.prefill_contention = prefill_contention or contention
@@ -150,10 +146,8 @@ class _Engine:
         self.decoding: dict[SimSequence, int] = {}  # by where its steps begin in the logs
 
     @staticmethod
-    def make_scheduler(config: SchedulerConfig, manager: BlockManager, step_model: StepTimeModel | None,
-                       clock: _Clock) -> PrefillFirstScheduler | PrefillOnlyScheduler:  # fmt: skip
-        scheduler_class = ChunkedPrefillScheduler if config.enable_chunked_prefill else PrefillFirstScheduler
-        return scheduler_class(config, manager, step_model, clock)
+    def step_mode(config: SchedulerConfig) -> StepMode:
+        return StepMode.both_phases(config)
 
     def may_schedule(self) -> bool:
         return True
@@ -168,12 +162,11 @@ class _Prefill(_Engine):
         self.hold_limit = max(1, int(config.kv_hold_fraction * manager.num_blocks))
 
     @staticmethod
-    def make_scheduler(config: SchedulerConfig, manager: BlockManager, step_model: StepTimeModel | None,
-                       clock: _Clock) -> PrefillOnlyScheduler:  # fmt: skip
-        return PrefillOnlyScheduler(config, manager, step_model, clock)
+    def step_mode(config: SchedulerConfig) -> StepMode:
+        return StepMode.PREFILL_ONLY
 
     def may_schedule(self) -> bool:
-        return self.held_blocks < self.hold_limit  # ``KVHold.full`` stops ``PrefillRole.schedule``
+        return self.held_blocks < self.hold_limit  # ``KVHold.full`` stops ``PrefillRole.may_schedule``
 
 
 class _Decode(_Engine):
@@ -183,6 +176,10 @@ class _Decode(_Engine):
         self.pending: deque[tuple[SimSequence, _Prefill]] = deque()  # hand-overs, with where their KV is held
         self.pulling = 0
         self.puller_free = 0.0  # when the migrator's thread is done with the pulls it was given
+
+    @staticmethod
+    def step_mode(config: SchedulerConfig) -> StepMode:
+        return StepMode.PREFILL_FIRST  # ``DecodeRole.step_mode``
 
 
 @dataclass
@@ -523,8 +520,8 @@ def simulate_blocks(
 def simulate_colocated(
     requests: Sequence[SimRequest], spec: ColocatedInstanceSpec, delays: ServingDelays = NO_DELAYS
 ) -> list[SimResult]:
-    """Colocated instances (``PrefillFirstScheduler`` or ``ChunkedPrefillScheduler``); results (with
-    timelines) in request order."""
+    """Colocated instances (``PREFILL_FIRST`` or ``CHUNKED`` steps); results (with timelines) in
+    request order."""
     if spec.count < 1:
         raise ValueError("need at least one colocated instance")
     clock = _Clock()

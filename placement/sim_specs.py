@@ -97,8 +97,8 @@ class DecodeInstanceSpec:
 
 @dataclass
 class ColocatedInstanceSpec:
-    """Instances running both phases (``PrefillFirstScheduler``, or ``ChunkedPrefillScheduler``),
-    always in block mode."""
+    """Instances running both phases (the engine's scheduler in ``PREFILL_FIRST`` or ``CHUNKED``
+    mode), always in block mode."""
 
     count: int
     batch_time: Callable[[list[int]], float]
@@ -108,7 +108,7 @@ class ColocatedInstanceSpec:
     block_size: int
     num_blocks: int
     prefix_caching: bool = True  # the engine's default: a recompute finds its blocks while they stay cached
-    # ``ChunkedPrefillScheduler``: each step runs the decoding sequences' tokens, then prompt chunks up to
+    # ``StepMode.CHUNKED``: each step runs the decoding sequences' tokens, then prompt chunks up to
     # max_batch_tokens; it takes step_time of the decode part plus batch_time of the chunks.
     chunked_prefill: bool = False
     contention: Contention = Contention()  # of its decode steps

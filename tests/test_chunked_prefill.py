@@ -11,7 +11,7 @@ from distserve import LLM, SamplingParams
 from distserve.core.config import EngineConfig
 from distserve.core.sequence import Sequence
 from distserve.engine.llm_engine import LLMEngine
-from distserve.scheduling.scheduler import ChunkedPrefillScheduler, PrefillOnlyScheduler
+from distserve.scheduling.scheduler import StepMode
 
 LENGTHS = [1, 7, 16, 33, 64, 101, 150, 200]
 MAX_TOKENS = [12, 30, 5, 40, 17, 25, 9, 33]
@@ -82,9 +82,9 @@ def test_seeded_sampling_is_the_same_chunked_or_not():
 
 def test_chunked_prefill_applies_while_an_instance_is_colocated():
     engine = LLMEngine(EngineConfig.from_flat(model="tiny-llama", role="prefill", enable_chunked_prefill=True))
-    assert isinstance(engine.scheduler, PrefillOnlyScheduler)
+    assert engine.scheduler.mode is StepMode.PREFILL_ONLY
     assert engine.change_role("colocated") == []
-    assert isinstance(engine.scheduler, ChunkedPrefillScheduler)
+    assert engine.scheduler.mode is StepMode.CHUNKED
     engine.shutdown()
 
 

@@ -60,14 +60,14 @@ def _engine_run(options: dict) -> tuple[list[str], dict[str, int]]:
     engine.step_time.observe = lambda num_tokens, seconds: observe(num_tokens, _seconds(num_tokens))
     admitted: list[str] = []
     steps: dict[str, int] = {}
-    schedule = engine.role.schedule
+    schedule = engine.scheduler.schedule
 
     def recorded():
         batch = schedule()
         _tally(admitted, steps, [seq.request_id for seq in batch.seqs])
         return batch
 
-    engine.role.schedule = recorded
+    engine.scheduler.schedule = recorded
     prompts = random_prompts(PROMPTS, engine.vocab_size, seed=5)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=OUTPUTS[i], temperature=0.0, ignore_eos=True)

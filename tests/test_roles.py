@@ -10,7 +10,7 @@ from conftest import assert_engine_idle, random_prompts, reference_greedy
 from distserve import EngineConfig, Role, SamplingParams
 from distserve.core.handover import Handover
 from distserve.core.outputs import OutputBuilder, RequestOutput
-from distserve.core.sequence import Sequence
+from distserve.core.sequence import Sequence, SequenceStatus
 from distserve.engine.decode_role import DecodeAdmission
 from distserve.engine.kv_hold import KVHold
 from distserve.engine.llm_engine import LLMEngine
@@ -142,6 +142,14 @@ def test_a_failed_pull_ends_with_an_error_and_runs_are_told_apart():
     assert admission.done(("r", 0), None) == (old, "abort")
 
 
+def test_a_pending_run_waits_and_an_admitted_one_pulls():
+    _, admission = _admission(num_blocks=4)
+    first, second = _add(admission, "first", 7), _add(admission, "second", 11)  # 2 blocks, then 3: waits
+    assert first.status is second.status is SequenceStatus.WAITING
+    admission.admit(num_running=0)
+    assert (first.status, second.status) == (SequenceStatus.PULLING, SequenceStatus.WAITING)
+
+
 # Engines in roles, with an in-process KV transfer ---------------------------------------------------
 
 
@@ -226,6 +234,30 @@ def check_hand_over(model, **options) -> None:
 
 def test_prefill_and_decode_engines_hand_over_to_the_greedy_output(llama):
     check_hand_over(llama)
+
+
+def test_a_request_s_status_through_hand_over_admission_pull_and_finish():
+    """Prefill: waiting, then held for decode after its first token. Decode: waiting for blocks,
+    pulling once admitted, running once its KV is here, finished at its end."""
+    prefill, decode, puller = make_engines()
+    prefill.add_request(list(range(3, 30)), SamplingParams(max_tokens=4, temperature=0.0), "r")
+    held = prefill.requests["r"][0]
+    assert held.status is SequenceStatus.WAITING
+    (delta,) = prefill.step()
+    assert delta.handover is not None and held.status is SequenceStatus.HELD
+    decode.add_handover(delta.handover)
+    seq = decode.requests["r"][0]
+    assert seq.status is SequenceStatus.WAITING
+    decode.tick()
+    assert seq.status is SequenceStatus.PULLING
+    puller.complete()
+    assert seq.status is SequenceStatus.RUNNING and decode.scheduler.running_seqs() == [seq]
+    while "r" in decode.requests:
+        decode.step()
+    assert seq.status is SequenceStatus.FINISHED and seq.finish_reason == "length"
+    prefill.tick()
+    for engine in (prefill, decode):
+        assert_engine_idle(engine)
 
 
 def test_decode_cancelled_while_its_kv_arrives_frees_both_sides():

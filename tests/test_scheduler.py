@@ -1,4 +1,5 @@
-"""Prefill policies (FCFS order, SJF with aging, priority, TTFT deadline, feasible deadline) and the token budget."""
+"""Prefill policies (FCFS order, SJF with aging, priority, TTFT deadline, feasible deadline) and the token budget;
+the engine's one scheduler across step modes."""
 
 import time
 
@@ -7,8 +8,9 @@ from conftest import assert_engine_idle
 
 from distserve.core.config import SchedulerConfig
 from distserve.core.sampling_params import SamplingParams
-from distserve.core.sequence import Sequence
+from distserve.core.sequence import Sequence, SequenceStatus
 from distserve.scheduling.block_manager import BlockManager
+from distserve.scheduling.scheduler import Scheduler, StepMode
 from distserve.scheduling.step_time import StepTimeModel
 from distserve.scheduling.waiting_queue import WaitingQueue
 
@@ -206,3 +208,30 @@ def test_a_prompt_due_first_gets_its_first_token_first_through_the_engine():
 
     assert first_tokens("deadline") == ["tight", "middle", "loose", "none"]
     assert first_tokens("fcfs") == ["loose", "none", "tight", "middle"]
+
+
+# The engine's one scheduler and its step modes ------------------------------------------------------
+
+
+def test_a_mode_change_keeps_the_queues_and_prefill_only_keeps_no_running_batch():
+    """Prefill-first admits a prompt into the running batch and decodes it; a prefill-only mode is
+    refused while it runs, and once it is gone forms batches of at most max_num_seqs prompts, every
+    queued prompt still there, with no running batch between steps."""
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64), bm, mode=StepMode.PREFILL_FIRST)
+    first = _seq(6)
+    sched.add(first)
+    assert first.status is SequenceStatus.WAITING
+    assert sched.schedule().seqs == [first] and first.status is SequenceStatus.RUNNING
+    queued = [_seq(5) for _ in range(3)]
+    for seq in queued:
+        sched.add(seq)
+    with pytest.raises(RuntimeError, match="prefill-only"):
+        sched.set_mode(StepMode.PREFILL_ONLY)
+    sched.finish_running(first)
+    bm.free(first)
+    sched.set_mode(StepMode.PREFILL_ONLY)
+    batch = sched.schedule()
+    assert batch.is_prefill and batch.seqs == queued[:2] and sched.num_running == 0
+    assert all(seq.status is SequenceStatus.RUNNING for seq in batch.seqs)
+    assert sched.num_waiting == 1 and sched.waiting_seqs() == queued[2:]

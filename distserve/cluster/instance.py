@@ -27,7 +27,7 @@ from distserve.core.outputs import RequestDelta, coalesce
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.step_metrics import StepRecord
-from distserve.engine.executor import cluster_device
+from distserve.engine.executor import Executor, cluster_device
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.ray_runtime import cuda_actor_options
 from distserve.kv_transfer.migrator import MigrationRecord, Migrator
@@ -79,7 +79,6 @@ class RoleChange:
 class Instance:
     def __init__(self, config: EngineConfig, name: str) -> None:
         self.name = name
-        self.engine = LLMEngine(config, max_step_records=RECENT_STEPS, name=name)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._lock = threading.Lock()
@@ -91,9 +90,14 @@ class Instance:
         self._failure: str | None = None
         self._stopping = False
         self._role_change: RoleChange | None = None  # asked for, not yet done; set and read by the step loop
-        endpoints = self.engine.executor.kv_endpoints(ray.get_runtime_context().current_actor)
-        self.migrator = Migrator(name, endpoints, config.cache.block_size, self._pulled)
-        self.engine.kv_puller = self.migrator
+
+        def make_migrator(executor: Executor) -> Migrator:
+            """The engine's KV puller: pulls into ``executor``'s ranks, each pull's end to ``_pulled``."""
+            endpoints = executor.kv_endpoints(ray.get_runtime_context().current_actor)
+            self.migrator = Migrator(name, endpoints, config.cache.block_size, self._pulled)
+            return self.migrator
+
+        self.engine = LLMEngine(config, max_step_records=RECENT_STEPS, name=name, make_kv_puller=make_migrator)
         self._loop = threading.Thread(target=self._run, name=f"{name}-step-loop", daemon=True)
         self._loop.start()
 
@@ -220,7 +224,7 @@ class Instance:
     def info(self) -> InstanceInfo:
         engine = self.engine
         parallel = engine.config.parallel
-        scheduler = engine.role.scheduler
+        scheduler = engine.scheduler
         stats = engine.role.stats()
         return InstanceInfo(
             name=self.name,

@@ -80,7 +80,7 @@ def _colocated(
         batch = min(budget - 1.0, rate * demand.output_len * step)
         tokens = budget
         if chunking.tpot_aware:
-            # As the scheduler cuts a step (ChunkedPrefillScheduler), at least a block of prompt.
+            # As the scheduler cuts a chunked step (Scheduler.tokens_within_tpot_slo), at least a block of prompt.
             within = cost.tokens_within(TPOT_SLO_SHARE * demand.slo_tpot)
             tokens = min(budget, max(within, batch + chunking.block_size))
         step = cost.seconds(tokens)

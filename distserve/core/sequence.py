@@ -13,8 +13,12 @@ from distserve.core.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
+    """Where a run stands on its instance."""
+
+    WAITING = "waiting"  # queued: for prefill (or a recompute), or for blocks to pull its KV into
+    RUNNING = "running"  # scheduled: its blocks hold its KV, and a step runs it
+    HELD = "held"  # its KV held for a decode instance to pull (``KVHold``)
+    PULLING = "pulling"  # its blocks allocated, its KV arriving by a pull (``DecodeAdmission``)
     FINISHED = "finished"
 
 

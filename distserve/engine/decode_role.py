@@ -1,10 +1,11 @@
 """The decode role: take prefilled requests over from prefill instances, pull their KV, decode.
 
 A handed-over request is admitted when its blocks can be allocated (in arrival order, so a large
-request is not overtaken for ever), its KV is pulled into them by the instance's ``KVPuller``,
-and only then does it join the running batch. Decoding is continuous batching; a request the
-batch preempts is recomputed here through the prefill queue. No prefix cache: blocks fill by
-pulls that finish after allocation, and sharing them could hand out KV that has not arrived.
+request is not overtaken for ever), its KV is pulled into them by the engine's ``KVPuller``
+(given at its construction), and only then does it join the scheduler's running batch. Decoding
+is continuous batching (the scheduler's ``PREFILL_FIRST`` mode); a request the batch preempts is
+recomputed here through the waiting queue. No prefix cache: blocks fill by pulls that finish
+after allocation, and sharing them could hand out KV that has not arrived.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import Protocol
 
 from distserve.core.handover import Handover
 from distserve.core.role import Role
-from distserve.core.sequence import Sequence
+from distserve.core.sequence import Sequence, SequenceStatus
 from distserve.engine.role import InstanceRole, PullOutcome, RoleContext, RoleStats
 from distserve.scheduling.block_manager import BlockManager
-from distserve.scheduling.scheduler import PrefillFirstScheduler
+from distserve.scheduling.scheduler import StepMode
 
 RunKey = tuple[str, int]  # (request id, attempt)
 
@@ -31,11 +32,11 @@ class KVPuller(Protocol):
 class DecodeAdmission:
     """Handed-over requests from arrival to their first decode step.
 
-    PENDING (waiting for blocks, in arrival order) -> PULLING (blocks allocated, KV arriving) ->
-    decoding. Cancelled while PENDING, a request leaves at once; while PULLING its blocks are
-    being written, so it leaves when the pull ends. A failed pull ends the request with "error".
-    Runs are keyed by (request id, attempt): a re-run may arrive while an abandoned run of the
-    same request is still being written.
+    Pending (``SequenceStatus.WAITING`` for blocks, in arrival order) -> ``PULLING`` (blocks
+    allocated, KV arriving) -> ``RUNNING`` in the running batch. Cancelled while pending, a request
+    leaves at once; while pulling its blocks are being written, so it leaves when the pull ends. A
+    failed pull ends the request with "error". Runs are keyed by (request id, attempt): a re-run
+    may arrive while an abandoned run of the same request is still being written.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int) -> None:
@@ -51,6 +52,7 @@ class DecodeAdmission:
         return len(self.pending) + len(self.pulling)
 
     def add(self, seq: Sequence, handover: Handover) -> None:
+        seq.status = SequenceStatus.WAITING
         self.pending.append((seq, handover))
 
     def admit(self, num_running: int) -> list[tuple[Sequence, Handover]]:
@@ -69,6 +71,7 @@ class DecodeAdmission:
             self.block_manager.allocate(seq)
             seq.metrics.decode_admitted = time.time()
             seq.num_computed_tokens = handover.num_kv_tokens  # what the pull brings
+            seq.status = SequenceStatus.PULLING
             self.pulling[_key(seq)] = seq
             admitted.append((seq, handover))
         return admitted
@@ -106,10 +109,14 @@ class DecodeRole(InstanceRole):
     takes_prompts = False
 
     def __init__(self, context: RoleContext) -> None:
-        super().__init__(context, PrefillFirstScheduler(context.config, context.block_manager, context.step_time))
-        self.admission = DecodeAdmission(context.block_manager, context.config.max_num_seqs)
+        super().__init__(context)
+        self.admission = DecodeAdmission(context.scheduler.block_manager, context.config.max_num_seqs)
         # The sibling samples of handed-over requests, forked from the carrier once its KV is here.
         self.siblings: dict[RunKey, list[Sequence]] = {}
+
+    @property
+    def step_mode(self) -> StepMode:
+        return StepMode.PREFILL_FIRST  # whatever the chunking: it decodes, and recomputes what it preempts
 
     def add(self, seq: Sequence) -> None:
         raise self._not_this_role("new prompts go to prefill or colocated instances")
@@ -135,7 +142,7 @@ class DecodeRole(InstanceRole):
         if reason is not None:
             return PullOutcome(samples, reason)
         for sibling in samples[1:]:
-            self.context.block_manager.fork(seq, sibling)
+            self.scheduler.block_manager.fork(seq, sibling)
         for sample in samples:
             sample.metrics.decode_admitted = seq.metrics.decode_admitted
             sample.metrics.migration_start, sample.metrics.migration_end = start, end

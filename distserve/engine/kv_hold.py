@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from distserve.core.sequence import Sequence
+from distserve.core.sequence import Sequence, SequenceStatus
 
 
 class KVHold:
@@ -33,6 +33,7 @@ class KVHold:
         self._released: list[Sequence] = []
 
     def hold(self, seq: Sequence, now: float) -> None:
+        seq.status = SequenceStatus.HELD
         with self._lock:
             self._held[seq.request_id] = (seq, now)
 

@@ -1,13 +1,14 @@
-"""The engine core of one instance: validate and queue requests, then step the role's scheduler,
-the executor, the sampler and the output processing, one batch at a time. It emits each step's
-deltas; the offline ``LLM`` and the orchestrator add them up into outputs."""
+"""The engine core of one instance: validate and queue requests, then step, one batch at a time:
+schedule (its one scheduler, under its role's policy), execute (the executor and the sampler),
+update (tokens, stops, hand-overs). It emits each step's deltas; the offline ``LLM`` and the
+orchestrator add them up into outputs."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from distserve.core.config import EngineConfig
 from distserve.core.errors import RequestError
@@ -19,7 +20,7 @@ from distserve.core.sequence import Sequence, SequenceStatus
 from distserve.core.step_metrics import StepRecord, StepStats, StepTimer
 from distserve.engine.decode_role import DecodeRole, KVPuller
 from distserve.engine.detokenizer import Detokenizer, find_stop_string
-from distserve.engine.executor import make_executor
+from distserve.engine.executor import Executor, make_executor
 from distserve.engine.input_processor import InputProcessor
 from distserve.engine.kv_hold import KVHold
 from distserve.engine.prefill_role import PrefillRole
@@ -27,9 +28,10 @@ from distserve.engine.role import ColocatedRole, InstanceRole, RoleContext
 from distserve.model_executor.model_loader import eos_token_ids, load_tokenizer, resolve_model
 from distserve.model_executor.model_runner import BatchInput, SeqInput
 from distserve.model_executor.token_bitmask import allocate_bitmask
+from distserve.model_executor.worker import ModelOutput
 from distserve.parallel.ranks import check_parallel_config
 from distserve.scheduling.block_manager import BlockManager
-from distserve.scheduling.scheduler import Scheduler
+from distserve.scheduling.scheduler import ScheduledBatch, Scheduler
 from distserve.scheduling.step_time import StepTimeModel
 
 logger = logging.getLogger(__name__)
@@ -42,10 +44,20 @@ ROLE_CLASSES: dict[Role, type[InstanceRole]] = {
 
 
 class LLMEngine:
-    """One instance's requests, block manager and output processing, in the role it plays; the
-    model runs in its executor."""
+    """One instance's requests, scheduler and output processing, in the role it plays; the model
+    runs in its executor.
 
-    def __init__(self, config: EngineConfig, max_step_records: int = 0, name: str = "engine") -> None:
+    ``make_kv_puller`` builds, from the executor, what pulls handed-over KV into this engine's
+    blocks in a decode role (the instance's migrator); without one, a decode role refuses to admit
+    a hand-over."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        max_step_records: int = 0,
+        name: str = "engine",
+        make_kv_puller: Callable[[Executor], KVPuller] | None = None,
+    ) -> None:
         self.config = config
         self.name = name
         resolved = resolve_model(config.model)
@@ -64,13 +76,15 @@ class LLMEngine:
         )
         # Every request this engine has, by id (one run each), and its samples here by index.
         self.requests: dict[str, dict[int, Sequence]] = {}
-        self.kv_puller: KVPuller | None = None  # how a decode role pulls KV: the instance's migrator
         self.stats = StepStats(max_step_records)
         self.step_time = StepTimeModel()  # kept across role changes: the machine and model stay
+        # One scheduler for the engine's life: a role change changes its mode, not its queues.
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.step_time)
         scheduler = config.scheduler
         self.kv_hold = KVHold(scheduler.kv_hold_timeout, max(1, int(scheduler.kv_hold_fraction * num_blocks)))
-        self.role = self._make_role(scheduler.role)
+        self._set_role(scheduler.role)
         self._warm_up()
+        self.kv_puller = make_kv_puller(self.executor) if make_kv_puller is not None else None
 
     def _warm_up(self) -> None:
         """Run one decode step of two throw-away sequences, so that its one-time costs (with the
@@ -81,54 +95,47 @@ class LLMEngine:
         seqs = [SeqInput([0], 0, [0], params, output_index=0) for _ in range(2)]
         self.executor.execute_model(BatchInput(is_prefill=False, seqs=seqs, num_decode=len(seqs)))
 
-    @property
-    def scheduler(self) -> Scheduler:
-        return self.role.scheduler
-
-    def _make_role(self, role: Role, finishing: bool = False) -> InstanceRole:
+    def _set_role(self, role: Role, finishing: bool = False) -> None:
+        """Play ``role``: its role object, the step mode of the scheduler, and prefix caching (a
+        decode role must not share blocks whose KV is still arriving)."""
+        context = RoleContext(self.name, self.config.scheduler, self.scheduler, self.kv_hold)
         role_class = ROLE_CLASSES[role]
-        # Prefix caching follows the role: a decode role must not share blocks whose KV is still arriving.
-        self.block_manager.set_prefix_caching(self.config.cache.enable_prefix_caching and role_class.prefix_caching)
-        context = RoleContext(self.name, self.config.scheduler, self.block_manager, self.step_time, self.kv_hold)
-        return role_class(context, finishing=True) if finishing else role_class(context)
+        self.role = role_class(context, finishing=True) if finishing else role_class(context)
+        self.block_manager.set_prefix_caching(self.config.cache.enable_prefix_caching and self.role.prefix_caching)
+        self.scheduler.set_mode(self.role.step_mode)
 
     def change_role(self, role: Role | str) -> list[RequestDelta]:
-        """Play ``role`` from now on, keeping the weights, the KV cache and the executor; call between
-        steps, once ``role.ready_to_leave()``. The new role adopts the requests it can serve; the
-        others leave with a delta: a decoding request the new role cannot decode is handed on with
-        its KV (the delta carries the hand-over), unless ``finish_decoding_as_prefill`` has the new
-        prefill role decode it to its end here, and one it cannot run here at all (a prompt a
-        decode role will not prefill, a prompt part-way through its chunks, a preempted request a
-        prefill role cannot decode) ends with ``finish_reason="requeue"``, to run elsewhere."""
+        """Play ``role`` from now on, keeping the weights, the KV cache, the executor and the
+        scheduler's queues; call between steps, once ``role.ready_to_leave()``. The requests the new
+        role can serve stay where they are; the others leave with a delta: a decoding request the
+        new role cannot decode is handed on with its KV (the delta carries the hand-over), unless
+        ``finish_decoding_as_prefill`` has the new prefill role decode it to its end here, and one
+        it cannot run here at all (a prompt a decode role will not prefill, a prompt part-way
+        through its chunks, a preempted request a prefill role cannot decode) ends with
+        ``finish_reason="requeue"``, to run elsewhere."""
         role = Role.parse(role)
-        old, new_class = self.role, ROLE_CLASSES[role]
+        new_class = ROLE_CLASSES[role]
         finish_here = new_class.decodes or self.config.scheduler.finish_decoding_as_prefill
-        if not old.ready_to_leave():
-            raise RuntimeError(f"{self.name} is still taking requests over: it cannot leave {old.role} yet")
-        kept_waiting, kept_running, requeued, deltas = [], [], [], []
-        for seq in old.scheduler.waiting_seqs():
+        if not self.role.ready_to_leave():
+            raise RuntimeError(f"{self.name} is still taking requests over: it cannot leave {self.role.role} yet")
+        requeued, deltas, finishing = [], [], False
+        for seq in self.scheduler.waiting_seqs():
             can_run = new_class.decodes if seq.num_output_tokens else new_class.takes_prompts and not seq.block_table
-            (kept_waiting if can_run else requeued).append(seq)
-        for seq in old.scheduler.running_seqs():
+            if not can_run:
+                requeued.append(seq)
+        for seq in self.scheduler.running_seqs():
             if not seq.num_output_tokens or seq.num_computed_tokens < seq.num_tokens - 1:
                 requeued.append(seq)  # part-way through its prompt's (or a recompute's) chunks
             elif finish_here:
-                kept_running.append(seq)
+                finishing = True  # it decodes on here
             elif seq.num_samples > 1:
                 requeued.append(seq)  # its samples hold their KV apart: they cross as a new run
             else:
-                old.scheduler.finish_running(seq)  # its blocks go to the hold, not back to the pool
+                self.scheduler.finish_running(seq)  # its blocks go to the hold, not back to the pool
                 deltas.append(self._delta(seq, [], "", self.hand_off(seq)))
         deltas += [self.finish(seq, "requeue") for seq in requeued]
         self.config = dataclasses.replace(self.config, scheduler=dataclasses.replace(self.config.scheduler, role=role))
-        self.role = self._make_role(role, finishing=bool(kept_running) and not new_class.decodes)
-        for seq in kept_waiting:
-            if seq.num_output_tokens:  # preempted while decoding: recomputed before new prompts
-                self.role.scheduler.waiting.resume(seq)
-            else:
-                self.role.scheduler.add(seq)
-        for seq in kept_running:
-            self.role.scheduler.running.add(seq)
+        self._set_role(role, finishing=finishing and not new_class.decodes)
         logger.info("%s is a %s instance now", self.name, role)
         return deltas
 
@@ -273,14 +280,14 @@ class LLMEngine:
         attempt) whose prompts wait here unstarted; the others stay."""
         unstarted = {
             seq.request_id: seq
-            for seq in self.role.scheduler.waiting_seqs()
+            for seq in self.scheduler.waiting_seqs()
             if not seq.num_output_tokens and not seq.block_table
         }
         given = [seq for request_id, attempt in runs if (seq := unstarted.get(request_id)) and seq.attempt == attempt]
         return [self.finish(seq, "requeue") for seq in given]
 
     def has_unfinished_requests(self) -> bool:
-        return self.role.has_work()
+        return self.scheduler.has_unfinished()
 
     def tick(self) -> list[RequestDelta]:
         """Housekeeping between steps: held KV pulled (freed: the request goes on elsewhere) or past
@@ -315,12 +322,22 @@ class LLMEngine:
     # Stepping -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestDelta]:
-        """Run one batch; returns a delta for every sequence that advanced."""
+        """Run one batch: schedule, execute, update; returns a delta for every sequence that advanced."""
         timer = StepTimer()
-        batch = self.role.schedule()
+        batch = self.scheduler.schedule() if self.role.may_schedule() else ScheduledBatch([], is_prefill=True)
         timer.lap("schedule")
         if not batch.seqs:
             return []
+        model_input, output = self._execute(batch, timer)
+        deltas = self._update(batch, model_input, output)
+        timer.lap("postprocess")
+        record = StepRecord(batch.is_prefill, len(batch.seqs), model_input.num_tokens, timer.seconds)
+        self.stats.add(record)
+        self.step_time.observe(record.num_tokens, record.total)
+        return deltas
+
+    def _execute(self, batch: ScheduledBatch, timer: StepTimer) -> tuple[BatchInput, ModelOutput]:
+        """Run ``batch`` on the executor and note when its sequences ran."""
         model_input = BatchInput.from_sequences(batch.is_prefill, batch.seqs, batch.num_decode, batch.num_new_tokens)
         model_input.block_copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
         self._constrain(batch.seqs, model_input.seqs)
@@ -340,6 +357,11 @@ class LLMEngine:
         # Split the executor's time into the driver rank's phases and the rest (calls, transfers).
         timer.seconds["dispatch"] = timer.seconds.pop("execute") - sum(output.seconds.values())
         timer.seconds.update(output.seconds)
+        return model_input, output
+
+    def _update(self, batch: ScheduledBatch, model_input: BatchInput, output: ModelOutput) -> list[RequestDelta]:
+        """Give each sequence of ``batch`` what it computed: a token (which may end it or hand it
+        on), or the progress of a prompt chunk."""
         tokens = iter(output.sampled_token_ids)  # one per sequence that samples, in batch order
         logprobs = iter(output.logprobs or ())
         deltas = []
@@ -353,10 +375,6 @@ class LLMEngine:
                 deltas.append(self._append_token(seq, next(tokens), after_prefill, next(logprobs, None)))
             else:  # a prompt chunk short of the prompt's end
                 seq.num_computed_tokens += len(seq_input.input_token_ids)
-        timer.lap("postprocess")
-        record = StepRecord(batch.is_prefill, len(batch.seqs), model_input.num_tokens, timer.seconds)
-        self.stats.add(record)
-        self.step_time.observe(record.num_tokens, record.total)
         return deltas
 
     def _start_samples(self, seq: Sequence, tokens: Iterator[int], logprobs: Iterator) -> list[RequestDelta]:
@@ -448,7 +466,7 @@ class LLMEngine:
         if self.kv_hold.drop(seq):
             self.block_manager.free(seq)
         else:
-            self.role.finish(seq)
+            self.scheduler.finish(seq)
         self.forget(seq)
 
     def _delta(

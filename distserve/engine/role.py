@@ -1,13 +1,15 @@
-"""An engine's role: what it does with the requests it is given.
+"""An engine's role: a policy of its one scheduler.
 
-The engine (block manager, detokenizer, executor, output deltas) is the same in every role; the
-role object decides what a step schedules and what follows a prefill, and holds the role's own
-state machine (``PrefillRole``: back-pressure from the KV held for decode; ``DecodeRole``: the
-admission of handed-over requests). A role decides and the engine acts: a role sees only the
-engine's parts that outlive it (``RoleContext``) and returns what is to happen (a request leaves for
-decode, a pull starts, a request ends), never calling back into the engine. An engine swaps its
-role object to change role while running (``LLMEngine.change_role``); the new role adopts the
-requests it can serve.
+The engine (scheduler, block manager, detokenizer, executor, output deltas) is the same in every
+role; the role object decides what the engine admits (new prompts, hand-overs, whether a step may
+schedule at all), how its scheduler forms a step (``step_mode``) and what follows a prefill, and
+holds the role's own state machine (``PrefillRole``: back-pressure from the KV held for decode;
+``DecodeRole``: the admission of handed-over requests). A role decides and the engine acts: a role
+sees only the engine's parts that outlive it (``RoleContext``) and returns what is to happen (a
+request leaves for decode, a pull starts, a request ends), never calling back into the engine. To
+change role while running (``LLMEngine.change_role``) the engine changes the policy (the role
+object, the scheduler's mode, prefix caching); the requests the new role can serve stay where they
+are in the scheduler.
 """
 
 from __future__ import annotations
@@ -19,14 +21,7 @@ from distserve.core.handover import Handover
 from distserve.core.role import Role
 from distserve.core.sequence import Sequence
 from distserve.engine.kv_hold import KVHold
-from distserve.scheduling.block_manager import BlockManager
-from distserve.scheduling.scheduler import (
-    ChunkedPrefillScheduler,
-    PrefillFirstScheduler,
-    ScheduledBatch,
-    Scheduler,
-)
-from distserve.scheduling.step_time import StepTimeModel
+from distserve.scheduling.scheduler import Scheduler, StepMode
 
 
 @dataclass
@@ -35,8 +30,7 @@ class RoleContext:
 
     name: str  # the instance's
     config: SchedulerConfig
-    block_manager: BlockManager
-    step_time: StepTimeModel
+    scheduler: Scheduler  # the engine's one scheduler, and through it the block manager
     kv_hold: KVHold
 
 
@@ -65,26 +59,31 @@ class InstanceRole:
     takes_prompts = True  # whether it runs new prompts (a decode role only recomputes its own)
     decodes = True  # whether it decodes (a prefill role hands every request on after its first token)
 
-    def __init__(self, context: RoleContext, scheduler: Scheduler) -> None:
+    def __init__(self, context: RoleContext) -> None:
         self.context = context
-        self.scheduler = scheduler
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.context.name})"
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.context.scheduler
+
+    @property
+    def step_mode(self) -> StepMode:
+        """How the scheduler forms a step in this role: both phases, as configured."""
+        return StepMode.both_phases(self.context.config)
 
     def add(self, seq: Sequence) -> None:
         """A new request, to run from its prompt."""
         self.scheduler.add(seq)
 
-    def schedule(self) -> ScheduledBatch:
-        return self.scheduler.schedule()
-
-    def has_work(self) -> bool:
-        """Whether a step can run."""
-        return self.scheduler.has_unfinished()
+    def may_schedule(self) -> bool:
+        """Whether a step may be scheduled now."""
+        return True
 
     def ready_to_leave(self) -> bool:
-        """Whether the engine may swap this role for another now (a decode role: no KV arriving)."""
+        """Whether the engine may change this role for another now (a decode role: no KV arriving)."""
         return True
 
     def after_prefill(self, seq: Sequence) -> bool:
@@ -102,10 +101,6 @@ class InstanceRole:
             if sample is not prompt_seq:
                 self.scheduler.running.add(sample)
         return False
-
-    def finish(self, seq: Sequence) -> None:
-        """Drop a finished or aborted request wherever the role has it and free its blocks."""
-        self.scheduler.finish(seq)
 
     def cancel(self, seq: Sequence) -> bool:
         """Stop ``seq``: True when it ends now, False when it ends later (decode: its KV still arriving)."""
@@ -137,16 +132,7 @@ class InstanceRole:
         raise self._not_this_role("only decode instances pull KV")
 
 
-def colocated_scheduler(context: RoleContext) -> Scheduler:
-    """A scheduler of both phases: chunked prefill or prefill-first, as configured."""
-    scheduler = ChunkedPrefillScheduler if context.config.enable_chunked_prefill else PrefillFirstScheduler
-    return scheduler(context.config, context.block_manager, context.step_time)
-
-
 class ColocatedRole(InstanceRole):
     """Both phases of its own requests in one instance: the vLLM-style baseline."""
 
     role = Role.COLOCATED
-
-    def __init__(self, context: RoleContext) -> None:
-        super().__init__(context, colocated_scheduler(context))

@@ -1,22 +1,29 @@
-"""The schedulers an instance's role runs: what the next step computes.
+"""An engine's one scheduler: what the next step computes.
 
-``PrefillFirstScheduler`` runs both phases (colocated and decode instances): a prefill batch
-whenever one can be formed, otherwise a decode step of every running sequence. A decode
-instance needs it too, because a sequence it preempts is recomputed through the prefill queue.
-``ChunkedPrefillScheduler`` (colocated instances with chunked prefill) mixes the phases in one
-step under one token budget, as vLLM and Sarathi-Serve do.
-``PrefillOnlyScheduler`` (prefill instances) runs prompts only: a sequence leaves it with its
-first token, and its blocks go with it to the role that holds them for decode.
-Each takes a ``clock``, the wall-clock time TTFT deadlines are against: the placement planner,
-which runs these schedulers in its simulation, gives them the simulated time.
+The scheduler owns the instance's KV blocks (``BlockManager``), its waiting queue and its running
+batch, and outlives role changes: a role is a policy of it, not a scheduler of its own, so a
+request a new role can serve stays where it is. How a step is formed is the scheduler's
+``StepMode``, which the engine sets from its role:
+
+* ``PREFILL_FIRST`` (colocated and decode instances): a prefill batch whenever one can be formed,
+  otherwise a decode step of every running sequence. A decode instance needs prefill too, because a
+  sequence it preempts is recomputed through the waiting queue.
+* ``CHUNKED`` (colocated instances with chunked prefill): both phases in one step under one token
+  budget, as vLLM and Sarathi-Serve do.
+* ``PREFILL_ONLY`` (prefill instances): prompts only, at most ``max_num_seqs`` of them, and no
+  running batch between steps: a sequence leaves with its first token, and its blocks go with it
+  to the KV hold.
+
+The scheduler takes a ``clock``, the wall-clock time TTFT deadlines are against: the placement
+planner, which runs this scheduler in its simulation, gives it the simulated time.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from distserve.core.config import SchedulerConfig
 from distserve.core.sequence import Sequence
@@ -31,6 +38,19 @@ from distserve.scheduling.waiting_queue import WaitingQueue
 TPOT_SLO_SHARE = 0.8
 
 
+class StepMode(enum.Enum):
+    """How the scheduler forms a step (see the module's docstring)."""
+
+    PREFILL_ONLY = "prefill-only"
+    PREFILL_FIRST = "prefill-first"
+    CHUNKED = "chunked"
+
+    @classmethod
+    def both_phases(cls, config: SchedulerConfig) -> StepMode:
+        """The mode of an instance that runs both phases: chunked prefill or prefill-first, as configured."""
+        return cls.CHUNKED if config.enable_chunked_prefill else cls.PREFILL_FIRST
+
+
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence]
@@ -39,55 +59,49 @@ class ScheduledBatch:
     num_new_tokens: list[int] | None = None  # tokens each sequence runs; None: all it has not computed
 
 
-class Scheduler(Protocol):
-    """What an engine step needs of a scheduler."""
+class Scheduler:
+    """The waiting queue, the running batch and the blocks they hold, and the step formed of them.
 
-    @property
-    def num_waiting(self) -> int: ...
+    In ``CHUNKED`` mode each step has one token budget (``max_num_batched_tokens``): every decoding
+    sequence's newest token first, then chunks of prompts, those begun before admission order, then
+    new ones in policy order. A prompt's blocks are allocated when it is admitted and join the
+    prefix cache once their KV is computed (the step after its chunk ran, whatever the mode is by
+    then), so no other request reads a block a later chunk has yet to fill. When decode growth runs
+    out of blocks the most recently admitted sequences are preempted, prompts half-way included,
+    and that step admits no new prompt.
 
-    @property
-    def num_running(self) -> int: ...
+    With ``tpot_aware_chunking`` (and the engine's ``step_time``), while a request with a TPOT SLO
+    decodes, a chunked step runs only the tokens that ``step_time`` says fit ``TPOT_SLO_SHARE`` of
+    the tightest such SLO, and at least a block of prompt tokens, so prompts still move while
+    decoding alone fills the steps: the budget a Sarathi-Serve user sets from the SLO by hand, here
+    set each step from the SLOs of the requests in it, so a step with none of them prefills at full
+    speed.
+    """
 
-    @property
-    def num_preemptions(self) -> int: ...
-
-    def has_unfinished(self) -> bool:
-        """Whether a step has work."""
-
-    def add(self, seq: Sequence) -> None:
-        """Queue a sequence for prefill."""
-
-    def schedule(self) -> ScheduledBatch:
-        """The next batch, its blocks allocated; empty when nothing can run."""
-
-    def finish(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence wherever it is and free its blocks."""
-
-    def waiting_seqs(self) -> list[Sequence]:
-        """Sequences queued for prefill (preempted ones first), for a role change to sort out."""
-
-    def running_seqs(self) -> list[Sequence]:
-        """Sequences with blocks in the running batch."""
-
-    def finish_running(self, seq: Sequence) -> None:
-        """Take ``seq`` out of the running batch, keeping its blocks (it is handed on)."""
-
-
-class PrefillFirstScheduler:
     def __init__(
         self,
         config: SchedulerConfig,
         block_manager: BlockManager,
         step_time: StepTimeModel | None = None,
         clock: Callable[[], float] = time.time,
+        mode: StepMode | None = None,
     ) -> None:
+        """``mode``: how steps are formed until ``set_mode``; None: both phases, as configured."""
         self.block_manager = block_manager
         self.waiting = WaitingQueue(config, block_manager, step_time, clock)
         self.running = RunningBatch(block_manager, config.max_num_seqs)
+        self.max_num_seqs = config.max_num_seqs
+        self.budget = config.max_num_batched_tokens
+        self.step_time = step_time if config.tpot_aware_chunking else None  # what cuts a chunked step
+        self.chunks: list[tuple[Sequence, int]] = []  # the last step's prompt chunks: (sequence, first token)
+        self.mode = StepMode.both_phases(config)
+        if mode is not None:
+            self.set_mode(mode)
 
-    @property
-    def num_preemptions(self) -> int:
-        return self.running.num_preemptions
+    def set_mode(self, mode: StepMode) -> None:
+        if mode is StepMode.PREFILL_ONLY and len(self.running):
+            raise RuntimeError(f"{len(self.running)} sequences still run: a prefill-only scheduler keeps none")
+        self.mode = mode
 
     @property
     def num_waiting(self) -> int:
@@ -97,13 +111,50 @@ class PrefillFirstScheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_preemptions(self) -> int:
+        return self.running.num_preemptions
+
     def has_unfinished(self) -> bool:
+        """Whether a step has work."""
         return bool(len(self.waiting) or len(self.running))
 
     def add(self, seq: Sequence) -> None:
+        """Queue a sequence for prefill."""
         self.waiting.add(seq)
 
     def schedule(self) -> ScheduledBatch:
+        """The next batch, its blocks allocated; empty when nothing can run."""
+        for seq, first in self.chunks:  # their KV is in the cache now
+            if seq.block_table:
+                self.block_manager.register_computed(seq, first)
+        self.chunks = []
+        if self.mode is StepMode.CHUNKED:
+            return self._schedule_chunked()
+        if self.mode is StepMode.PREFILL_ONLY:
+            return ScheduledBatch(self.waiting.schedule(self.max_num_seqs), is_prefill=True)
+        return self._schedule_prefill_first()
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence wherever it is and free its blocks."""
+        if not self.running.remove(seq):
+            self.waiting.remove(seq)
+        if seq.block_table:
+            self.block_manager.free(seq)
+
+    def finish_running(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the running batch, keeping its blocks (it is handed on)."""
+        self.running.remove(seq)
+
+    def waiting_seqs(self) -> list[Sequence]:
+        """Sequences queued for prefill (preempted ones first)."""
+        return self.waiting.seqs()
+
+    def running_seqs(self) -> list[Sequence]:
+        """Sequences with blocks in the running batch."""
+        return list(self.running.seqs)
+
+    def _schedule_prefill_first(self) -> ScheduledBatch:
         batch = self.waiting.schedule(self.running.free_seq_slots)
         if batch:
             for seq in batch:
@@ -114,54 +165,7 @@ class PrefillFirstScheduler:
             self.waiting.resume(seq)
         return ScheduledBatch(seqs, is_prefill=False)
 
-    def finish(self, seq: Sequence) -> None:
-        if not self.running.remove(seq):
-            self.waiting.remove(seq)
-        if seq.block_table:
-            self.block_manager.free(seq)
-
-    def waiting_seqs(self) -> list[Sequence]:
-        return self.waiting.seqs()
-
-    def running_seqs(self) -> list[Sequence]:
-        return list(self.running.seqs)
-
-    def finish_running(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-
-
-class ChunkedPrefillScheduler(PrefillFirstScheduler):
-    """One token budget per step (``max_num_batched_tokens``): every decoding sequence's newest token
-    first, then chunks of prompts, those begun before admission order, then new ones in policy order.
-
-    A prompt's blocks are allocated when it is admitted and join the prefix cache once their KV is
-    computed, so no other request reads a block a later chunk has yet to fill. When decode growth
-    runs out of blocks the most recently admitted sequences are preempted, prompts half-way included,
-    and that step admits no new prompt.
-
-    With ``tpot_aware_chunking`` (and the engine's ``step_time``), while a request with a TPOT SLO
-    decodes, a step runs only the tokens that ``step_time`` says fit ``TPOT_SLO_SHARE`` of the
-    tightest such SLO, and at least a block of prompt tokens, so prompts still move while decoding
-    alone fills the steps: the budget a Sarathi-Serve user sets from the SLO by hand, here set each
-    step from the SLOs of the requests in it, so a step with none of them prefills at full speed.
-    """
-
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        block_manager: BlockManager,
-        step_time: StepTimeModel | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        super().__init__(config, block_manager, step_time, clock)
-        self.budget = config.max_num_batched_tokens
-        self.step_time = step_time if config.tpot_aware_chunking else None
-        self.chunks: list[tuple[Sequence, int]] = []  # the last step's prompt chunks: (sequence, first token)
-
-    def schedule(self) -> ScheduledBatch:
-        for seq, first in self.chunks:  # their KV is in the cache now
-            if seq.block_table:
-                self.block_manager.register_computed(seq, first)
+    def _schedule_chunked(self) -> ScheduledBatch:
         decode, prompts, preempted = self.running.grow(lambda seq: seq.num_tokens - seq.num_computed_tokens == 1)
         budget = max(0, self.budget - len(decode))
         if (within_slo := self.tokens_within_tpot_slo(decode)) is not None:
@@ -196,46 +200,3 @@ class ChunkedPrefillScheduler(PrefillFirstScheduler):
         if not slos:
             return None
         return self.step_time.tokens_within(TPOT_SLO_SHARE * min(slos))
-
-
-class PrefillOnlyScheduler:
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        block_manager: BlockManager,
-        step_time: StepTimeModel | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        self.block_manager = block_manager
-        self.waiting = WaitingQueue(config, block_manager, step_time, clock)
-        self.max_num_seqs = config.max_num_seqs
-
-    num_preemptions = 0  # a prefill batch allocates all its blocks up front: nothing to preempt
-    num_running = 0  # a prefill batch runs within one step
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    def has_unfinished(self) -> bool:
-        return bool(len(self.waiting))
-
-    def add(self, seq: Sequence) -> None:
-        self.waiting.add(seq)
-
-    def schedule(self) -> ScheduledBatch:
-        return ScheduledBatch(self.waiting.schedule(self.max_num_seqs), is_prefill=True)
-
-    def finish(self, seq: Sequence) -> None:
-        self.waiting.remove(seq)
-        if seq.block_table:
-            self.block_manager.free(seq)
-
-    def waiting_seqs(self) -> list[Sequence]:
-        return self.waiting.seqs()
-
-    def running_seqs(self) -> list[Sequence]:
-        return []  # a prefill batch runs within one step
-
-    def finish_running(self, seq: Sequence) -> None:
-        raise RuntimeError("a prefill-only scheduler runs no batch between steps")
