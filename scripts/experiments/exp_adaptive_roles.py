@@ -53,6 +53,8 @@ import sys
 import time
 from pathlib import Path
 
+from distserve.cluster.role_control.config import RoleControlConfig
+
 # Each class's prompt and output lengths (uniform between the bounds). Long prompts, moderate
 # outputs: every prefill stalls a colocated instance's decoding. Short prompts, long outputs:
 # prefill is cheap, decode capacity and smooth steps count.
@@ -83,8 +85,10 @@ ORACLE_LAYOUTS = {"long": ("colocated", "colocated"), "short": ("prefill", "deco
 # its probes (None: set as the probes go, by the oracle's load); adaptive starts as on its own.
 ONE_CLUSTER_LAYOUTS = {"chunked": ("colocated", "colocated"), "disaggregated": ("prefill", "decode"),
                        "oracle": None, "staged-oracle": None, "adaptive": ("prefill", "decode")}  # fmt: skip
-ROLE_CONTROL = {"interval": 0.5, "window": 3.0, "min_requests": 8, "patience": 2, "min_dwell": 3.0,
-                "arrival_window": 1.0, "mix_arrivals": 3, "forecast": True}  # fmt: skip
+# The controller's settings, as shipped (``RoleControlConfig``'s defaults); --role-control and
+# --memory change them for a run.
+ROLE_CONTROL = {name: getattr(RoleControlConfig, name) for name in ("interval", "window", "min_requests", "patience",
+                "min_dwell", "arrival_window", "mix_arrivals", "forecast")}  # fmt: skip
 WORKLOADS = ("long", "short", "alternating")
 _probe_count = itertools.count()  # each probe's prompts are its own
 
@@ -290,12 +294,12 @@ def goodput(run_probe, low: float, high: float, steps: int, target: float) -> tu
     return best, probes
 
 
-def grid_goodput(run_probe, rates: list[float], repeats: int, target: float) -> tuple[float, list[dict]]:
+def grid_goodput(run_probe, rates: list[float], repeats: int, target: float, seed: int = 0) -> tuple[float, list[dict]]:
     """Every rate of the grid ``repeats`` times (rates in turn, each repeat with other arrivals):
     the highest rate at which, and below which everywhere, the requests of all its probes together
     meet ``target``; and every probe. Unlike a bisection, one unlucky probe moves the result by one
     grid step at most, not into the other half of the range."""
-    probes = [run_probe(rate, seed=repeat) for repeat in range(repeats) for rate in rates]
+    probes = [run_probe(rate, seed=seed + repeat) for repeat in range(repeats) for rate in rates]
     return grid_best(probes, target), probes
 
 
@@ -477,7 +481,7 @@ def one_cluster(args: argparse.Namespace, running, slos: dict, scratch: Path) ->
                         else:
                             layout = ONE_CLUSTER_LAYOUTS[name]
                             client.set_roles(dict(zip(instances, layout)) if layout else {}, role_control="fixed")
-                        seed = 0 if args.same_arrivals else repeat
+                        seed = args.seed + (0 if args.same_arrivals else repeat)
                         result = run_probe(rate, oracle=name if name in ORACLES else "", seed=seed)
                         if name == "adaptive":
                             client.set_roles({}, role_control="fixed")  # stays as it is until set again
@@ -543,6 +547,9 @@ def main() -> None:
         help="with --one-cluster: every repeat the same arrivals, so that repeats differ only in when they ran",
     )
     parser.add_argument("--slos-from", type=Path, help="take the SLOs from an earlier run's summary.json")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="arrivals of repeat r drawn from seed + r (another seed: fresh arrivals)"
+    )
     parser.add_argument("--deployments", default=",".join(DEPLOYMENTS))
     parser.add_argument(
         "--tpot-aware-chunking",
@@ -569,7 +576,7 @@ def main() -> None:
     parser.add_argument(
         "--memory",
         type=float,
-        default=300.0,
+        default=RoleControlConfig.memory,
         help="seconds the adaptive controller trusts a layout's measured attainment for",
     )
     parser.add_argument("--out", type=Path, default=Path("results/adaptive-roles"))
@@ -662,7 +669,7 @@ def main() -> None:
 
                     if args.rates:
                         rates = [float(r) for r in args.rates.split(",")]
-                        best, probes = grid_goodput(run_probe, rates, args.repeats, args.target)
+                        best, probes = grid_goodput(run_probe, rates, args.repeats, args.target, args.seed)
                     else:
                         best, probes = goodput(run_probe, 0.0, args.rate_high, args.steps, args.target)
                     changes = running.cluster.role_changes if name in ROLE_CHANGING else []
@@ -676,7 +683,7 @@ def main() -> None:
     finally:
         ray.shutdown()
     summary = {"model": args.model, "classes": args.classes, "policy": args.policy, "target": args.target, "slos": slos,
-               "same_arrivals": args.same_arrivals, "unloaded": unloaded,
+               "same_arrivals": args.same_arrivals, "seed": args.seed, "unloaded": unloaded,
                "role_control": {**ROLE_CONTROL, **role_control(args.role_control)},
                "results": results}  # fmt: skip
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

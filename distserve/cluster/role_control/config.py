@@ -16,13 +16,13 @@ class RoleControlConfig:
     slo_ttft: float | None = None  # seconds; adaptive needs both SLOs
     slo_tpot: float | None = None
     target: float = 0.9  # the share of requests each SLO must hold for
-    interval: float = 2.0  # seconds between decisions
+    interval: float = 1.0  # seconds between decisions
     window: float = 10.0  # seconds of finished requests a decision looks at
     min_requests: int = 8  # a window holds at least this many finished requests (reaching back), else no decision
     patience: int = 2  # decisions in a row that must propose the same layout
-    min_dwell: float = 10.0  # seconds after a change before the next
-    memory: float = 120.0  # seconds a layout's measured attainment is trusted for a similar load
-    arrival_window: float = 2.0  # seconds of arrivals that say what load is coming
+    min_dwell: float = 5.0  # seconds after a change before the next
+    memory: float = 900.0  # seconds a layout's measured attainment is trusted for a similar load
+    arrival_window: float = 1.0  # seconds of arrivals that say what load is coming
     # The arriving mix is of at least this many arrivals, however few came in ``arrival_window``.
     # With three, one of another kind among them moves the mix off both kinds, so a lone stray
     # moves nothing; with one, a workload that changes kind is followed on the first arrival of
