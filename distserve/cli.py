@@ -169,7 +169,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{info.model}: {state}, {info.num_pending_requests}/{info.max_pending_requests} requests in flight, "
         f"context {info.max_model_len} tokens"
     )
-    columns = ("instance", "role", "TPxPP", "KV used", "waiting", "running", "held", "pending", "preempted", "state")
+    columns = (
+        "instance", "role", "node", "TPxPP", "KV used", "waiting", "running", "held", "pending", "preempted", "state"
+    )  # fmt: skip
     rows = [columns]
     for i in info.instances:
         used = i.num_blocks - i.num_free_blocks
@@ -177,6 +179,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             (
                 i.name,
                 _role_name(i.role),
+                i.node_id[:8] or "-",  # enough of the hex id to tell nodes apart
                 f"{i.tensor_parallel_size}x{i.pipeline_parallel_size}",
                 f"{used}/{i.num_blocks} ({used / max(i.num_blocks, 1):.0%})",
                 str(i.num_waiting),
@@ -190,6 +193,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     widths = [max(len(row[c]) for row in rows) for c in range(len(columns))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    pulls = [(i.name, p) for i in info.instances for p in i.kv_pulls]
+    if pulls:
+        print("KV pulled (decode <- prefill: transport, pulls, bytes, time, rate):")
+    for name, p in pulls:
+        rate = f"{p.bytes / p.seconds / 2**20:.0f} MiB/s" if p.seconds else "-"
+        print(f"  {name} <- {p.source}: {p.transport}, {p.pulls}, {p.bytes / 2**20:.1f} MiB, {p.seconds:.2f} s, {rate}")
     print(f"roles: {info.role_control}" + (", latest changes:" if info.role_changes else ""))
     for change in info.role_changes[-5:]:
         _print_role_change(change)

@@ -381,8 +381,9 @@ def cmd_search(args: argparse.Namespace) -> int:
     )
     if args.out:
         document = plan_document(
-            deployment, args.model, cluster.gpus_per_node, args.max_num_batched_tokens, args.max_num_seqs, notes
-        )
+            deployment, args.model, cluster.gpus_per_node, args.max_num_batched_tokens, args.max_num_seqs, notes,
+            deployment.stage_nodes(cluster.num_nodes, cluster.gpus_per_node),
+        )  # fmt: skip
         write_plan(args.out, document)
         print(f"wrote {args.out}: serve it with `distserve launch --plan {args.out}`")
     if args.plot:

@@ -47,42 +47,58 @@ class Deployment:
         return self
 
     def fits(self, cluster: ClusterSpec) -> bool:
-        return self.node_layout(cluster.num_nodes, cluster.gpus_per_node) is not None
+        return self._assign(cluster.num_nodes, cluster.gpus_per_node) is not None
 
     def node_layout(self, num_nodes: int, gpus_per_node: int) -> list[list[str]] | None:
-        """Segments ("prefill-0 stage 1: 2 GPUs") on each node, or None when they do not fit.
+        """Segments ("prefill-0 stage 1: 2 GPUs") on each node, or None when they do not fit."""
+        assigned = self._assign(num_nodes, gpus_per_node)
+        if assigned is None:
+            return None
+        nodes: list[list[str]] = [[] for _ in range(num_nodes)]
+        for node, stages in assigned:
+            nodes[node].extend(f"{role}-{i} stage {stage}: {tp} GPUs" for role, i, stage, tp in stages)
+        return nodes
+
+    def stage_nodes(self, num_nodes: int, gpus_per_node: int) -> dict[str, list[list[int]]] | None:
+        """Each instance's node per pipeline stage, by role (``{"prefill": [[0, 1]], ...}``, what a plan
+        file's pools name), or None when they do not fit."""
+        assigned = self._assign(num_nodes, gpus_per_node)
+        if assigned is None:
+            return None
+        nodes = {"prefill": [[0] * self.prefill.pp for _ in range(self.prefill_instances)],
+                 "decode": [[0] * self.decode.pp for _ in range(self.decode_instances)]}  # fmt: skip
+        for node, stages in assigned:
+            for role, i, stage, _ in stages:
+                nodes[role][i][stage] = node
+        return nodes
+
+    def _assign(self, num_nodes: int, gpus_per_node: int) -> list[tuple[int, list[tuple[str, int, int, int]]]] | None:
+        """The node of each segment of stages (role, instance, stage, TP) placed together, or None.
 
         A stage's TP ranks stay within a node (tensor parallelism needs NVLink). High affinity packs
         stages first-fit, largest first; low affinity puts stage i of a unit's prefill and decode
         instance on one node, which is what keeps their KV transfer on NVLink.
         """
-        segments: list[tuple[int, list[str]]] = []
+        segments: list[list[tuple[str, int, int, int]]] = []
         if self.affinity == "high":
             for role, par, count in (
                 ("prefill", self.prefill, self.prefill_instances),
                 ("decode", self.decode, self.decode_instances),
             ):
-                for i in range(count):
-                    for stage in range(par.pp):
-                        segments.append((par.tp, [f"{role}-{i} stage {stage}: {par.tp} GPUs"]))
+                segments += [[(role, i, stage, par.tp)] for i in range(count) for stage in range(par.pp)]
         else:
-            for i in range(self.prefill_instances):
-                for stage in range(self.prefill.pp):
-                    segments.append(
-                        (
-                            self.prefill.tp + self.decode.tp,
-                            [
-                                f"prefill-{i} stage {stage}: {self.prefill.tp} GPUs",
-                                f"decode-{i} stage {stage}: {self.decode.tp} GPUs",
-                            ],
-                        )
-                    )
+            segments = [
+                [("prefill", i, stage, self.prefill.tp), ("decode", i, stage, self.decode.tp)]
+                for i in range(self.prefill_instances)
+                for stage in range(self.prefill.pp)
+            ]
         free = [gpus_per_node] * num_nodes
-        nodes: list[list[str]] = [[] for _ in range(num_nodes)]
-        for size, labels in sorted(segments, key=lambda s: -s[0]):
+        assigned = []
+        for stages in sorted(segments, key=lambda seg: -sum(tp for *_, tp in seg)):
+            size = sum(tp for *_, tp in stages)
             node = next((n for n in range(num_nodes) if free[n] >= size), None)
             if node is None:
                 return None
             free[node] -= size
-            nodes[node].extend(labels)
-        return nodes
+            assigned.append((node, stages))
+        return assigned

@@ -15,11 +15,15 @@ from placement.deployment import Deployment
 from placement.latency import Parallelism
 
 
-def _pool(par: Parallelism, count: int, per_node: int, options: dict[str, Any]) -> dict[str, Any]:
+def _pool(
+    par: Parallelism, count: int, per_node: int, options: dict[str, Any], nodes: list[list[int]] | None = None
+) -> dict[str, Any]:
     pool = {"instances": count, "tensor_parallel_size": par.tp, "pipeline_parallel_size": par.pp, **options}
     if par.gpus > per_node:
         # The default STRICT_PACK keeps an instance on one node; a larger one must spread its stages.
         pool["placement_strategy"] = "PACK"
+    if nodes is not None:  # each instance's node group per stage (distserve.engine.node_groups)
+        pool["nodes"] = nodes
     return pool
 
 
@@ -37,8 +41,12 @@ def plan_document(
     max_batch_tokens: int,
     max_batch_size: int,
     notes: dict[str, Any],
+    stage_nodes: dict[str, list[list[int]]] | None = None,
 ) -> dict[str, Any]:
-    """The plan as a mapping: ``model:`` and ``cluster:`` sections for the engine, ``plan:`` notes."""
+    """The plan as a mapping: ``model:`` and ``cluster:`` sections for the engine, ``plan:`` notes.
+    ``stage_nodes`` (``Deployment.stage_nodes``): the node of each instance's stages, which
+    ``distserve launch --plan`` places them on."""
+    nodes = stage_nodes or {}
     return {
         "model": _model_section(model),
         "cluster": {
@@ -47,9 +55,14 @@ def plan_document(
                 deployment.prefill_instances,
                 gpus_per_node,
                 {"max_num_batched_tokens": max_batch_tokens},
+                nodes.get("prefill"),
             ),
             "decode": _pool(
-                deployment.decode, deployment.decode_instances, gpus_per_node, {"max_num_seqs": max_batch_size}
+                deployment.decode,
+                deployment.decode_instances,
+                gpus_per_node,
+                {"max_num_seqs": max_batch_size},
+                nodes.get("decode"),
             ),
         },
         "plan": {"affinity": deployment.affinity, **notes},

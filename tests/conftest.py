@@ -109,17 +109,44 @@ async def wait_nothing_in_use_async(cluster, timeout: float = 10.0) -> None:
 FAMILIES = TINY_MODELS
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """A local Ray cluster for the tests that run instances as actors, started once."""
+def _start_local_ray():
     ray = pytest.importorskip("ray")
 
     from distserve.engine.ray_runtime import one_gpu_shared_options
 
     # On a one-GPU machine, the GPU tests' prefill and decode instances share it.
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, **one_gpu_shared_options())
+    return ray
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster for the tests that run instances as actors, started once."""
+    ray = _start_local_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_nodes(ray_cluster):
+    """A Ray cluster of three nodes on this machine in place of the session's for a module's tests:
+    the head and two more, one CPU each, labelled ``distserve.io/node`` 0, 1 and 2. Yields the
+    ``ray.cluster_utils.Cluster`` (``remove_node(nodes.labelled["2"])`` loses node 2); the session's
+    cluster is back after."""
+    from ray.cluster_utils import Cluster
+
+    from distserve.engine.node_groups import NODE_LABEL
+
+    ray_cluster.shutdown()
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "labels": {NODE_LABEL: "0"}})
+    try:
+        nodes.labelled = {name: nodes.add_node(num_cpus=1, labels={NODE_LABEL: name}) for name in ("1", "2")}
+        ray_cluster.init(address=nodes.address, log_to_driver=False)
+        yield nodes
+    finally:
+        ray_cluster.shutdown()
+        nodes.shutdown()
+        _start_local_ray()
 
 
 def make_tls_cert(directory) -> tuple[str, str]:

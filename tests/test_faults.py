@@ -50,6 +50,15 @@ def _kill(cluster: AsyncCluster, role: str, ray) -> str:
     return entry.name
 
 
+def _process_gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie not yet reaped has too): nothing a SIGCONT could resume."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 def _decoding(state) -> bool:
     return len(state.samples[0].run.output_token_ids) >= 3  # tokens past the first: the decode side has it
 
@@ -227,6 +236,46 @@ def test_replacement_that_cannot_start_fails_requests_with_a_reason(ray_cluster,
     asyncio.run(scenario())
 
 
+def test_a_stopped_instance_is_fenced_and_its_requests_finish_elsewhere(ray_cluster, llama):
+    """SIGSTOP of the decode instance's process while requests decode, then of the prefill's while
+    prompts are queued: each is fenced once it leaves its poll unanswered past ``liveness_timeout``
+    (its process killed), every request ends equal to its greedy output, replacements serve, and
+    the stopped process is gone, so no SIGCONT can resume it: nothing it held can reach a client or
+    stay in use."""
+    prompts = random_prompts([40, 300, 120, 250, 80, 16, 200, 60], 1024, seed=29)
+    expected = [reference_greedy(llama, p, MAX_TOKENS) for p in prompts]
+    liveness = 3.0
+
+    async def scenario():
+        cluster = await AsyncCluster.start(
+            model="tiny-llama", block_size=8, num_kv_blocks=400, liveness_timeout=liveness, max_request_attempts=3
+        )
+        names = lambda: [s.name for s in cluster.orchestrator.instances]  # noqa: E731
+        stages = {"decode": lambda progress: sum(n >= 3 for n in progress.values()) >= 2,
+                  "prefill": lambda progress: len(progress) < 4}  # fmt: skip
+        try:
+            for kill, (role, batch) in enumerate((("decode", range(0, 4)), ("prefill", range(4, 8))), start=1):
+                progress: dict[int, int] = {}
+                tasks = [asyncio.create_task(_collect(cluster, prompts[i], progress, i)) for i in batch]
+                await _wait_until(lambda: stages[role](progress))  # noqa: B023
+                stopped = _healthy(cluster, role)
+                _, pid = stopped.info.processes[0]
+                os.kill(pid, signal.SIGSTOP)
+                started = time.monotonic()
+                results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+                print(f"{role} stopped: its requests ended {time.monotonic() - started:.1f} s later")
+                assert results == [expected[i] for i in batch]
+                assert "liveness_timeout" in stopped.failure
+                await _wait_until(lambda: any(n.endswith(f"{role}-r{kill}") for n in names()), timeout=60)  # noqa: B023
+                await _wait_until(lambda: _process_gone(pid), timeout=10)  # noqa: B023
+            await wait_nothing_in_use_async(cluster)
+            assert await _collect(cluster, prompts[0], {}, 0) == expected[0]
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_sampled_requests_rerun_to_the_same_tokens(ray_cluster):
     """A request sampled at temperature > 0 without a seed gets one at admission, so a re-run after
     its decode instance dies continues the very stream the client was reading."""
@@ -353,6 +402,33 @@ def test_cancellation_at_every_stage_frees_blocks_within_a_second(ray_cluster):
     asyncio.run(scenario())
 
 
+def test_a_replacement_killed_in_turn_is_replaced_again(ray_cluster, llama):
+    """The decode instance is killed while requests decode, then its replacement is killed as well
+    under new requests: each kill re-runs what was in flight to its greedy output, a second
+    replacement comes up, and afterwards no block is in use (the fast path of the slow
+    ``test_repeated_kills_under_a_steady_load``)."""
+    prompts = random_prompts([40, 300, 120, 250, 80, 16, 200, 60], 1024, seed=19)
+    expected = [reference_greedy(llama, p, MAX_TOKENS) for p in prompts]
+
+    async def scenario():
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=400, max_request_attempts=3)
+        names = lambda: [s.name for s in cluster.orchestrator.instances]  # noqa: E731
+        try:
+            for kill, batch in enumerate((range(0, 4), range(4, 8)), start=1):
+                progress: dict[int, int] = {}
+                tasks = [asyncio.create_task(_collect(cluster, prompts[i], progress, i)) for i in batch]
+                await _wait_until(lambda: sum(n >= 3 for n in progress.values()) >= 2)  # noqa: B023
+                killed = _kill(cluster, "decode", ray_cluster)
+                assert await asyncio.wait_for(asyncio.gather(*tasks), 120) == [expected[i] for i in batch]
+                await _wait_until(lambda: any(n.endswith(f"decode-r{kill}") for n in names()), timeout=60)  # noqa: B023
+                assert killed not in names()
+            await wait_nothing_in_use_async(cluster)
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.slow
 def test_repeated_kills_under_a_steady_load(ray_cluster, llama):
     """Requests keep arriving while the prefill and the decode instance are each killed twice, one
@@ -383,6 +459,50 @@ def test_repeated_kills_under_a_steady_load(ray_cluster, llama):
             await cluster.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_above_capacity_the_queue_refuses_at_once_and_memory_stays_bounded(ray_cluster, llama):
+    """Waves of 400 concurrent gRPC streams against a server admitting 60 at a time, with KV for
+    about 6: the rest get RESOURCE_EXHAUSTED, every admitted stream equals its greedy output, nothing
+    is left in use, and the process does not grow from one wave to the next (the fast path of the
+    slow test below, at a quarter of its scale)."""
+    import grpc
+    import psutil
+
+    from distserve.cluster.api import make_cluster_config
+    from distserve.entrypoints.client import AsyncClient
+    from distserve.entrypoints.server import BackgroundServer
+    from distserve.entrypoints.server_config import ServerConfig
+
+    prompts = random_prompts([16 + (i * 7) % 48 for i in range(20)], 1024, seed=23)
+    max_tokens = 4
+    expected = [reference_greedy(llama, p, max_tokens) for p in prompts]
+    config = make_cluster_config(model="tiny-llama", block_size=8, num_kv_blocks=40, prefill={}, decode={})
+
+    async def wave(address) -> tuple[int, int]:
+        async def one(i):
+            try:
+                completion = await client.complete(prompts[i % 20], max_tokens=max_tokens, temperature=0)
+            except grpc.aio.AioRpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                return False
+            assert completion.token_ids == expected[i % 20]
+            return True
+
+        async with AsyncClient(address) as client:
+            admitted = await asyncio.gather(*(one(i) for i in range(400)))
+        return sum(admitted), len(admitted) - sum(admitted)
+
+    process = psutil.Process()
+    with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, max_pending_requests=60)) as server:
+        rss = []
+        for _ in range(3):
+            admitted, refused = asyncio.run(wave(server.grpc_address))
+            print(f"admitted {admitted}, refused {refused}, rss {process.memory_info().rss / 2**20:.0f} MiB")
+            assert admitted >= 60 and refused > 0
+            assert not in_use(server.info()) and server.frontend.num_pending == 0
+            rss.append(process.memory_info().rss)
+        assert rss[2] - rss[1] < 32 * 2**20, [r / 2**20 for r in rss]
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from conftest import random_prompts, reference_greedy
 from test_launch import Launched
 from test_parallel import SIX_HEADS
 
+from distserve import Cluster, SamplingParams
 from distserve.core.config import ModelConfig, ParallelConfig
 from distserve.core.model_presets import MODEL_PRESETS, TINY_MODEL_PRESETS, model_shape
 from distserve.entrypoints.client import Client
@@ -76,8 +77,34 @@ def _small_gpu_hardware(path, model_dir) -> None:
     path.write_text(yaml.safe_dump(hardware))
 
 
-@pytest.mark.slow  # 45-90 s: the planner's search, then a launch
-def test_a_planner_written_tp3_plan_launches_and_serves_greedy_equal_to_transformers(tmp_path, capsys):
+def _serve_with_cli(plan, prompts, reference) -> None:
+    server = Launched("--plan", str(plan), "--num-kv-blocks", "64")
+    try:
+        with Client(server.grpc_address) as client:
+            info = client.cluster_info()
+            assert sorted(i.tensor_parallel_size for i in info.instances) == [3, 3]
+            for prompt in prompts:
+                served = client.complete(prompt, max_tokens=12, temperature=0.0).token_ids
+                assert served == reference_greedy(reference, prompt, 12)
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(timeout=120) == 0
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+
+
+def _serve_in_process(plan, prompts, reference) -> None:
+    config, _ = load_launch_config(plan=str(plan), flags={"num_kv_blocks": 64})
+    with Cluster(config) as cluster:
+        assert sorted(i.tensor_parallel_size for i in cluster.info()) == [3, 3]
+        outputs = cluster.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))
+        assert [o.output_token_ids for o in outputs] == [reference_greedy(reference, p, 12) for p in prompts]
+
+
+# The plan read by ``distserve launch --plan`` in a process of its own is the slow variant; the
+# default one reads it with the same loader and serves it from a cluster in this process.
+@pytest.mark.parametrize("serve", ["cluster", pytest.param("launch", marks=pytest.mark.slow)])
+def test_a_planner_written_tp3_plan_launches_and_serves_greedy_equal_to_transformers(tmp_path, capsys, request, serve):
     from transformers import AutoModelForCausalLM
 
     model_dir = make_tiny_model("tiny-llama", tmp_path / "six-heads", **SIX_HEADS["tiny-llama"])
@@ -93,16 +120,8 @@ def test_a_planner_written_tp3_plan_launches_and_serves_greedy_equal_to_transfor
 
     reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = random_prompts([5, 60], reference.config.vocab_size, seed=11)
-    server = Launched("--plan", str(plan), "--num-kv-blocks", "64")
-    try:
-        with Client(server.grpc_address) as client:
-            info = client.cluster_info()
-            assert sorted(i.tensor_parallel_size for i in info.instances) == [3, 3]
-            for prompt in prompts:
-                served = client.complete(prompt, max_tokens=12, temperature=0.0).token_ids
-                assert served == reference_greedy(reference, prompt, 12)
-        server.process.send_signal(signal.SIGINT)
-        assert server.process.wait(timeout=120) == 0
-    finally:
-        if server.process.poll() is None:
-            server.process.kill()
+    if serve == "cluster":
+        request.getfixturevalue("ray_cluster")
+        _serve_in_process(plan, prompts, reference)
+    else:
+        _serve_with_cli(plan, prompts, reference)

@@ -13,6 +13,7 @@ cluster:
   decode: {instances: 2, max_num_seqs: 128}
   max_request_attempts: 3          # runs of a request, the first included, across instance failures
   replace_failed_instances: true   # start a new instance in place of one that died
+  liveness_timeout: 10             # seconds an instance may leave the orchestrator unanswered before it is fenced
   stream_interval: 0.005           # seconds between an instance's output batches (first tokens and ends at once)
   role_control: {mode: adaptive, slo_ttft: 0.5, slo_tpot: 0.05}  # roles follow the load
 ```
@@ -31,7 +32,14 @@ from distserve.core.config import FIELD_SECTION, EngineConfig, is_int, is_number
 from distserve.core.cpu_cores import UNBOUND, format_cores, parse_cores
 from distserve.core.role import ROLES, Role
 
-CLUSTER_KEYS = ("name", "max_request_attempts", "replace_failed_instances", "stream_interval", "role_control")
+CLUSTER_KEYS = (
+    "name",
+    "max_request_attempts",
+    "replace_failed_instances",
+    "liveness_timeout",
+    "stream_interval",
+    "role_control",
+)
 # Per-pool CLI flags of ``distserve launch``: (flag dest, role, pool key);
 # ``--prefill-tensor-parallel-size`` is ``cluster.prefill.tensor_parallel_size``.
 POOL_FLAGS = [
@@ -60,12 +68,15 @@ class PoolConfig:
     role: Role
     instances: int = 1
     options: dict[str, Any] = field(default_factory=dict)  # flat engine options for this pool only
+    # Each instance's node group per pipeline stage (``distserve.engine.node_groups``), as plan files
+    # write them: ``[[0], [1]]`` puts two one-stage instances on node groups 0 and 1. None: Ray places them.
+    nodes: list[list[str]] | None = None
 
     @classmethod
     def from_options(cls, role: str, options: dict[str, Any] | None) -> PoolConfig:
-        """A pool from its YAML section or keyword dict: ``instances`` plus engine overrides."""
+        """A pool from its YAML section or keyword dict: ``instances``, ``nodes`` and engine overrides."""
         options = dict(options or {})
-        return cls(role, options.pop("instances", 1), options)
+        return cls(role, options.pop("instances", 1), options, options.pop("nodes", None))
 
     def __post_init__(self) -> None:
         self.role = Role.parse(self.role)
@@ -76,6 +87,11 @@ class PoolConfig:
             raise ValueError(f"unknown option(s) {', '.join(unknown)} in the {self.role} pool")
         if "role" in self.options:
             raise ValueError(f"the {self.role} pool sets its instances' role: leave 'role' out")
+        if self.nodes is not None:
+            if not isinstance(self.nodes, list) or len(self.nodes) != self.instances:
+                raise ValueError(f"the {self.role} pool's nodes lists one entry per instance ({self.instances})")
+            if not all(isinstance(stages, list) and stages for stages in self.nodes):
+                raise ValueError(f"each of the {self.role} pool's nodes is a list of node groups, one per stage")
 
 
 @dataclass
@@ -87,6 +103,10 @@ class ClusterConfig:
     # runs in all; 1 fails it instead (UNAVAILABLE).
     max_request_attempts: int = 3
     replace_failed_instances: bool = True
+    # An instance that leaves the orchestrator's poll of its outputs unanswered this many seconds past
+    # the poll's own wait (its process stopped, swapped out, cut off) is fenced: its processes are
+    # killed, its requests re-run elsewhere, and it is replaced, as if it had died.
+    liveness_timeout: float = 10.0
     # An instance hands its decode tokens over at most every this many seconds (a request's first
     # token and its end at once): each hand-over cost its step loop about 0.6 ms on a CPU, more
     # than half a small decode step. 0: every step.
@@ -103,6 +123,8 @@ class ClusterConfig:
             raise ValueError(f"max_request_attempts must be a positive integer, got {self.max_request_attempts!r}")
         if not is_number(self.stream_interval) or not 0 <= self.stream_interval <= 1:
             raise ValueError(f"stream_interval must be between 0 and 1 second, got {self.stream_interval!r}")
+        if not is_number(self.liveness_timeout) or not self.liveness_timeout > 0:
+            raise ValueError(f"liveness_timeout must be > 0 seconds, got {self.liveness_timeout!r}")
         if not isinstance(self.replace_failed_instances, bool):
             raise ValueError(f"replace_failed_instances must be true or false, got {self.replace_failed_instances!r}")
         roles = [pool.role for pool in self.pools]
@@ -134,9 +156,10 @@ class ClusterConfig:
     def _pool_instances(self, pool: PoolConfig) -> list[EngineConfig]:
         """The engine config of each of the pool's instances: a pool's core list split among them."""
         engine = self.engine_config(pool)
+        nodes = pool.nodes or [()] * pool.instances
         return [
-            dataclasses.replace(engine, parallel=dataclasses.replace(engine.parallel, cpu_cores=cores))
-            for cores in _split_cores(engine.parallel.cpu_cores, pool.instances)
+            dataclasses.replace(engine, parallel=dataclasses.replace(engine.parallel, cpu_cores=cores, nodes=stages))
+            for cores, stages in zip(_split_cores(engine.parallel.cpu_cores, pool.instances), nodes)
         ]
 
     def instance_configs(self) -> list[tuple[str, EngineConfig]]:

@@ -23,6 +23,7 @@ from distserve.cluster.instance_pool import InstancePool
 from distserve.cluster.request_table import RequestState
 from distserve.cluster.routing import InstanceState
 from distserve.core.errors import InstanceFailure
+from distserve.engine.node_groups import on_nodes_left
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +108,10 @@ class Failover:
                 return None
             self._generation += 1
             name = f"{self.name}-{failed.role}-r{self._generation}"
+            config = on_nodes_left(failed.config)
             try:
-                handle = await loop.run_in_executor(None, launch_instance, failed.config, name)
-                return InstanceState(name, failed.role, handle, await handle.info.remote(), failed.config)
+                handle = await loop.run_in_executor(None, launch_instance, config, name)
+                return InstanceState(name, failed.role, handle, await handle.info.remote(), config)
             except Exception as e:
                 logger.error("could not replace %s (try %d of %d): %s", failed.name, attempt + 1,
                              REPLACEMENT_ATTEMPTS, e)  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distserve.core.config import EngineConfig
 from distserve.core.errors import InstanceFailure, RequestError
@@ -29,8 +31,9 @@ from distserve.core.sampling_params import SamplingParams
 from distserve.core.step_metrics import StepRecord
 from distserve.engine.executor import Executor, cluster_device
 from distserve.engine.llm_engine import LLMEngine
+from distserve.engine.node_groups import ray_node_ids
 from distserve.engine.ray_runtime import cuda_actor_options
-from distserve.kv_transfer.migrator import MigrationRecord, Migrator
+from distserve.kv_transfer.migrator import MigrationRecord, Migrator, PullTotals
 from distserve.kv_transfer.plan import KVEndpoint
 from distserve.model_executor.model_loader import resolve_model
 from distserve.parallel.ranks import check_parallel_config
@@ -63,6 +66,9 @@ class InstanceInfo:
     failure: str | None
     num_kv_pulls: int = 0  # decode: KV pulls done (one per hand-over, whatever its samples)
     num_copied_blocks: int = 0  # blocks a request's samples shared and one of them copied to write into
+    # (Ray node id, pid) of its processes: the actor's, then its ranks' when they run apart from it.
+    processes: tuple[tuple[str, int], ...] = ()
+    kv_pulls_from: dict[str, PullTotals] = dataclasses.field(default_factory=dict)  # decode: by prefill instance
 
 
 @dataclass
@@ -98,6 +104,9 @@ class Instance:
             return self.migrator
 
         self.engine = LLMEngine(config, max_step_records=RECENT_STEPS, name=name, make_kv_puller=make_migrator)
+        # Where its processes are, known before anything can stall: what fencing it kills.
+        own = (ray.get_runtime_context().get_node_id(), os.getpid())
+        self._processes = (own, *self.engine.executor.worker_processes())
         self._loop = threading.Thread(target=self._run, name=f"{name}-step-loop", daemon=True)
         self._loop.start()
 
@@ -244,10 +253,13 @@ class Instance:
             failure=self._failure,
             num_kv_pulls=self.migrator.num_pulls,
             num_copied_blocks=engine.block_manager.num_copied_blocks,
+            processes=self._processes,
+            kv_pulls_from=self.migrator.totals(),
         )
 
     def worker_pids(self) -> list[int]:
-        return self.engine.executor.worker_pids()
+        """Each rank's pid (this actor's own when its only rank runs here)."""
+        return [pid for _, pid in self.engine.executor.worker_processes()] or [os.getpid()]
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -393,10 +405,13 @@ def launch_instance(config: EngineConfig, name: str) -> Any:
         pass
     else:
         raise ValueError(f"an actor named '{name}' already exists in this Ray cluster: instance names must be unique")
-    cuda_options = cuda_actor_options("cuda" if gpus else "cpu")
+    options = cuda_actor_options("cuda" if gpus else "cpu")
+    if config.parallel.nodes:  # on the node of its first stage, where its only rank runs when it has one
+        node = config.parallel.nodes[0]
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(ray_node_ids([node])[node], soft=False)
     handle = (
         ray.remote(Instance)
-        .options(name=name, num_cpus=0, num_gpus=gpus, max_concurrency=MAX_CONCURRENT_CALLS, **cuda_options)
+        .options(name=name, num_cpus=0, num_gpus=gpus, max_concurrency=MAX_CONCURRENT_CALLS, **options)
         .remote(config, name)
     )
     try:

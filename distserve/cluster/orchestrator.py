@@ -30,6 +30,7 @@ import ray
 from distserve.cluster.config import ClusterConfig
 from distserve.cluster.core_plan import plan_cores
 from distserve.cluster.failover import Failover
+from distserve.cluster.fencing import fence
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.instance_pool import InstancePool
 from distserve.cluster.request_table import RequestState, RequestTable
@@ -46,6 +47,7 @@ from distserve.core.sampling_params import SamplingParams
 from distserve.core.slo import RequestSLO
 from distserve.engine.executor import cluster_device
 from distserve.engine.input_processor import InputProcessor
+from distserve.engine.node_groups import check_nodes_hold
 from distserve.model_executor.model_loader import eos_token_ids, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,7 @@ class Orchestrator:
                 logger.info("cores: %s", line)
         self.config = plan.config
         configs = self.config.instance_configs()
+        check_nodes_hold(configs)  # a plan's node groups: refused before anything starts
         handles = await asyncio.gather(
             *(loop.run_in_executor(None, launch_instance, config, name) for name, config in configs),
             return_exceptions=True,
@@ -328,9 +331,14 @@ class Orchestrator:
 
     async def _poll(self, entry: InstanceState) -> None:
         while not self.closed:
+            poll = entry.handle.get_outputs.remote(POLL_TIMEOUT_S, self.config.stream_interval)
             try:
-                deltas = await entry.handle.get_outputs.remote(POLL_TIMEOUT_S, self.config.stream_interval)
-            except INSTANCE_GONE as e:  # its requests cannot go on there
+                deltas = await asyncio.wait_for(poll, POLL_TIMEOUT_S + self.config.liveness_timeout)
+            except (*INSTANCE_GONE, asyncio.TimeoutError) as e:  # its requests cannot go on there
+                if isinstance(e, asyncio.TimeoutError):  # alive or not, it must not act again: fence it
+                    e = InstanceFailure(f"{entry.name} left its outputs unanswered for "
+                                        f"{self.config.liveness_timeout:g} s (liveness_timeout): fenced")  # fmt: skip
+                    self.spawn(fence(entry.handle, entry.info.processes))
                 for state, failure in self.failover.instance_failed(entry, e, list(self.requests.values())):
                     self.spawn(self.rerun(state, state.attempt, failure))
                 return

@@ -172,6 +172,9 @@ class ParallelConfig:
         "cores of their own for every worker when the machine has enough, the rest left to the "
         "serving processes (printed at start); unbound for an engine alone",
     )
+    # The node group of each pipeline stage (a plan file's ``nodes`` of the instance's pool; see
+    # ``distserve.engine.node_groups``): the stage's ranks run on that node. Empty: Ray places them.
+    nodes: tuple[str, ...] = field(default=(), metadata={"internal": True})
 
     def __post_init__(self) -> None:
         _check_choice("placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
@@ -181,6 +184,12 @@ class ParallelConfig:
             raise ValueError(f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
+        self.nodes = tuple(str(node) for node in self.nodes)
+        if self.nodes and len(self.nodes) != self.pipeline_parallel_size:
+            raise ValueError(
+                f"nodes names a node for each of the {self.pipeline_parallel_size} pipeline stages, "
+                f"got {list(self.nodes)}"
+            )
         if self.cpu_cores not in UNBOUND and len(parse_cores(self.cpu_cores)) < self.world_size:
             raise ValueError(f"cpu_cores '{self.cpu_cores}' has fewer cores than the {self.world_size} workers")
         if self.worker_cpus <= 0:
@@ -275,6 +284,8 @@ def is_number(value: Any) -> bool:
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
     return value.value if isinstance(value, Role) else value
 
 

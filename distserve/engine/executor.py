@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import Any, Protocol
 
 from distserve.core.config import EngineConfig
@@ -36,7 +35,8 @@ class Executor(Protocol):
 
     def check_health(self) -> None: ...
 
-    def worker_pids(self) -> list[int]: ...
+    def worker_processes(self) -> list[tuple[str, int]]:
+        """(Ray node id, pid) of each rank's process apart from the caller's; none when the rank runs here."""
 
     def kv_endpoints(self, instance: Any) -> list[KVEndpoint]: ...
 
@@ -76,8 +76,8 @@ class UniprocExecutor:
     def check_health(self) -> None:
         pass
 
-    def worker_pids(self) -> list[int]:
-        return [os.getpid()]
+    def worker_processes(self) -> list[tuple[str, int]]:
+        return []
 
     def kv_endpoints(self, instance: Any) -> list[KVEndpoint]:
         """The only rank runs in the instance actor, which forwards ``kv`` calls to it."""
@@ -98,6 +98,7 @@ class RayExecutor:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from distserve.engine.node_groups import NODE_ID_LABEL, ray_node_ids
         from distserve.engine.ray_runtime import cuda_actor_options, ensure_ray
 
         ensure_ray()
@@ -107,14 +108,22 @@ class RayExecutor:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=device))
         gpus = 1 if device == "cuda" else 0
         bundle = {"CPU": parallel.worker_cpus, **({"GPU": gpus} if gpus else {})}
-        self.placement_group = placement_group([bundle] * parallel.world_size, strategy=parallel.placement_strategy)
+        strategy, selectors = parallel.placement_strategy, None
+        if parallel.nodes:  # each stage's ranks on the node the plan names
+            ids = ray_node_ids(parallel.nodes)
+            selectors = [{NODE_ID_LABEL: ids[parallel.nodes[rank // parallel.tensor_parallel_size]]}
+                         for rank in range(parallel.world_size)]  # fmt: skip
+            strategy = "PACK" if len(set(parallel.nodes)) > 1 else strategy
+        self.placement_group = placement_group(
+            [bundle] * parallel.world_size, strategy=strategy, bundle_label_selector=selectors
+        )
         self.workers: list[Any] = []
         try:
             ready, _ = ray.wait([self.placement_group.ready()], timeout=PLACEMENT_TIMEOUT_S)
             if not ready:
                 raise InstanceFailure(
                     f"{name}: Ray could not place {parallel.world_size} workers of {bundle} "
-                    f"({parallel.placement_strategy}) within {PLACEMENT_TIMEOUT_S:.0f} s; "
+                    f"({strategy}) within {PLACEMENT_TIMEOUT_S:.0f} s; "
                     f"the cluster has {ray.available_resources()} available"
                 )
             remote_worker = ray.remote(Worker)
@@ -180,8 +189,8 @@ class RayExecutor:
             raise InstanceFailure(f"{self.name}: the instance has shut down")
         self._call([w.ping.remote() for w in self.workers], timeout=HEALTH_TIMEOUT_S)
 
-    def worker_pids(self) -> list[int]:
-        return self._call_all("ping")
+    def worker_processes(self) -> list[tuple[str, int]]:
+        return self._call_all("process")
 
     def call_kv(self, method: str, *args) -> list:
         return self._call_all("kv", method, *args)

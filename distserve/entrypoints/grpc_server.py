@@ -165,6 +165,11 @@ def instance_to_proto(info: InstanceInfo) -> pb.InstanceInfo:
         num_pending=info.num_pending,
         num_preemptions=info.num_preemptions,
         failure=info.failure or "",
+        node_id=info.processes[0][0] if info.processes else "",
+        kv_pulls=[
+            pb.KVPulls(source=source, transport=t.transport, pulls=t.pulls, bytes=t.num_bytes, seconds=t.seconds)
+            for source, t in sorted(info.kv_pulls_from.items())
+        ],
     )
 
 

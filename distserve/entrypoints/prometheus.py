@@ -58,6 +58,11 @@ class ServingMetrics:
         self.kv_usage = instance_gauge("kv_cache_usage", "share of KV blocks in use")
         self.preemptions = instance_gauge("preemptions", "requests preempted since start")
         self.healthy = instance_gauge("healthy", "1 while the instance serves")
+        pair = ["instance", "source", "transport"]
+        self.kv_pulls = Gauge("distserve_kv_pulls", "KV pulls of a decode instance, by prefill instance", pair,
+                              registry=registry)  # fmt: skip
+        self.kv_pull_bytes = Gauge("distserve_kv_pull_bytes", "bytes those pulls moved", pair, registry=registry)
+        self.kv_pull_seconds = Gauge("distserve_kv_pull_seconds", "time those pulls took", pair, registry=registry)
         self.role_changes = counter("role_changes", "instances' role changes", ("instance", "old_role", "new_role"))
         self.role_change_time = histogram("role_change_seconds", "asked to serving the new role")
         self._num_role_changes = 0  # of the cluster's history, observed already
@@ -113,6 +118,11 @@ class ServingMetrics:
             self.kv_usage.labels(*labels).set(1.0 - info.num_free_blocks / info.num_blocks)
             self.preemptions.labels(*labels).set(info.num_preemptions)
             self.healthy.labels(*labels).set(0 if info.failure else 1)
+            for source, totals in info.kv_pulls_from.items():
+                pair = (info.name, source, totals.transport)
+                self.kv_pulls.labels(*pair).set(totals.pulls)
+                self.kv_pull_bytes.labels(*pair).set(totals.num_bytes)
+                self.kv_pull_seconds.labels(*pair).set(totals.seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

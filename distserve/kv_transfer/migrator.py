@@ -8,6 +8,7 @@ pull done or failed. The decode role starts decoding the request only then.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -36,6 +37,16 @@ class MigrationRecord:
     end: float
 
 
+@dataclass
+class PullTotals:
+    """The pulls from one prefill instance so far: how the KV moved, and how much in what time."""
+
+    transport: str
+    pulls: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
 class KVNoLongerHeld(RuntimeError):
     """The prefill instance freed the KV before the pull ended (hold deadline, abort)."""
 
@@ -62,6 +73,7 @@ class Migrator:
         self.block_size = block_size
         self.on_done = on_done
         self._records: OrderedDict[str, MigrationRecord] = OrderedDict()
+        self._totals: dict[str, PullTotals] = {}  # by prefill instance
         self.num_pulls = 0
         self._records_lock = threading.Lock()
         self._sources: dict[str, tuple[Any, list[KVEndpoint], list[TransferPart]]] = {}
@@ -137,6 +149,11 @@ class Migrator:
         with self._records_lock:
             return dict(self._records)
 
+    def totals(self) -> dict[str, PullTotals]:
+        """The pulls from each prefill instance so far, by its name."""
+        with self._records_lock:
+            return {name: dataclasses.replace(totals) for name, totals in self._totals.items()}
+
     def _pull(self, handover: Handover, block_table: list[int]) -> MigrationRecord:
         start = time.time()
         handle, sources, plan = self._source(handover.prefill_instance)
@@ -165,6 +182,11 @@ class Migrator:
         with self._records_lock:
             self.num_pulls += 1
             self._records[handover.request_id] = record
+            totals = self._totals.setdefault(handover.prefill_instance, PullTotals(transport))
+            totals.transport = transport
+            totals.pulls += 1
+            totals.num_bytes += num_bytes
+            totals.seconds += record.end - record.start
             while len(self._records) > self.MAX_RECORDS:
                 self._records.popitem(last=False)
         return record

@@ -191,6 +191,12 @@ class Worker:
     def ping(self) -> int:
         return os.getpid()
 
+    def process(self) -> tuple[str, int]:
+        """This rank's Ray node id and pid: where fencing its instance kills it."""
+        import ray  # a worker runs in a Ray actor; the offline engine's single rank never asks
+
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -239,7 +239,7 @@ class GetClusterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("name", "role", "tensor_parallel_size", "pipeline_parallel_size", "num_blocks", "block_size", "num_free_blocks", "num_waiting", "num_running", "num_held", "num_pending", "num_preemptions", "failure")
+    __slots__ = ("name", "role", "tensor_parallel_size", "pipeline_parallel_size", "num_blocks", "block_size", "num_free_blocks", "num_waiting", "num_running", "num_held", "num_pending", "num_preemptions", "failure", "node_id", "kv_pulls")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +253,8 @@ class InstanceInfo(_message.Message):
     NUM_PENDING_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_PULLS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: Role
     tensor_parallel_size: int
@@ -266,7 +268,23 @@ class InstanceInfo(_message.Message):
     num_pending: int
     num_preemptions: int
     failure: str
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_held: _Optional[int] = ..., num_pending: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., failure: _Optional[str] = ...) -> None: ...
+    node_id: str
+    kv_pulls: _containers.RepeatedCompositeFieldContainer[KVPulls]
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_held: _Optional[int] = ..., num_pending: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., failure: _Optional[str] = ..., node_id: _Optional[str] = ..., kv_pulls: _Optional[_Iterable[_Union[KVPulls, _Mapping]]] = ...) -> None: ...
+
+class KVPulls(_message.Message):
+    __slots__ = ("source", "transport", "pulls", "bytes", "seconds")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    transport: str
+    pulls: int
+    bytes: int
+    seconds: float
+    def __init__(self, source: _Optional[str] = ..., transport: _Optional[str] = ..., pulls: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
     __slots__ = ("model", "instances", "num_pending_requests", "max_pending_requests", "max_model_len", "draining", "vocab_size", "role_changes", "role_control")

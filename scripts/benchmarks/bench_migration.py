@@ -8,9 +8,14 @@ one contiguous tensor of the same bytes sent the same way (a call to each side, 
 answered): the raw transport. It also reports migration time as a share of each request's
 end-to-end latency.
 
+With ``--nodes``, the prefill and the decode instance run on two Ray nodes (two raylets of a
+``ray.cluster_utils.Cluster`` on this machine, labelled as plan node groups 0 and 1), so the KV
+crosses from one node to the other, as does the raw transfer it is held against.
+
 Run (about 2 minutes on 2 CPU cores):
 
     DISTSERVE_CACHE_DIR=/tmp/dscache python scripts/benchmarks/bench_migration.py
+    python scripts/benchmarks/bench_migration.py --nodes
     python scripts/benchmarks/bench_migration.py --device cuda --dtype bfloat16 --prompt-lens 512,2048,8192
 """
 
@@ -23,9 +28,11 @@ import time
 from pathlib import Path
 
 import ray
+import ray.cluster_utils
 from transformers.utils import logging as hf_logging
 
 from distserve import Cluster, SamplingParams
+from distserve.engine.node_groups import NODE_LABEL
 from distserve.engine.ray_runtime import one_gpu_shared_options
 from distserve.model_executor.tiny_models import write_llama_shape
 
@@ -40,6 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--nodes", action="store_true", help="prefill and decode on two Ray nodes of this machine")
     return p.parse_args()
 
 
@@ -75,7 +83,16 @@ def main() -> None:
     args = parse_args()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    ray.init(include_dashboard=False, log_to_driver=False, **one_gpu_shared_options())  # one GPU: both on it
+    nodes, pools = None, {"prefill": {}, "decode": {}}
+    if args.nodes:
+        nodes = ray.cluster_utils.Cluster(
+            initialize_head=True, head_node_args={"num_cpus": 1, "labels": {NODE_LABEL: "0"}}
+        )
+        nodes.add_node(num_cpus=1, labels={NODE_LABEL: "1"})
+        ray.init(address=nodes.address, log_to_driver=False)
+        pools = {"prefill": {"nodes": [[0]]}, "decode": {"nodes": [[1]]}}
+    else:
+        ray.init(include_dashboard=False, log_to_driver=False, **one_gpu_shared_options())  # one GPU: both on it
     lengths = [int(x) for x in args.prompt_lens.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp), args)
@@ -86,8 +103,7 @@ def main() -> None:
             dtype=args.dtype,
             num_kv_blocks=(max(lengths) + args.output_len) // 16 * 2 + 16,
             max_num_batched_tokens=max(lengths),
-            prefill={},
-            decode={},
+            **pools,
         )
         try:
             orchestrator = cluster._async.orchestrator
@@ -110,8 +126,12 @@ def main() -> None:
                 print(f"{length} tokens done", flush=True)
         finally:
             cluster.shutdown()
+            if nodes is not None:
+                ray.shutdown()
+                nodes.shutdown()
+    where = "two Ray nodes (raylets) of this machine" if args.nodes else "one Ray node"
     print(
-        f"\nmodel: Llama-shaped, {args.num_layers} layers, {args.num_kv_heads} KV heads of 128, {args.dtype} "
+        f"\n{where}; model: Llama-shaped, {args.num_layers} layers, {args.num_kv_heads} KV heads of 128, {args.dtype} "
         f"on {args.device}; {args.output_len} output tokens; medians of {args.repeats}\n"
     )
     print(
