@@ -461,11 +461,17 @@ def test_repeated_kills_under_a_steady_load(ray_cluster, llama):
     asyncio.run(scenario())
 
 
-def test_above_capacity_the_queue_refuses_at_once_and_memory_stays_bounded(ray_cluster, llama):
-    """Waves of 400 concurrent gRPC streams against a server admitting 60 at a time, with KV for
-    about 6: the rest get RESOURCE_EXHAUSTED, every admitted stream equals its greedy output, nothing
-    is left in use, and the process does not grow from one wave to the next (the fast path of the
-    slow test below, at a quarter of its scale)."""
+# Distinct prompts, output tokens, KV blocks, streams a wave, requests admitted at once, and the MiB
+# the process may grow from the second wave to the third. At full scale it is a slow scenario.
+QUEUE_SCALES = {"quarter": (20, 4, 40, 400, 60, 32), "full": (50, 8, 200, 1500, 300, 64)}
+
+
+@pytest.mark.parametrize("scale", ["quarter", pytest.param("full", marks=pytest.mark.slow)])
+def test_above_capacity_the_queue_refuses_at_once_and_memory_stays_bounded(ray_cluster, llama, scale):
+    """Waves of concurrent gRPC streams (400; full: 1500) against a server admitting a few (60;
+    300) with KV for a tenth of those: the rest get RESOURCE_EXHAUSTED at once, every admitted
+    stream equals its greedy output, nothing is left in use, and the process does not grow from
+    one wave to the next."""
     import grpc
     import psutil
 
@@ -474,76 +480,32 @@ def test_above_capacity_the_queue_refuses_at_once_and_memory_stays_bounded(ray_c
     from distserve.entrypoints.server import BackgroundServer
     from distserve.entrypoints.server_config import ServerConfig
 
-    prompts = random_prompts([16 + (i * 7) % 48 for i in range(20)], 1024, seed=23)
-    max_tokens = 4
+    num_prompts, max_tokens, num_blocks, streams, admitting, growth_mib = QUEUE_SCALES[scale]
+    prompts = random_prompts([16 + (i * 7) % 48 for i in range(num_prompts)], 1024, seed=17)
     expected = [reference_greedy(llama, p, max_tokens) for p in prompts]
-    config = make_cluster_config(model="tiny-llama", block_size=8, num_kv_blocks=40, prefill={}, decode={})
+    config = make_cluster_config(model="tiny-llama", block_size=8, num_kv_blocks=num_blocks, prefill={}, decode={})
 
     async def wave(address) -> tuple[int, int]:
         async def one(i):
             try:
-                completion = await client.complete(prompts[i % 20], max_tokens=max_tokens, temperature=0)
+                completion = await client.complete(prompts[i % num_prompts], max_tokens=max_tokens, temperature=0)
             except grpc.aio.AioRpcError as e:
                 assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
                 return False
-            assert completion.token_ids == expected[i % 20]
+            assert completion.token_ids == expected[i % num_prompts]
             return True
 
         async with AsyncClient(address) as client:
-            admitted = await asyncio.gather(*(one(i) for i in range(400)))
+            admitted = await asyncio.gather(*(one(i) for i in range(streams)))
         return sum(admitted), len(admitted) - sum(admitted)
 
     process = psutil.Process()
-    with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, max_pending_requests=60)) as server:
+    with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, max_pending_requests=admitting)) as server:
         rss = []
         for _ in range(3):
             admitted, refused = asyncio.run(wave(server.grpc_address))
             print(f"admitted {admitted}, refused {refused}, rss {process.memory_info().rss / 2**20:.0f} MiB")
-            assert admitted >= 60 and refused > 0
+            assert admitted >= admitting and refused > 0
             assert not in_use(server.info()) and server.frontend.num_pending == 0
             rss.append(process.memory_info().rss)
-        assert rss[2] - rss[1] < 32 * 2**20, [r / 2**20 for r in rss]
-
-
-@pytest.mark.slow
-def test_far_above_capacity_the_queue_refuses_and_memory_stays_bounded(ray_cluster, llama):
-    """Waves of 1500 concurrent gRPC streams against a server admitting 300 at a time, with KV for
-    about 30: the rest get RESOURCE_EXHAUSTED at once, every admitted stream equals its greedy
-    output, nothing is left in use, and the process does not grow from one wave to the next."""
-    import grpc
-    import psutil
-
-    from distserve.cluster.api import make_cluster_config
-    from distserve.entrypoints.client import AsyncClient
-    from distserve.entrypoints.server import BackgroundServer
-    from distserve.entrypoints.server_config import ServerConfig
-
-    prompts = random_prompts([16 + (i * 7) % 48 for i in range(50)], 1024, seed=17)
-    max_tokens = 8
-    expected = [reference_greedy(llama, p, max_tokens) for p in prompts]
-    config = make_cluster_config(model="tiny-llama", block_size=8, num_kv_blocks=200, prefill={}, decode={})
-
-    async def wave(address) -> tuple[int, int]:
-        async def one(i):
-            try:
-                completion = await client.complete(prompts[i % 50], max_tokens=max_tokens, temperature=0)
-            except grpc.aio.AioRpcError as e:
-                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
-                return False
-            assert completion.token_ids == expected[i % 50]
-            return True
-
-        async with AsyncClient(address) as client:
-            admitted = await asyncio.gather(*(one(i) for i in range(1500)))
-        return sum(admitted), len(admitted) - sum(admitted)
-
-    process = psutil.Process()
-    with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, max_pending_requests=300)) as server:
-        rss = []
-        for _ in range(3):
-            admitted, refused = asyncio.run(wave(server.grpc_address))
-            print(f"admitted {admitted}, refused {refused}, rss {process.memory_info().rss / 2**20:.0f} MiB")
-            assert admitted >= 300 and refused > 0
-            assert not in_use(server.info()) and server.frontend.num_pending == 0
-            rss.append(process.memory_info().rss)
-        assert rss[2] - rss[1] < 64 * 2**20, [r / 2**20 for r in rss]
+        assert rss[2] - rss[1] < growth_mib * 2**20, [r / 2**20 for r in rss]
