@@ -28,6 +28,7 @@ from distserve.core.handover import Handover
 from distserve.core.outputs import RequestDelta, coalesce
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
+from distserve.core.sequence import Sequence
 from distserve.core.step_metrics import StepRecord
 from distserve.engine.executor import Executor, cluster_device
 from distserve.engine.llm_engine import LLMEngine
@@ -124,11 +125,18 @@ class Instance:
         attempt: int = 0,
         ttft_deadline: float | None = None,
         tpot_slo: float | None = None,
+        validated: bool = False,
     ) -> str:
         """Validate and queue a request; raises RequestError for a bad one, InstanceFailure when down.
         ``ttft_deadline``: the wall-clock time its first token is due by (the ``deadline`` policy);
-        ``tpot_slo``: the seconds per output token it must average (``tpot_aware_chunking``)."""
-        seq = self.engine.make_sequence(prompt, params, request_id, priority, attempt, ttft_deadline, tpot_slo)
+        ``tpot_slo``: the seconds per output token it must average (``tpot_aware_chunking``).
+        ``validated``: the orchestrator admitted it already (token ids, sampling params resolved for
+        this model, checked against the smallest instance's KV cache), so it is queued as it is."""
+        if validated:
+            seq = Sequence(prompt, params, request_id, priority=priority, attempt=attempt,
+                           ttft_deadline=ttft_deadline, tpot_slo=tpot_slo)  # fmt: skip
+        else:
+            seq = self.engine.make_sequence(prompt, params, request_id, priority, attempt, ttft_deadline, tpot_slo)
         self._claim(seq.request_id, attempt)
         self._send("add", seq)
         return seq.request_id

@@ -234,7 +234,7 @@ class Orchestrator:
         try:
             await entry.handle.add_request.remote(
                 state.prompt_token_ids, state.params, state.request_id, state.priority, attempt,
-                ttft_deadline, slo.tpot,
+                ttft_deadline, slo.tpot, validated=True,
             )  # fmt: skip
         except INSTANCE_GONE as e:  # the instance died under the call
             self.spawn(self.rerun(state, attempt, InstanceFailure(f"instance {entry.name} failed: {e}")))
