@@ -503,8 +503,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    from distserve.core.timeline import read_jsonl, write_jsonl
     from placement import compare
-    from placement.timeline import read_jsonl, write_jsonl
 
     run = read_jsonl(args.trace)
     if not run:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distserve.core.latency import attainment as latency_attainment
+from distserve.core.timeline import RequestTimeline
 from placement.engine_sim import simulate_blocks, simulate_colocated
 from placement.sim_specs import (
     ColocatedInstanceSpec,
@@ -34,7 +35,6 @@ from placement.sim_specs import (
     ServingDelays,
     SimRequest,
 )
-from placement.timeline import RequestTimeline
 
 
 def _diff(a: float | None, b: float | None) -> float | None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from placement.timeline import RequestTimeline
+from distserve.core.timeline import RequestTimeline
 
 # ``step_time`` of several decode steps at once: (batch size, the first step's total context, steps)
 # -> each step's time, a step's context ``batch size`` tokens more than the step before's. Given the

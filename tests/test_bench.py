@@ -191,7 +191,7 @@ def _check_timeline(t, colocated: bool) -> None:
 def test_trace_out_writes_every_requests_timeline(ray_cluster, tmp_path, pools):
     """``--trace-out`` writes one timeline per request (queue, prefill batch, hand-over, KV pull, each
     decode step), on the workload's clock, in the simulator's schema."""
-    from placement.timeline import read_jsonl
+    from distserve.core.timeline import read_jsonl
 
     options = {"prefill": {}, "decode": {}} if pools == "disaggregated" else {"colocated": {"instances": 1}}
     config = make_cluster_config(model="tiny-llama", num_kv_blocks=128, **options)

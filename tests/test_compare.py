@@ -2,10 +2,10 @@
 
 import pytest
 
+from distserve.core.timeline import RequestTimeline, read_jsonl, write_jsonl
 from placement import compare
 from placement.cli import main
 from placement.fitted import FittedLatency
-from placement.timeline import RequestTimeline, read_jsonl, write_jsonl
 
 FITTED = FittedLatency(prefill=(0.01, 1e-4, 0.0), decode=(0.005, 1e-3, 1e-5))
 

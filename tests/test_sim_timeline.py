@@ -6,6 +6,7 @@ from fractions import Fraction
 
 import pytest
 
+from distserve.core.timeline import RequestTimeline, read_jsonl, write_jsonl
 from placement.simulator import (
     ColocatedInstanceSpec,
     Contention,
@@ -15,7 +16,6 @@ from placement.simulator import (
     simulate,
     simulate_colocated,
 )
-from placement.timeline import RequestTimeline, read_jsonl, write_jsonl
 from placement.workload import arrival_times
 
 # Exact arithmetic, so that events the hand schedule puts at one instant are at one instant.

@@ -1,5 +1,5 @@
 """Request timelines of a benchmark run, as the server recorded them, in the simulator's schema
-(``placement.timeline.RequestTimeline``) and on the workload's clock, so a run and its simulation
+(``distserve.core.timeline.RequestTimeline``) and on the workload's clock, so a run and its simulation
 can be compared request by request (``distserve place compare``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from distserve.benchmark.metrics import RequestRecord
-from placement.timeline import RequestTimeline, write_jsonl
+from distserve.core.timeline import RequestTimeline, write_jsonl
 
 # pb.Timeline fields that are times, and their RequestTimeline names.
 _TIMES = {

@@ -34,6 +34,7 @@ import ray
 from distserve.benchmark.profiler import run_profile
 from distserve.cluster.api import make_cluster_config
 from distserve.core.config import EngineConfig
+from distserve.core.timeline import RequestTimeline, read_jsonl
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
 from distserve.model_executor.tiny_models import BENCH_LLAMA_SHAPE, VOCAB_SIZE, write_llama_shape
@@ -41,7 +42,6 @@ from placement import compare
 from placement.fitted import FittedLatency
 from placement.goodput import find_goodput
 from placement.plots import plot_attainment_vs_rate
-from placement.timeline import RequestTimeline, read_jsonl
 from placement.workload import arrival_times, parse_length, synthetic_workload
 
 NUM_KV_BLOCKS = 1024
