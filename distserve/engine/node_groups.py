@@ -5,7 +5,7 @@ planner's node index, ``0`` to ``nodes - 1``: a low node-affinity plan puts stag
 instance and of its decode partner on one node, so that their KV crosses that node's fast links.
 A Ray node labelled ``distserve.io/node=NAME`` (``ray start --labels distserve.io/node=0``) is node
 group NAME. In a Ray cluster where no node carries that label, node group ``k`` is the k-th alive
-node in order of IP address, then node id: the head node of a one-address test cluster first.
+node in order of IP address, then node id (nodes of one machine share an address: label them).
 """
 
 from __future__ import annotations
