@@ -21,6 +21,7 @@ from distserve.benchmark.profiler import add_profile_args
 from distserve.cluster.config import POOL_FLAGS
 from distserve.cluster.role_control.config import ROLE_CONTROL_MODES
 from distserve.core.config import FIELD_SECTION, SECTIONS, EngineConfig
+from distserve.core.local_prefill import LOCAL_PREFILL_MODES, LocalPrefillConfig
 from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.client import CallError
 from distserve.entrypoints.server_config import API_KEY_ENV, ServerConfig
@@ -362,6 +363,22 @@ def build_parser() -> argparse.ArgumentParser:
         control.add_argument(
             f"--slo-{name}", type=float, default=argparse.SUPPRESS, help=f"{what} SLO in seconds, for adaptive roles"
         )
+    local = launch.add_argument_group("per-request disaggregation")
+    local.add_argument(
+        "--local-prefill",
+        choices=LOCAL_PREFILL_MODES,
+        default=argparse.SUPPRESS,
+        help="which prompts a decode instance prefills itself: off (none: every request is disaggregated), "
+        "on (those with at most --local-prefill-max-tokens tokens to compute, its prefix cache's left out), "
+        "auto (those, while the queues say it is no slower)",
+    )
+    local.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=argparse.SUPPRESS,
+        help=f"most prompt tokens a decode instance computes for a request it prefills (default: "
+        f"{LocalPrefillConfig.max_tokens})",
+    )
     add_dataclass_args(launch.add_argument_group("ServerConfig"), ServerConfig)
     for cls in SECTIONS.values():
         add_dataclass_args(launch.add_argument_group(cls.__name__), cls)

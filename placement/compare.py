@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from distserve.core.latency import attainment as latency_attainment
+from distserve.core.local_prefill import LocalPrefillConfig
 from distserve.core.timeline import RequestTimeline
 from placement.engine_sim import simulate_blocks, simulate_colocated
 from placement.sim_specs import (
@@ -322,6 +323,8 @@ class RunSetup:
     kv_hold_fraction: float = _setting(0.5, "share of a prefill pool that KV held for decode may fill")
     transfer_fixed: float = _setting(0.0, "seconds per KV pull, whatever its size")
     transfer_per_token: float = _setting(0.0, "seconds per prompt token pulled")
+    local_prefill: str = _setting("off", "per-request disaggregation the run had: off, on or auto")
+    local_prefill_max_tokens: int = _setting(LocalPrefillConfig.max_tokens, "its max_tokens")
 
 
 def simulate_like(
@@ -354,5 +357,6 @@ def simulate_like(
         decode = DecodeInstanceSpec(d.decode_instances, step_time, None, d.max_num_seqs, kv_tokens, d.block_size,
                                     d.max_num_batched_tokens, contention=step_contention)  # fmt: skip
         transfer = lambda n: d.transfer_fixed + d.transfer_per_token * n  # noqa: E731
-        results = simulate_blocks(requests, prefill, decode, transfer, delays)
+        local_prefill = LocalPrefillConfig(d.local_prefill, d.local_prefill_max_tokens)
+        results = simulate_blocks(requests, prefill, decode, transfer, delays, local_prefill)
     return [r.timeline for r in results]

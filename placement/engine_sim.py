@@ -32,6 +32,10 @@ those simulated. Around it, each rule is the engine's (module or function in
   (``kv_transfer/migrator.py``) pulls one request at a time, in admission order, taking
   ``transfer_time(prompt_len)``; at the pull's end the prefill instance frees the KV and the request
   joins the running batch. Preempted requests are recomputed there (``PREFILL_FIRST``).
+* Per-request disaggregation (``core/local_prefill.py``, ``Router.pick_local_prefill``): with
+  ``local_prefill`` on, an arriving request the rule keeps local goes to the least loaded decode
+  instance with room, which prefills it (``PREFILL_FIRST``, its ``batch_time``) and decodes it:
+  no hold, no hand-over, no pull. The rule sees the prompt's whole length (no prefix is cached).
 * Colocated instances (``engine/role.py`` ``ColocatedRole``): ``PREFILL_FIRST``, or ``CHUNKED``
   (``chunked_prefill``), whose step of decode tokens and prompt chunks takes ``step_time`` of its
   decode part plus ``batch_time`` of its chunks (the two fits' constant terms both count: an
@@ -62,6 +66,7 @@ from operator import attrgetter
 from typing import TypeVar
 
 from distserve.core.config import SchedulerConfig
+from distserve.core.local_prefill import LocalPrefillConfig, prefill_locally
 from distserve.core.sequence import SequenceStatus
 from distserve.scheduling.block_manager import BlockManager
 from distserve.scheduling.scheduler import ScheduledBatch, Scheduler, StepMode
@@ -84,6 +89,7 @@ _ARRIVAL, _STEP_DONE, _PULLED, _HANDOVER = range(4)
 
 NO_DELAYS = ServingDelays()
 NO_CONTENTION = Contention()
+NO_LOCAL_PREFILL = LocalPrefillConfig()
 
 
 def _later(time: float, delay: float) -> float:
@@ -209,8 +215,10 @@ class _EngineSim:
         transfer_time: Callable[[int], float],
         delays: ServingDelays,
         clock: _Clock,
+        local_prefill: LocalPrefillConfig = NO_LOCAL_PREFILL,
     ) -> None:
         self.reqs = requests
+        self.local_prefill = local_prefill
         self.delays = delays
         self.clock = clock
         self.entry, self.decodes, self.transfer_time = entry, decodes, transfer_time
@@ -269,16 +277,34 @@ class _EngineSim:
 
     def arrive(self, now: float, r: int) -> None:
         req = self.reqs[r]
-        capacity = self.entry[0].manager.num_blocks * self.entry[0].manager.block_size
-        roomy = [e for e in self.entry if e.load_tokens + req.prompt_len + req.output_len <= capacity] or self.entry
-        inst = self.assign(min(roomy, key=lambda e: (e.prefill_tokens + req.prompt_len, e.load_tokens)), r)
+        prefill = min(self.roomy(self.entry, req), key=lambda e: (e.prefill_tokens + req.prompt_len, e.load_tokens))
+        inst = self.local_decode(req, prefill) or prefill
+        self.assign(inst, r)
         inst.prefill_tokens += req.prompt_len
         deadline = None if req.ttft_slo is None else req.arrival + req.ttft_slo
         seq = SimSequence(r, req.prompt_len, req.prompt_len, req.output_len, inst.manager.block_size, now,
                           req.priority, deadline, req.tpot_slo)  # fmt: skip
         inst.scheduler.add(seq)
-        self.timelines[r].prefill_queued = now
-        self.timelines[r].prefill_instance = inst.name
+        timeline = self.timelines[r]
+        timeline.prefill_queued = now
+        timeline.prefill_instance = inst.name
+        if inst is not prefill:
+            timeline.decode_instance, timeline.local_prefill = inst.name, True
+
+    @staticmethod
+    def roomy(pool: list[_E], req: SimRequest) -> list[_E]:
+        """The instances of ``pool`` with room for the request in their KV (all, when none has)."""
+        capacity = pool[0].manager.num_blocks * pool[0].manager.block_size
+        return [e for e in pool if e.load_tokens + req.prompt_len + req.output_len <= capacity] or pool
+
+    def local_decode(self, req: SimRequest, prefill: _Engine) -> _Decode | None:
+        """The decode instance that prefills ``req`` itself by the router's rule (``Router.pick_local_prefill``;
+        prompts share no prefix here), or None: ``prefill`` does."""
+        if self.local_prefill.mode == "off" or not self.decodes:
+            return None
+        decode = min(self.roomy(self.decodes, req), key=attrgetter("load_tokens"))
+        queued = prefill.prefill_tokens + req.prompt_len
+        return decode if prefill_locally(self.local_prefill, req.prompt_len, decode.prefill_tokens, queued) else None
 
     def iterate(self, now: float, inst: _Engine) -> None:
         """One turn of the instance's step loop, if it is not in a batch: tick, then schedule."""
@@ -487,8 +513,10 @@ def simulate_blocks(
     decode: DecodeInstanceSpec,
     transfer_time: Callable[[int], float],
     delays: ServingDelays = NO_DELAYS,
+    local_prefill: LocalPrefillConfig = NO_LOCAL_PREFILL,
 ) -> list[SimResult]:
-    """Disaggregated deployment in block mode; results (with timelines) in request order."""
+    """Disaggregated deployment in block mode, with per-request disaggregation by ``local_prefill``;
+    results (with timelines) in request order."""
     if prefill.block_size is None or decode.block_size is None:
         raise ValueError("block mode needs block_size on both the prefill and the decode spec")
     if prefill.stage_time is not None or decode.stage_time is not None:
@@ -514,7 +542,7 @@ def simulate_blocks(
                        latency, decode.contention, clock)
                for i in range(decode.count)]  # fmt: skip
     _check_fits(requests, [e.manager for e in (*prefills, *decodes)])
-    return _EngineSim(requests, prefills, decodes, transfer_time, delays, clock).run()
+    return _EngineSim(requests, prefills, decodes, transfer_time, delays, clock, local_prefill).run()
 
 
 def simulate_colocated(

@@ -44,6 +44,7 @@ def _timeline(index: int, record: RequestRecord, offset: float) -> RequestTimeli
     timeline.num_preemptions = t.num_preemptions
     timeline.prefill_instance = t.prefill_instance or None
     timeline.decode_instance = t.decode_instance or None
+    timeline.local_prefill = t.local_prefill
     return timeline
 
 

@@ -16,6 +16,7 @@ cluster:
   liveness_timeout: 10             # seconds an instance may leave the orchestrator unanswered before it is fenced
   stream_interval: 0.005           # seconds between an instance's output batches (first tokens and ends at once)
   role_control: {mode: adaptive, slo_ttft: 0.5, slo_tpot: 0.05}  # roles follow the load
+  local_prefill: {mode: auto, max_tokens: 256}  # short prompts prefilled on their decode instance
 ```
 """
 
@@ -30,6 +31,7 @@ from typing import Any
 from distserve.cluster.role_control.config import RoleControlConfig
 from distserve.core.config import FIELD_SECTION, EngineConfig, is_int, is_number, read_sections
 from distserve.core.cpu_cores import UNBOUND, format_cores, parse_cores
+from distserve.core.local_prefill import LocalPrefillConfig
 from distserve.core.role import ROLES, Role
 
 CLUSTER_KEYS = (
@@ -39,6 +41,7 @@ CLUSTER_KEYS = (
     "liveness_timeout",
     "stream_interval",
     "role_control",
+    "local_prefill",
 )
 # Per-pool CLI flags of ``distserve launch``: (flag dest, role, pool key);
 # ``--prefill-tensor-parallel-size`` is ``cluster.prefill.tensor_parallel_size``.
@@ -50,6 +53,8 @@ POOL_FLAGS = [
 
 # Role-control CLI flags of ``distserve launch``: (flag dest, key of ``cluster.role_control``).
 ROLE_CONTROL_FLAGS = [("role_control", "mode"), ("slo_ttft", "slo_ttft"), ("slo_tpot", "slo_tpot")]
+# Per-request disaggregation CLI flags: (flag dest, key of ``cluster.local_prefill``).
+LOCAL_PREFILL_FLAGS = [("local_prefill", "mode"), ("local_prefill_max_tokens", "max_tokens")]
 
 
 def _split_cores(spec: str, instances: int) -> list[str]:
@@ -112,8 +117,12 @@ class ClusterConfig:
     # than half a small decode step. 0: every step.
     stream_interval: float = 0.005
     role_control: RoleControlConfig = field(default_factory=RoleControlConfig)
+    # Per-request disaggregation (``distserve.core.local_prefill``): which prompts a decode instance
+    # prefills itself. Off: every request is disaggregated.
+    local_prefill: LocalPrefillConfig = field(default_factory=LocalPrefillConfig)
 
     def __post_init__(self) -> None:
+        self.local_prefill = LocalPrefillConfig.parse(self.local_prefill)
         if isinstance(self.role_control, dict):
             unknown = set(self.role_control) - set(RoleControlConfig.__dataclass_fields__)
             if unknown:

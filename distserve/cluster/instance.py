@@ -126,19 +126,21 @@ class Instance:
         ttft_deadline: float | None = None,
         tpot_slo: float | None = None,
         validated: bool = False,
+        local_prefill: bool = False,
     ) -> str:
         """Validate and queue a request; raises RequestError for a bad one, InstanceFailure when down.
         ``ttft_deadline``: the wall-clock time its first token is due by (the ``deadline`` policy);
         ``tpot_slo``: the seconds per output token it must average (``tpot_aware_chunking``).
         ``validated``: the orchestrator admitted it already (token ids, sampling params resolved for
-        this model, checked against the smallest instance's KV cache), so it is queued as it is."""
+        this model, checked against the smallest instance's KV cache), so it is queued as it is.
+        ``local_prefill``: a decode instance is to prefill it and decode it (``cluster.local_prefill``)."""
         if validated:
             seq = Sequence(prompt, params, request_id, priority=priority, attempt=attempt,
                            ttft_deadline=ttft_deadline, tpot_slo=tpot_slo)  # fmt: skip
         else:
             seq = self.engine.make_sequence(prompt, params, request_id, priority, attempt, ttft_deadline, tpot_slo)
         self._claim(seq.request_id, attempt)
-        self._send("add", seq)
+        self._send("add", (seq, local_prefill))
         return seq.request_id
 
     def add_handover(self, handover: Handover) -> None:
@@ -335,10 +337,10 @@ class Instance:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add" and not self.engine.role.takes_prompts:  # sent before a change to decode
-                deltas.append(RequestDelta(payload.request_id, payload.attempt, [], "", True, "requeue", 0))
+            if kind == "add" and not self._takes_prompt(*payload):  # sent before a change to decode
+                deltas.append(RequestDelta(payload[0].request_id, payload[0].attempt, [], "", True, "requeue", 0))
             elif kind == "add":
-                self.engine.add_sequence(payload)
+                self.engine.add_sequence(*payload)
             elif kind == "handover" and self._takes_over(payload):
                 self.engine.add_handover(payload)
             elif kind == "handover":  # sent before a role change: back to the orchestrator
@@ -354,6 +356,11 @@ class Instance:
             elif kind == "pulled":
                 deltas += self.engine.pull_done(*payload)
         self._publish(deltas)
+
+    def _takes_prompt(self, seq: Sequence, local_prefill: bool) -> bool:
+        """Any role but decode takes new prompts; a decode role those it is to prefill itself."""
+        role = self.engine.role
+        return role.takes_prompts or (local_prefill and role.role is Role.DECODE)
 
     def _takes_over(self, handover: Handover) -> bool:
         """A decode role takes hand-overs; a colocated one only of the KV it holds itself."""

@@ -227,17 +227,28 @@ class Orchestrator:
         """Send the request's current run to a prefill (or colocated) instance, waiting for a
         replacement when none is healthy."""
         pool = await self.instance_pool.healthy(self.instance_pool.entry_pool)
-        entry, to_prefill = self.router.pick_prefill(pool, state.prompt_token_ids, state.load, state.move_to)
-        state.routed(entry, to_prefill)
+        local = None if state.move_to else self._local_prefill(state, pool)
+        if local is None:
+            entry, to_prefill = self.router.pick_prefill(pool, state.prompt_token_ids, state.load, state.move_to)
+        else:
+            entry, to_prefill = local
+        state.routed(entry, to_prefill, local=local is not None)
         attempt, slo = state.attempt, self.slo(state)
         ttft_deadline = state.metrics.arrival_time + slo.ttft if slo.ttft else None  # a re-run keeps the first's
         try:
             await entry.handle.add_request.remote(
                 state.prompt_token_ids, state.params, state.request_id, state.priority, attempt,
-                ttft_deadline, slo.tpot, validated=True,
+                ttft_deadline, slo.tpot, validated=True, local_prefill=local is not None,
             )  # fmt: skip
         except INSTANCE_GONE as e:  # the instance died under the call
             self.spawn(self.rerun(state, attempt, InstanceFailure(f"instance {entry.name} failed: {e}")))
+
+    def _local_prefill(self, state: RequestState, entry_pool: list[InstanceState]) -> tuple[InstanceState, int] | None:
+        """The decode instance that prefills the request itself (``cluster.local_prefill``), with the
+        prompt tokens it is expected to compute; None: a prefill instance does."""
+        prefills = [s for s in entry_pool if s.role is Role.PREFILL]
+        return self.router.pick_local_prefill(self.config.local_prefill, self.pool(Role.DECODE), prefills,
+                                              state.prompt_token_ids, state.load)  # fmt: skip
 
     def slo(self, state: RequestState) -> RequestSLO:
         """The request's SLOs: each its own, else the cluster's (``role_control``); None without either."""
@@ -378,6 +389,8 @@ class Orchestrator:
         if delta.finished and all(sample.run.finished or sample.run is run for sample in state.samples):
             state.finish(now)
             self._observe(state)
+            # The KV of its tokens (but the last, never computed) stays in that instance's prefix cache.
+            self.router.remember(entry, [*state.prompt_token_ids, *run.output_token_ids, *delta.new_token_ids][:-1])
         output = run.add(delta)
         if delta.handover is not None:
             self.spawn(self._hand_over(state, delta.handover, entry))
@@ -397,6 +410,7 @@ class Orchestrator:
         try:
             entry = self.router.pick_decode(await self.instance_pool.healthy(lambda: self._decoders(state.source)))
             state.handed_to(entry, time.time())
+            self.router.remember(entry, state.prompt_token_ids)  # its KV is pulled into that prefix cache
             await entry.handle.add_handover.remote(handover)
             if state.cancelled:  # cancelled while the hand-over was on its way
                 await entry.handle.abort_request.remote(state.request_id, handover.attempt)

@@ -15,7 +15,8 @@ failed, or a role change gave it back: ``begin_rerun`` aborts the run, ``new_att
 next from its prompt, at most ``max_request_attempts`` failed runs), and a move (``move_to``: a
 queued prompt given back to even out the queues goes to that instance). Each run is numbered
 (``attempt``) so that outputs of an abandoned run still in flight are told apart. Colocated, one
-instance prefills and decodes: no hand-over.
+instance prefills and decodes: no hand-over; so does a decode instance that prefills a request
+itself (``local_prefill``).
 
 A request counts towards the load of the instances it is routed to, from routing until it is
 done with them (``unassign``), and its prompt towards its prefill instance's queued prompt
@@ -108,9 +109,13 @@ class RequestState:
 
     # Transitions ------------------------------------------------------------------------------
 
-    def routed(self, entry: InstanceState, to_prefill: int) -> None:
-        """Its run goes to ``entry`` for prefill, which counts on computing ``to_prefill`` of its tokens."""
+    def routed(self, entry: InstanceState, to_prefill: int, local: bool = False) -> None:
+        """Its run goes to ``entry`` for prefill, which counts on computing ``to_prefill`` of its tokens;
+        ``local``: ``entry`` is the decode instance that decodes it too (per-request disaggregation)."""
         self._assign(entry, "prefill")
+        self.metrics.local_prefill = local
+        if local:
+            self.metrics.decode_instance = entry.name
         self.to_prefill = to_prefill
         entry.prefill_tokens += to_prefill
         self.move_to = None

@@ -22,6 +22,7 @@ from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.prefix_index import PrefixIndex
 from distserve.core.config import EngineConfig
 from distserve.core.errors import InstanceFailure
+from distserve.core.local_prefill import LocalPrefillConfig, prefill_locally
 from distserve.core.role import Role
 
 
@@ -61,18 +62,50 @@ class Router:
         prompt joins them (less the longest prefix of it sent there before), the least loaded of
         those that tie. Returns the instance and the prompt tokens it is expected to compute."""
         hashes = self.prefix_index.block_hashes(prompt_token_ids)
-        if chosen in pool:
-            candidates = [chosen]
-        else:
-            candidates = [s for s in _available(pool) if s.load_tokens + tokens <= s.capacity] or pool
-        # Per candidate: the prompt's tokens less the prefix sent there; the last token is always computed.
-        to_prefill: dict[InstanceState, int] = {}
-        for entry in candidates:
-            cached = self.prefix_index.matched_blocks(entry.name, hashes) * self.prefix_index.block_size
-            to_prefill[entry] = len(prompt_token_ids) - min(cached, len(prompt_token_ids) - 1)
+        candidates = [chosen] if chosen in pool else _roomy(pool, tokens)
+        to_prefill = self._to_compute(candidates, prompt_token_ids, hashes)
         entry = min(to_prefill, key=lambda s: (s.prefill_tokens + to_prefill[s], s.load))
         self.prefix_index.add(entry.name, hashes)
         return entry, to_prefill[entry]
+
+    def pick_local_prefill(
+        self,
+        config: LocalPrefillConfig,
+        decodes: list[InstanceState],
+        prefills: list[InstanceState],
+        prompt_token_ids: list[int],
+        tokens: int,
+    ) -> tuple[InstanceState, int] | None:
+        """Per-request disaggregation: the decode instance that prefills the request itself, and the
+        prompt tokens it is expected to compute, or None when a prefill instance is to. The
+        candidate is the decode instance with room holding the longest prefix of the prompt (the
+        least loaded of those that tie); the rule (``prefill_locally``) weighs its tokens to compute
+        and its queue against the prefill instance's the prompt would go to."""
+        if config.mode == "off" or not decodes or not prefills:
+            return None
+        hashes = self.prefix_index.block_hashes(prompt_token_ids)
+        to_compute = self._to_compute(_roomy(decodes, tokens), prompt_token_ids, hashes)
+        decode = min(to_compute, key=lambda s: (to_compute[s], s.load))
+        remote = self._to_compute(_roomy(prefills, tokens), prompt_token_ids, hashes)
+        prefill_queued = min(s.prefill_tokens + n for s, n in remote.items())
+        if not prefill_locally(config, to_compute[decode], decode.prefill_tokens, prefill_queued):
+            return None
+        self.prefix_index.add(decode.name, hashes)
+        return decode, to_compute[decode]
+
+    def remember(self, entry: InstanceState, token_ids: list[int]) -> None:
+        """``entry`` holds the KV of ``token_ids`` (in its prefix cache once the request is done)."""
+        self.prefix_index.add(entry.name, self.prefix_index.block_hashes(token_ids))
+
+    def _to_compute(
+        self, candidates: list[InstanceState], prompt_token_ids: list[int], hashes: list[int]
+    ) -> dict[InstanceState, int]:
+        """Per candidate: the prompt's tokens less the prefix sent there; the last token is always computed."""
+        to_compute = {}
+        for entry in candidates:
+            cached = self.prefix_index.matched_blocks(entry.name, hashes) * self.prefix_index.block_size
+            to_compute[entry] = len(prompt_token_ids) - min(cached, len(prompt_token_ids) - 1)
+        return to_compute
 
     def pick_decode(self, pool: list[InstanceState]) -> InstanceState:
         """The decode instance with the most room for a handed-over request."""
@@ -81,6 +114,11 @@ class Router:
     @staticmethod
     def least_loaded(pool: list[InstanceState]) -> InstanceState:
         return min(_available(pool), key=lambda s: s.load)
+
+
+def _roomy(pool: list[InstanceState], tokens: int) -> list[InstanceState]:
+    """The instances of ``pool`` with room for ``tokens`` more; all of them when none has."""
+    return [s for s in _available(pool) if s.load_tokens + tokens <= s.capacity] or pool
 
 
 def _available(pool: list[InstanceState]) -> list[InstanceState]:

@@ -38,6 +38,7 @@ class RequestMetrics:
     finished_time: float | None = None
     prefill_instance: str | None = None
     decode_instance: str | None = None
+    local_prefill: bool = False  # prefilled by the decode instance that decoded it (``cluster.local_prefill``)
 
     @property
     def ttft(self) -> float | None:

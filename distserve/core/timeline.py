@@ -37,6 +37,7 @@ class RequestTimeline:
     num_preemptions: int = 0
     prefill_instance: str | None = None  # where it was sent first (a colocated request: its only instance)
     decode_instance: str | None = None  # None colocated
+    local_prefill: bool = False  # prefilled by its decode instance (``cluster.local_prefill``): no pull
     error: str | None = None
 
     @property

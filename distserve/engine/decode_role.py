@@ -4,8 +4,10 @@ A handed-over request is admitted when its blocks can be allocated (in arrival o
 request is not overtaken for ever), its KV is pulled into them by the engine's ``KVPuller``
 (given at its construction), and only then does it join the scheduler's running batch. Decoding
 is continuous batching (the scheduler's ``PREFILL_FIRST`` mode); a request the batch preempts is
-recomputed here through the waiting queue. No prefix cache: blocks fill by pulls that finish
-after allocation, and sharing them could hand out KV that has not arrived.
+recomputed here through the waiting queue, as is a prompt the orchestrator has it prefill itself
+(per-request disaggregation, ``cluster.local_prefill``). Its prefix cache holds what its requests
+computed and, once each pull has ended, what they pulled: blocks a pull writes are neither shared
+nor cached before then, which would hand out KV that has not arrived.
 """
 
 from __future__ import annotations
@@ -62,13 +64,14 @@ class DecodeAdmission:
         while self.pending:
             seq, handover = self.pending[0]
             room = num_running + len(self.pulling) < self.max_num_seqs
-            if not room or not self.block_manager.can_allocate(seq):
+            if not room or not self.block_manager.can_allocate(seq, share_cached=False):
                 if self._waiting_head is not seq:
                     self._waiting_head = seq
                     self.num_waits += 1
                 break
             self.pending.popleft()
-            self.block_manager.allocate(seq)
+            # Its blocks are written by the pull: none is shared, and none is cached before it ends.
+            self.block_manager.allocate(seq, register=False, share_cached=False)
             seq.metrics.decode_admitted = time.time()
             seq.num_computed_tokens = handover.num_kv_tokens  # what the pull brings
             seq.status = SequenceStatus.PULLING
@@ -105,8 +108,7 @@ def _key(seq: Sequence) -> RunKey:
 
 class DecodeRole(InstanceRole):
     role = Role.DECODE
-    prefix_caching = False
-    takes_prompts = False
+    takes_prompts = False  # but those the orchestrator has it prefill itself (``add``)
 
     def __init__(self, context: RoleContext) -> None:
         super().__init__(context)
@@ -118,8 +120,10 @@ class DecodeRole(InstanceRole):
     def step_mode(self) -> StepMode:
         return StepMode.PREFILL_FIRST  # whatever the chunking: it decodes, and recomputes what it preempts
 
-    def add(self, seq: Sequence) -> None:
-        raise self._not_this_role("new prompts go to prefill or colocated instances")
+    def add(self, seq: Sequence, local_prefill: bool = False) -> None:
+        if not local_prefill:
+            raise self._not_this_role("new prompts go to prefill or colocated instances, or are prefilled locally")
+        self.scheduler.add(seq)
 
     def add_handover(self, seq: Sequence, handover: Handover, siblings: list[Sequence]) -> None:
         if siblings:
@@ -141,6 +145,7 @@ class DecodeRole(InstanceRole):
         samples = [seq, *(s for s in self.siblings.pop((request_id, attempt), []) if not s.is_finished)]
         if reason is not None:
             return PullOutcome(samples, reason)
+        self.scheduler.block_manager.register_computed(seq, 0)  # its KV is here: later prompts may share it
         for sibling in samples[1:]:
             self.scheduler.block_manager.fork(seq, sibling)
         for sample in samples:

@@ -96,12 +96,10 @@ class LLMEngine:
         self.executor.execute_model(BatchInput(is_prefill=False, seqs=seqs, num_decode=len(seqs)))
 
     def _set_role(self, role: Role, finishing: bool = False) -> None:
-        """Play ``role``: its role object, the step mode of the scheduler, and prefix caching (a
-        decode role must not share blocks whose KV is still arriving)."""
+        """Play ``role``: its role object and the step mode of the scheduler."""
         context = RoleContext(self.name, self.config.scheduler, self.scheduler, self.kv_hold)
         role_class = ROLE_CLASSES[role]
         self.role = role_class(context, finishing=True) if finishing else role_class(context)
-        self.block_manager.set_prefix_caching(self.config.cache.enable_prefix_caching and self.role.prefix_caching)
         self.scheduler.set_mode(self.role.step_mode)
 
     def change_role(self, role: Role | str) -> list[RequestDelta]:
@@ -178,11 +176,12 @@ class LLMEngine:
             seq.grammar = self.input_processor.grammars.matcher(structured, seq.output_token_ids)
         self.requests.setdefault(seq.request_id, {})[seq.sample_index] = seq
 
-    def add_sequence(self, seq: Sequence) -> None:
+    def add_sequence(self, seq: Sequence, local_prefill: bool = False) -> None:
+        """Queue a new request from its prompt; ``local_prefill``: a decode role's own to prefill."""
         seq.metrics.prefill_queued = time.time()
         self.register(seq)
         try:
-            self.role.add(seq)
+            self.role.add(seq, local_prefill)
         except BaseException:
             self.forget(seq)
             raise

@@ -8,7 +8,7 @@ holds the role's own state machine (``PrefillRole``: back-pressure from the KV h
 sees only the engine's parts that outlive it (``RoleContext``) and returns what is to happen (a
 request leaves for decode, a pull starts, a request ends), never calling back into the engine. To
 change role while running (``LLMEngine.change_role``) the engine changes the policy (the role
-object, the scheduler's mode, prefix caching); the requests the new role can serve stay where they
+object, the scheduler's mode); the requests the new role can serve stay where they
 are in the scheduler.
 """
 
@@ -55,7 +55,6 @@ class InstanceRole:
     """Behaviour shared by all roles; a subclass overrides what its role does differently."""
 
     role: Role
-    prefix_caching = True  # whether the role may share KV blocks through the prefix cache
     takes_prompts = True  # whether it runs new prompts (a decode role only recomputes its own)
     decodes = True  # whether it decodes (a prefill role hands every request on after its first token)
 
@@ -74,8 +73,9 @@ class InstanceRole:
         """How the scheduler forms a step in this role: both phases, as configured."""
         return StepMode.both_phases(self.context.config)
 
-    def add(self, seq: Sequence) -> None:
-        """A new request, to run from its prompt."""
+    def add(self, seq: Sequence, local_prefill: bool = False) -> None:
+        """A new request, to run from its prompt; ``local_prefill``: the orchestrator chose this
+        instance to prefill and decode it (all a decode role runs from a prompt but recomputes)."""
         self.scheduler.add(seq)
 
     def may_schedule(self) -> bool:

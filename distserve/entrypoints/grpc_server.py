@@ -113,6 +113,7 @@ def timeline_to_proto(m: RequestMetrics) -> pb.Timeline:
         num_preemptions=m.num_preemptions,
         prefill_instance=m.prefill_instance or "",
         decode_instance=m.decode_instance or "",
+        local_prefill=m.local_prefill,
     )
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distserve.cluster.config import POOL_FLAGS, ROLE_CONTROL_FLAGS, ClusterConfig
+from distserve.cluster.config import LOCAL_PREFILL_FLAGS, POOL_FLAGS, ROLE_CONTROL_FLAGS, ClusterConfig
 from distserve.core.config import read_sections
 from distserve.entrypoints.preflight import preflight
 from distserve.entrypoints.server_config import ServerConfig
@@ -93,9 +93,12 @@ def load_launch_config(
     for dest, role, key in POOL_FLAGS:
         if dest in flags:
             pools = _merge(pools, {role: {key: flags.pop(dest)}})
-    for dest, key in ROLE_CONTROL_FLAGS:
-        if dest in flags:
-            pools = _merge(pools, {"role_control": {key: flags.pop(dest)}})
+    for section, section_flags in (("role_control", ROLE_CONTROL_FLAGS), ("local_prefill", LOCAL_PREFILL_FLAGS)):
+        if not isinstance(pools.get(section), dict | None):  # a mode alone: the mapping it stands for
+            pools = {**pools, section: {"mode": pools[section]}}
+        for dest, key in section_flags:
+            if dest in flags:
+                pools = _merge(pools, {section: {key: flags.pop(dest)}})
     if pools:
         if any(role in pools for role in ("prefill", "decode")) and "colocated" in pools:
             raise ValueError("give prefill/decode pools or a colocated pool, not both")

@@ -51,6 +51,7 @@ class ServingMetrics:
         self.prompt_tokens = counter("prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "output tokens of finished requests")
         self.migrations = counter("kv_migrations", "KV caches moved from prefill to decode")
+        self.local_prefills = counter("local_prefills", "requests their decode instance prefilled itself")
         self.pending = Gauge("distserve_pending_requests", "requests admitted and not finished", registry=registry)
         self.waiting = instance_gauge("waiting_requests", "requests queued")
         self.running = instance_gauge("running_requests", "requests in the batch")
@@ -82,6 +83,8 @@ class ServingMetrics:
             self.e2e.observe(m.token_times[-1] - m.arrival_time)
         if m.arrival_time is not None and m.prefill_start is not None:
             self.queue_time.observe(max(0.0, m.prefill_start - m.arrival_time))
+        if m.local_prefill:
+            self.local_prefills.inc()
         if m.migration_start is not None and m.migration_end is not None:
             self.migrations.inc()
             self.migration_time.observe(m.migration_end - m.migration_start)

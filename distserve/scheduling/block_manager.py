@@ -118,18 +118,19 @@ class BlockManager:
 
     # Allocation ---------------------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._cached_prefix(seq)
+    def can_allocate(self, seq: Sequence, share_cached: bool = True) -> bool:
+        hits = self._cached_prefix(seq) if share_cached else []
         reused_free = sum(1 for b in hits if self._used[b].ref_count == 0)
         return seq.num_blocks(self.block_size) - len(hits) + reused_free <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, register: bool = True) -> None:
-        """Give ``seq`` blocks for all its tokens, sharing cached prefix blocks. With ``register``
-        its full blocks join the prefix cache now, for a batch that computes them all in its step;
-        a prompt computed over several steps registers them as they are (``register_computed``)."""
+    def allocate(self, seq: Sequence, register: bool = True, share_cached: bool = True) -> None:
+        """Give ``seq`` blocks for all its tokens, sharing cached prefix blocks unless not
+        ``share_cached`` (blocks its KV is to be copied into whole). With ``register`` its full
+        blocks join the prefix cache now, for a batch that computes them all in its step; a prompt
+        computed over several steps, or KV copied in, registers them as they are (``register_computed``)."""
         if seq.block_table:
             raise RuntimeError(f"{seq} already holds blocks")
-        hits = self._cached_prefix(seq)
+        hits = self._cached_prefix(seq) if share_cached else []
         for block_id in hits:
             block = self._used[block_id]
             if block.ref_count == 0:  # free and hashed, so among the blocks freed with a hash

@@ -171,7 +171,7 @@ class Timings(_message.Message):
     def __init__(self, ttft: _Optional[float] = ..., tpot: _Optional[float] = ..., e2e: _Optional[float] = ..., queue: _Optional[float] = ..., prefill: _Optional[float] = ..., migration: _Optional[float] = ...) -> None: ...
 
 class Timeline(_message.Message):
-    __slots__ = ("arrival", "prefill_queued", "prefill_start", "prefill_end", "prefill_batch_size", "prefill_batch_tokens", "handover", "decode_admitted", "migration_start", "migration_end", "step_starts", "step_ends", "step_batch_sizes", "token_times", "finished", "num_preemptions", "prefill_instance", "decode_instance")
+    __slots__ = ("arrival", "prefill_queued", "prefill_start", "prefill_end", "prefill_batch_size", "prefill_batch_tokens", "handover", "decode_admitted", "migration_start", "migration_end", "step_starts", "step_ends", "step_batch_sizes", "token_times", "finished", "num_preemptions", "prefill_instance", "decode_instance", "local_prefill")
     ARRIVAL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUED_FIELD_NUMBER: _ClassVar[int]
     PREFILL_START_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class Timeline(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     DECODE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     arrival: float
     prefill_queued: float
     prefill_start: float
@@ -208,7 +209,8 @@ class Timeline(_message.Message):
     num_preemptions: int
     prefill_instance: str
     decode_instance: str
-    def __init__(self, arrival: _Optional[float] = ..., prefill_queued: _Optional[float] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ..., prefill_batch_size: _Optional[int] = ..., prefill_batch_tokens: _Optional[int] = ..., handover: _Optional[float] = ..., decode_admitted: _Optional[float] = ..., migration_start: _Optional[float] = ..., migration_end: _Optional[float] = ..., step_starts: _Optional[_Iterable[float]] = ..., step_ends: _Optional[_Iterable[float]] = ..., step_batch_sizes: _Optional[_Iterable[int]] = ..., token_times: _Optional[_Iterable[float]] = ..., finished: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, arrival: _Optional[float] = ..., prefill_queued: _Optional[float] = ..., prefill_start: _Optional[float] = ..., prefill_end: _Optional[float] = ..., prefill_batch_size: _Optional[int] = ..., prefill_batch_tokens: _Optional[int] = ..., handover: _Optional[float] = ..., decode_admitted: _Optional[float] = ..., migration_start: _Optional[float] = ..., migration_end: _Optional[float] = ..., step_starts: _Optional[_Iterable[float]] = ..., step_ends: _Optional[_Iterable[float]] = ..., step_batch_sizes: _Optional[_Iterable[int]] = ..., token_times: _Optional[_Iterable[float]] = ..., finished: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., prefill_instance: _Optional[str] = ..., decode_instance: _Optional[str] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "timeline", "logprobs", "prompt_logprobs", "index")
