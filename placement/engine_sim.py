@@ -183,10 +183,6 @@ class _Decode(_Engine):
         self.pulling = 0
         self.puller_free = 0.0  # when the migrator's thread is done with the pulls it was given
 
-    @staticmethod
-    def step_mode(config: SchedulerConfig) -> StepMode:
-        return StepMode.PREFILL_FIRST  # ``DecodeRole.step_mode``
-
 
 @dataclass
 class _Step:

@@ -276,6 +276,36 @@ def test_a_stopped_instance_is_fenced_and_its_requests_finish_elsewhere(ray_clus
     asyncio.run(scenario())
 
 
+def test_a_stopped_worker_rank_is_fenced_though_its_instance_still_answers(ray_cluster, llama):
+    """SIGSTOP of one rank's worker of a tensor-parallel decode instance while requests decode: its
+    actor still answers every poll, but its step waits on the stopped rank; once the step has run
+    ``liveness_timeout`` past what its tokens take, the instance is fenced (every process of it
+    killed, the stopped one too), its requests end greedy-equal elsewhere and it is replaced."""
+    prompts = random_prompts([40, 120, 80, 60], 1024, seed=37)
+    expected = [reference_greedy(llama, p, MAX_TOKENS) for p in prompts]
+
+    async def scenario():
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=400, liveness_timeout=3.0,
+                                           decode={"tensor_parallel_size": 2})  # fmt: skip
+        try:
+            progress: dict[int, int] = {}
+            tasks = [asyncio.create_task(_collect(cluster, p, progress, i)) for i, p in enumerate(prompts)]
+            await _wait_until(lambda: sum(n >= 3 for n in progress.values()) >= 2)
+            stopped = _healthy(cluster, "decode")
+            assert len(stopped.info.processes) > 1, "the instance's ranks run in processes of their own"
+            _, pid = stopped.info.processes[-1]
+            os.kill(pid, signal.SIGSTOP)
+            assert await asyncio.wait_for(asyncio.gather(*tasks), 120) == expected
+            assert "step loop is stuck" in stopped.failure and "fenced" in stopped.failure
+            await _wait_until(lambda: any(s.name.endswith("decode-r1") for s in cluster.orchestrator.instances), 60)
+            await _wait_until(lambda: _process_gone(pid), timeout=10)
+            await wait_nothing_in_use_async(cluster)
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_sampled_requests_rerun_to_the_same_tokens(ray_cluster):
     """A request sampled at temperature > 0 without a seed gets one at admission, so a re-run after
     its decode instance dies continues the very stream the client was reading."""

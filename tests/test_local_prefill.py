@@ -86,7 +86,7 @@ async def _final(cluster, prompt, max_tokens):
     return last
 
 
-def test_a_decode_instance_prefills_what_the_rule_keeps_local(reference_model):
+def test_a_decode_instance_prefills_what_the_rule_keeps_local(ray_cluster, reference_model):
     """1P+1D. ``on`` at 24 tokens: the short prompts are prefilled and decoded on the decode
     instance (no pull), the long ones disaggregated; every output greedy-equal. Then ``auto``:
     a conversation's second turn, whose history the decode instance holds in its prefix cache

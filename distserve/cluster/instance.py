@@ -23,7 +23,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distserve.core.config import EngineConfig
-from distserve.core.errors import InstanceFailure, RequestError
+from distserve.core.errors import InstanceFailure, InstanceStalled, RequestError
 from distserve.core.handover import Handover
 from distserve.core.outputs import RequestDelta, coalesce
 from distserve.core.role import Role
@@ -220,12 +220,17 @@ class Instance:
         """Decode: the latest KV pulls, by request id."""
         return self.migrator.records()
 
-    def get_outputs(self, timeout: float = 1.0, interval: float = 0.0) -> list[RequestDelta]:
+    def get_outputs(
+        self, timeout: float = 1.0, interval: float = 0.0, step_grace: float | None = None
+    ) -> list[RequestDelta]:
         """What each request gained since the last call, waiting up to ``timeout`` seconds for the
         first news. Calls return at most every ``interval`` seconds unless a request has its first
         token, a hand-over or its end: a call cost the step loop about 0.6 ms on a CPU, more than
         half a small decode step (the call's thread takes the interpreter between the loop's
-        kernels), so plain decode tokens come together; time to first token and ends are not delayed."""
+        kernels), so plain decode tokens come together; time to first token and ends are not delayed.
+        Raises InstanceStalled when the batch on the executor has run ``step_grace`` seconds past
+        twice what its tokens took at the slowest rate a step has had (``_check_step``)."""
+        self._check_step(step_grace)
         end = time.monotonic() + timeout
         with self._outputs_ready:
             while not (self._failure or self._urgent):
@@ -238,7 +243,24 @@ class Instance:
                 self._raise_if_failed()
             outputs, self._outputs, self._urgent = self._outputs, [], False
             self._next_return = time.monotonic() + interval
+        if not outputs:
+            self._check_step(step_grace)
         return coalesce(outputs)
+
+    def _check_step(self, grace: float | None) -> None:
+        """Raise InstanceStalled when the batch on the executor has run ``grace`` seconds past twice
+        what its tokens took at the slowest rate of any step. Before a step has ended nothing says
+        how long one takes (the first may compile), so none is judged."""
+        engine, executing = self.engine, self.engine.executing
+        if grace is None or executing is None or not engine.slowest_per_token:
+            return
+        began, num_tokens = executing
+        allowed = grace + 2 * num_tokens * engine.slowest_per_token
+        ran = time.monotonic() - began
+        if ran > allowed:
+            raise InstanceStalled(f"{self.name}: a step of {num_tokens} tokens has run {ran:.1f} s, past the "
+                                  f"{allowed:.1f} s it is allowed (liveness_timeout and its tokens at the slowest "
+                                  f"rate seen, twice): its step loop is stuck")  # fmt: skip
 
     def info(self) -> InstanceInfo:
         engine = self.engine

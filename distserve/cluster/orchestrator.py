@@ -39,7 +39,7 @@ from distserve.cluster.role_control.controller import RoleController
 from distserve.cluster.role_control.request_records import Arrival, FinishedRequest, InFlight
 from distserve.cluster.routing import InstanceState, Router, spread_prompts
 from distserve.core.cpu_cores import available_cores
-from distserve.core.errors import InstanceFailure, RequestError
+from distserve.core.errors import InstanceFailure, InstanceStalled, RequestError
 from distserve.core.handover import Handover
 from distserve.core.outputs import RequestDelta, RequestOutput
 from distserve.core.role import Role
@@ -342,13 +342,16 @@ class Orchestrator:
 
     async def _poll(self, entry: InstanceState) -> None:
         while not self.closed:
-            poll = entry.handle.get_outputs.remote(POLL_TIMEOUT_S, self.config.stream_interval)
+            liveness = self.config.liveness_timeout
+            poll = entry.handle.get_outputs.remote(POLL_TIMEOUT_S, self.config.stream_interval, liveness)
             try:
-                deltas = await asyncio.wait_for(poll, POLL_TIMEOUT_S + self.config.liveness_timeout)
+                deltas = await asyncio.wait_for(poll, POLL_TIMEOUT_S + liveness)
             except (*INSTANCE_GONE, asyncio.TimeoutError) as e:  # its requests cannot go on there
-                if isinstance(e, asyncio.TimeoutError):  # alive or not, it must not act again: fence it
-                    e = InstanceFailure(f"{entry.name} left its outputs unanswered for "
-                                        f"{self.config.liveness_timeout:g} s (liveness_timeout): fenced")  # fmt: skip
+                if isinstance(e, asyncio.TimeoutError):
+                    e = InstanceStalled(f"{entry.name} left its outputs unanswered for {liveness:g} s "
+                                        f"(liveness_timeout)")  # fmt: skip
+                if isinstance(e, InstanceStalled):  # alive or not, it must not act again: fence it
+                    e = InstanceFailure(f"{e}: fenced")
                     self.spawn(fence(entry.handle, entry.info.processes))
                 for state, failure in self.failover.instance_failed(entry, e, list(self.requests.values())):
                     self.spawn(self.rerun(state, state.attempt, failure))

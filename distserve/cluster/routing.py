@@ -1,7 +1,9 @@
 """Which instance gets a request: a prompt goes where its first token comes soonest, the instance
 with the fewest prompt tokens still to prefill, counting this prompt's own less the prefix cached
-there; decode goes to the instance with the most room. When instances that take prompts are added
-(a role change), the prompts queued at the others are spread over them all.
+there; decode goes to the instance with the most room. With per-request disaggregation, a decode
+instance holding the prompt's prefix may prefill it itself (``pick_local_prefill``). When
+instances that take prompts are added (a role change), the prompts queued at the others are
+spread over them all.
 
 Prefill work, not load, picks the prompt's instance: a colocated instance's load is mostly the
 requests it decodes, which slow its next prefill little (their tokens ride in the same steps),

@@ -15,3 +15,8 @@ class RequestError(ValueError):
 class InstanceFailure(RuntimeError):
     """An instance cannot serve any more: a worker died or failed, or no instance of a role is left.
     Servers answer UNAVAILABLE / HTTP 503."""
+
+
+class InstanceStalled(InstanceFailure):
+    """An instance still answers but its step loop has stopped moving (a worker stopped or swapped
+    out, a collective waiting on a lost rank): it is fenced, as one that stopped answering is."""

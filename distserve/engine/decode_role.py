@@ -3,11 +3,12 @@
 A handed-over request is admitted when its blocks can be allocated (in arrival order, so a large
 request is not overtaken for ever), its KV is pulled into them by the engine's ``KVPuller``
 (given at its construction), and only then does it join the scheduler's running batch. Decoding
-is continuous batching (the scheduler's ``PREFILL_FIRST`` mode); a request the batch preempts is
-recomputed here through the waiting queue, as is a prompt the orchestrator has it prefill itself
-(per-request disaggregation, ``cluster.local_prefill``). Its prefix cache holds what its requests
-computed and, once each pull has ended, what they pulled: blocks a pull writes are neither shared
-nor cached before then, which would hand out KV that has not arrived.
+is continuous batching, with the prompts it does run (a request the batch preempts, recomputed
+here through the waiting queue, and a prompt the orchestrator has it prefill itself: per-request
+disaggregation, ``cluster.local_prefill``) in steps of their own (``PREFILL_FIRST``) or, with
+chunked prefill, in chunks beside the decode tokens, as a colocated instance runs them. Its prefix
+cache holds what its requests computed and, once each pull has ended, what they pulled: blocks a
+pull writes are neither shared nor cached before then, which would hand out KV that has not arrived.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from distserve.core.role import Role
 from distserve.core.sequence import Sequence, SequenceStatus
 from distserve.engine.role import InstanceRole, PullOutcome, RoleContext, RoleStats
 from distserve.scheduling.block_manager import BlockManager
-from distserve.scheduling.scheduler import StepMode
 
 RunKey = tuple[str, int]  # (request id, attempt)
 
@@ -115,10 +115,6 @@ class DecodeRole(InstanceRole):
         self.admission = DecodeAdmission(context.scheduler.block_manager, context.config.max_num_seqs)
         # The sibling samples of handed-over requests, forked from the carrier once its KV is here.
         self.siblings: dict[RunKey, list[Sequence]] = {}
-
-    @property
-    def step_mode(self) -> StepMode:
-        return StepMode.PREFILL_FIRST  # whatever the chunking: it decodes, and recomputes what it preempts
 
     def add(self, seq: Sequence, local_prefill: bool = False) -> None:
         if not local_prefill:

@@ -78,6 +78,11 @@ class LLMEngine:
         self.requests: dict[str, dict[int, Sequence]] = {}
         self.stats = StepStats(max_step_records)
         self.step_time = StepTimeModel()  # kept across role changes: the machine and model stay
+        # The batch on the executor now: (time.monotonic() it began, its tokens), None between
+        # batches; and the most seconds per token a step has taken, so that a stalled step can be
+        # told apart from a long one (``Instance.get_outputs``).
+        self.executing: tuple[float, int] | None = None
+        self.slowest_per_token = 0.0
         # One scheduler for the engine's life: a role change changes its mode, not its queues.
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.step_time)
         scheduler = config.scheduler
@@ -333,6 +338,7 @@ class LLMEngine:
         record = StepRecord(batch.is_prefill, len(batch.seqs), model_input.num_tokens, timer.seconds)
         self.stats.add(record)
         self.step_time.observe(record.num_tokens, record.total)
+        self.slowest_per_token = max(self.slowest_per_token, record.total / max(1, record.num_tokens))
         return deltas
 
     def _execute(self, batch: ScheduledBatch, timer: StepTimer) -> tuple[BatchInput, ModelOutput]:
@@ -341,7 +347,11 @@ class LLMEngine:
         model_input.block_copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
         self._constrain(batch.seqs, model_input.seqs)
         started = time.time()
-        output = self.executor.execute_model(model_input)
+        self.executing = (time.monotonic(), model_input.num_tokens)
+        try:
+            output = self.executor.execute_model(model_input)
+        finally:
+            self.executing = None
         timer.lap("execute")
         ended = time.time()
         step = (started, ended, len(batch.seqs))
