@@ -318,7 +318,7 @@ class RunSetup:
     num_kv_blocks: int = _setting(1024, "KV blocks per instance")
     block_size: int = _setting(16, "tokens per KV block")
     max_num_batched_tokens: int = _setting(4096, "prefill token budget (with chunked prefill: every step's)")
-    enable_chunked_prefill: bool = _setting(False, "the colocated instances ran chunked prefill")
+    enable_chunked_prefill: bool = _setting(False, "chunked prefill (colocated, and the prompts decode ran)")
     max_num_seqs: int = _setting(256, "most requests an instance runs at once")
     kv_hold_fraction: float = _setting(0.5, "share of a prefill pool that KV held for decode may fill")
     transfer_fixed: float = _setting(0.0, "seconds per KV pull, whatever its size")
@@ -355,7 +355,8 @@ def simulate_like(
                                       d.block_size, d.max_num_seqs, d.kv_hold_fraction,
                                       contention=prefill_contention)  # fmt: skip
         decode = DecodeInstanceSpec(d.decode_instances, step_time, None, d.max_num_seqs, kv_tokens, d.block_size,
-                                    d.max_num_batched_tokens, contention=step_contention)  # fmt: skip
+                                    d.max_num_batched_tokens, contention=step_contention,
+                                    chunked_prefill=d.enable_chunked_prefill)  # fmt: skip
         transfer = lambda n: d.transfer_fixed + d.transfer_per_token * n  # noqa: E731
         local_prefill = LocalPrefillConfig(d.local_prefill, d.local_prefill_max_tokens)
         results = simulate_blocks(requests, prefill, decode, transfer, delays, local_prefill)

@@ -31,10 +31,11 @@ those simulated. Around it, each rule is the engine's (module or function in
   token (``Sequence.from_handover``) can be allocated; no prefix cache. The ``Migrator``
   (``kv_transfer/migrator.py``) pulls one request at a time, in admission order, taking
   ``transfer_time(prompt_len)``; at the pull's end the prefill instance frees the KV and the request
-  joins the running batch. Preempted requests are recomputed there (``PREFILL_FIRST``).
+  joins the running batch. Preempted requests are recomputed there (``PREFILL_FIRST``, or
+  ``CHUNKED`` with ``chunked_prefill``).
 * Per-request disaggregation (``core/local_prefill.py``, ``Router.pick_local_prefill``): with
   ``local_prefill`` on, an arriving request the rule keeps local goes to the least loaded decode
-  instance with room, which prefills it (``PREFILL_FIRST``, its ``batch_time``) and decodes it:
+  instance with room, which prefills it (its own step mode, its ``batch_time``) and decodes it:
   no hold, no hand-over, no pull. The rule sees the prompt's whole length (no prefix is cached).
 * Colocated instances (``engine/role.py`` ``ColocatedRole``): ``PREFILL_FIRST``, or ``CHUNKED``
   (``chunked_prefill``), whose step of decode tokens and prompt chunks takes ``step_time`` of its
@@ -531,7 +532,8 @@ def simulate_blocks(
     prefills = [_Prefill(f"prefill-{i}", prefill_config, BlockManager(prefill.kv_capacity_tokens // prefill.block_size,
                                                                      prefill.block_size, False), prefill, clock)
                 for i in range(prefill.count)]  # fmt: skip
-    decode_config = SchedulerConfig(max_num_batched_tokens=decode.max_batch_tokens, max_num_seqs=decode.max_batch_size)
+    decode_config = SchedulerConfig(max_num_batched_tokens=decode.max_batch_tokens, max_num_seqs=decode.max_batch_size,
+                                    enable_chunked_prefill=decode.chunked_prefill)  # fmt: skip
     latency = _Latency(decode.batch_time or prefill.batch_time, decode.step_time, decode.step_times)
     decodes = [_Decode(f"decode-{i}", decode_config,
                        BlockManager(decode.kv_capacity_tokens // decode.block_size, decode.block_size, False),

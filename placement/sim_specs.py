@@ -88,11 +88,14 @@ class DecodeInstanceSpec:
     max_batch_size: int
     kv_capacity_tokens: int
     block_size: int | None = None
-    max_batch_tokens: int = 4096  # block mode: token budget of the prefill batches that recompute preempted requests
+    # Block mode: token budget of the prefill batches that recompute preempted requests (and prefill
+    # local prompts, ``local_prefill``), or of a step's chunks with ``chunked_prefill``.
+    max_batch_tokens: int = 4096
     # Block mode: latency of those batches; None takes the prefill instances' (same model, same parallelism).
     batch_time: Callable[[list[int]], float] | None = None
     contention: Contention = Contention()  # block mode
     step_times: StepTimes | None = None  # block mode: step_time over a steady stretch, when known
+    chunked_prefill: bool = False  # block mode: the prompts it runs go in chunks beside its decode tokens
 
 
 @dataclass

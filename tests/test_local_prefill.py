@@ -2,6 +2,7 @@
 model of it, and a cluster whose decode instance prefills the prompts the rule keeps local."""
 
 import asyncio
+import dataclasses
 from fractions import Fraction
 
 import pytest
@@ -67,14 +68,18 @@ def test_the_simulator_prefills_short_prompts_on_the_decode_instance():
     prefill = PrefillInstanceSpec(1, batch_time, None, 4096, 10_000, 16)
     decode = DecodeInstanceSpec(1, lambda batch, context: Fraction(1, 10), None, 256, 10_000, 16)
     requests = [SimRequest(Fraction(0), 20, 3), SimRequest(Fraction(0), 80, 3)]
+    rule = LocalPrefillConfig("on", 50)
     short, long = (r.timeline for r in simulate_blocks(requests, prefill, decode, lambda n: Fraction(1, 2),
-                                                        local_prefill=LocalPrefillConfig("on", 50)))  # fmt: skip
+                                                        local_prefill=rule))  # fmt: skip
     assert short.local_prefill and short.prefill_instance == short.decode_instance == "decode-0"
     assert short.handover is None and short.migration_start is None
     assert (short.prefill_start, short.prefill_end) == (0, Fraction(6, 5))
     assert short.token_times == [Fraction(6, 5), Fraction(13, 10), Fraction(14, 10)]
     assert not long.local_prefill and long.prefill_instance == "prefill-0" and long.decode_instance == "decode-0"
     assert long.migration_end == long.prefill_end + Fraction(1, 2)
+    chunked = dataclasses.replace(decode, max_batch_tokens=8, chunked_prefill=True)
+    short = simulate_blocks(requests, prefill, chunked, lambda n: Fraction(1, 2), local_prefill=rule)[0].timeline
+    assert short.local_prefill and short.prefill_end == Fraction(108 + 108 + 104, 100)  # chunks of 8, 8 and 4
     off = simulate_blocks(requests, prefill, decode, lambda n: Fraction(1, 2))
     assert not any(r.timeline.local_prefill for r in off) and all(r.timeline.handover is not None for r in off)
 
