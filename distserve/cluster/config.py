@@ -13,7 +13,7 @@ cluster:
   decode: {instances: 2, max_num_seqs: 128}
   max_request_attempts: 3          # runs of a request, the first included, across instance failures
   replace_failed_instances: true   # start a new instance in place of one that died
-  liveness_timeout: 10             # seconds an instance may leave the orchestrator unanswered before it is fenced
+  liveness_timeout: 10             # seconds unanswered (or a step stuck) before an instance is fenced
   stream_interval: 0.005           # seconds between an instance's output batches (first tokens and ends at once)
   role_control: {mode: adaptive, slo_ttft: 0.5, slo_tpot: 0.05}  # roles follow the load
   local_prefill: {mode: auto, max_tokens: 256}  # short prompts prefilled on their decode instance
@@ -109,8 +109,10 @@ class ClusterConfig:
     max_request_attempts: int = 3
     replace_failed_instances: bool = True
     # An instance that leaves the orchestrator's poll of its outputs unanswered this many seconds past
-    # the poll's own wait (its process stopped, swapped out, cut off) is fenced: its processes are
-    # killed, its requests re-run elsewhere, and it is replaced, as if it had died.
+    # the poll's own wait (its process stopped, swapped out, cut off), or whose batch has run this
+    # long past twice its tokens at its slowest rate (a rank stopped, a collective that never ends),
+    # is fenced: its processes are killed, its requests re-run elsewhere, and it is replaced, as if
+    # it had died.
     liveness_timeout: float = 10.0
     # An instance hands its decode tokens over at most every this many seconds (a request's first
     # token and its end at once): each hand-over cost its step loop about 0.6 ms on a CPU, more
