@@ -24,6 +24,7 @@ from distserve.cluster.api import make_cluster_config
 from distserve.cluster.instance import IDLE_HEALTH_CHECK_S
 from distserve.core.handover import Handover
 from distserve.core.outputs import RequestDelta, coalesce
+from distserve.entrypoints.prometheus import ServingMetrics
 
 LENGTHS = [1, 7, 16, 33, 64, 101, 150, 200]
 MAX_TOKENS = [12, 30, 5, 40, 17, 25, 9, 33]
@@ -43,7 +44,7 @@ def _migrations(cluster: Cluster) -> dict:
     return records
 
 
-def _check(cluster: Cluster, reference, seed: int, transport: str = "gloo") -> None:
+def _check(cluster: Cluster, reference, seed: int, transport: str = "shm") -> None:
     prompts = random_prompts(LENGTHS, reference.config.vocab_size, seed=seed)
     outputs = cluster.generate(prompts, [_greedy(n) for n in MAX_TOKENS])
     for prompt, n, out in zip(prompts, MAX_TOKENS, outputs):
@@ -69,16 +70,31 @@ def llama(reference_model):
 
 
 @pytest.mark.parametrize(
-    "prefill, decode",
+    "prefill, decode, transport",
     [
-        ({"instances": 2, "tensor_parallel_size": 2}, {"instances": 1, "block_size": 16}),
-        ({"instances": 1, "pipeline_parallel_size": 2}, {"instances": 2, "tensor_parallel_size": 2}),
+        # The decode pool reads over a group only: gloo, though both ends are on one Ray node.
+        ({"instances": 2, "tensor_parallel_size": 2}, {"block_size": 16, "kv_transport": "group"}, "gloo"),
+        ({"instances": 1, "pipeline_parallel_size": 2}, {"instances": 2, "tensor_parallel_size": 2}, "shm"),
     ],
-    ids=["2P-tp2+1D-tp1-other-block-size", "1P-pp2+2D-tp2"],
+    ids=["2P-tp2+1D-tp1-other-block-size-gloo", "1P-pp2+2D-tp2-shm"],
 )
-def test_disaggregated_greedy_equals_transformers(ray_cluster, llama, prefill, decode):
+def test_disaggregated_greedy_equals_transformers(ray_cluster, llama, prefill, decode, transport):
     with Cluster(model="tiny-llama", block_size=8, prefill=prefill, decode=decode) as cluster:
-        _check(cluster, llama, seed=1)
+        _check(cluster, llama, seed=1, transport=transport)
+
+
+def test_kv_pulled_over_shared_memory_on_one_node_is_reported_so(ray_cluster, llama):
+    """1 prefill + 1 decode on CPU on one Ray node: the decode instance reads the prefill
+    instance's cache in place, and says so in its pull totals and in /metrics."""
+    with Cluster(model="tiny-llama", block_size=8, prefill={}, decode={}) as cluster:
+        _check(cluster, llama, seed=3)
+        prefill, decode = cluster.info()
+        totals = decode.kv_pulls_from[prefill.name]
+        assert totals.transport == "shm" and totals.pulls > 0 and totals.num_bytes > 0
+        metrics = ServingMetrics()
+        metrics.update_instances([prefill, decode], 0, [], {})
+        pulls = f'distserve_kv_pulls{{instance="{decode.name}",source="{prefill.name}",transport="shm"}}'
+        assert f"{pulls} {float(totals.pulls)}" in metrics.render().decode()
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,9 @@
-"""KV pulled over CUDA IPC between two processes on one GPU, as a decode instance pulls from a
-prefill instance sharing its GPU (where NCCL refuses the pair). Skipped without a GPU."""
+"""KV read in place between two processes, as a decode instance pulls from a prefill instance on
+the same machine: over CUDA IPC on one GPU (where NCCL refuses the pair; skipped without a GPU),
+over shared memory between CPU processes. On CPU also: gloo wherever the source's cache cannot be
+read in place, and a source killed while its cache is mapped."""
 
+import dataclasses
 import queue
 import time
 import traceback
@@ -13,13 +16,13 @@ import torch.multiprocessing as mp
 
 from distserve.kv_transfer.channel import KVTransfer
 from distserve.kv_transfer.plan import KVLayout, plan_transfer, rank_layout, token_slots
+from distserve.kv_transfer.shared_memory import shared_zeros
 from distserve.parallel.ranks import ParallelRank
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
+CUDA = pytest.param(
+    "cuda",
+    marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
+)
 CHANNEL = "prefill.0>decode.0"
 HEAD_DIM, SLOTS, CHUNK = 16, 64, 5  # chunks of 5 tokens: 19 tokens go in 4 chunks a layer
 # 4 layers, 4 KV heads: the prefill rank is pipeline stage 1 of 2 (layers 2-3, every head), the
@@ -30,6 +33,7 @@ DESTINATION = rank_layout(4, 4, ParallelRank(tp_size=2, pp_size=1, rank=1))
 SRC_SLOTS = token_slots([5, 1, 6], 19, block_size=8)  # 19 tokens in prefill blocks of 8 ...
 DST_SLOTS = token_slots([9, 2, 7, 3, 11], 19, block_size=4)  # ... and in decode blocks of 4
 TIMEOUT = 150  # seconds for both processes to answer (spawning and CUDA start take a few), under pytest's 300
+MEMORY_FILE = "memfd:distserve-kv"  # how a shared cache's mapping shows in /proc/<pid>/maps
 
 
 def _cache(layout: KVLayout, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -44,42 +48,98 @@ def _part():
     return part
 
 
-def _source(dtype: torch.dtype, addresses: Queue, results: Queue, done: Event) -> None:
+def _mapped_caches() -> int:
+    """The shared memory caches of other processes this one maps."""
+    with open("/proc/self/maps") as maps:
+        return sum(MEMORY_FILE in line for line in maps)
+
+
+def _source(device: str, dtype: torch.dtype, publish: str, addresses: Queue, results: Queue, done: Event) -> None:
     """The prefill rank: hosts the store, connects, sends, and keeps its cache until the test is done
-    (the destination reads it in place)."""
+    (the destination may read it in place). ``publish`` (CPU): "shared" memory, a "plain" tensor
+    (read over gloo only), or shared memory described by a "stale" file (one that is not its own)."""
     try:
-        transfer = KVTransfer(_cache(SOURCE, dtype, seed=1).to("cuda:0"), SOURCE, chunk_tokens=CHUNK)
+        cache, shared = _cache(SOURCE, dtype, seed=1).to(device), None
+        if device == "cpu" and publish != "plain":
+            tensor, shared = shared_zeros(tuple(cache.shape), dtype)
+            cache = tensor.copy_(cache)
+            if publish == "stale":
+                shared = dataclasses.replace(shared, inode=shared.inode + 1)
+        transfer = KVTransfer(cache, SOURCE, chunk_tokens=CHUNK, shared=shared)
         address = transfer.store_address()
         addresses.put(address)
         transfer.connect(CHANNEL, True, address)
         part = _part()
         sent = transfer.send(CHANNEL, SRC_SLOTS, part.layers, part.kv_heads)
-        results.put({"role": "source", "transport": transfer.transport(CHANNEL), "bytes": sent})
+        results.put({"transport": transfer.transport(CHANNEL), "bytes": sent})
         done.wait(TIMEOUT)
     except BaseException:
-        results.put({"role": "source", "error": traceback.format_exc()})
+        results.put({"error": traceback.format_exc()})
 
 
-def _destination(dtype: torch.dtype, addresses: Queue, results: Queue) -> None:
-    """The decode rank: connects, pulls, and reports its whole cache and what it held after
-    dropping the prefill instance."""
+def _destination(device: str, dtype: torch.dtype, in_place: bool, addresses: Queue, results: Queue, pull: Event):
+    """The decode rank: connects, pulls once ``pull`` is set, and reports its whole cache and what
+    it held (and mapped) before and after dropping the prefill instance."""
     try:
-        transfer = KVTransfer(_cache(DESTINATION, dtype, seed=2).to("cuda:0"), DESTINATION, chunk_tokens=CHUNK)
+        cache = _cache(DESTINATION, dtype, seed=2).to(device)
+        transfer = KVTransfer(cache, DESTINATION, chunk_tokens=CHUNK, in_place=in_place)
         transfer.connect(CHANNEL, False, addresses.get(timeout=TIMEOUT))
         part = _part()
+        pull.wait(TIMEOUT)
         received = transfer.recv(CHANNEL, DST_SLOTS, part.layers, part.kv_heads, SRC_SLOTS)
         result = {
-            "role": "destination",
             "transport": transfer.transport(CHANNEL),
             "bytes": received,
             "cache": transfer.kv_tensor.cpu().float().numpy(),  # exact for bfloat16; a plain array crosses safely
             "staging_bytes": transfer.peers()["staging_bytes"],
+            "mapped": _mapped_caches(),
         }
         result["dropped"] = transfer.drop_peer("prefill")
         result["channels"] = transfer.peers()["channels"]
+        result["mapped_after_drop"] = _mapped_caches()
         results.put(result)
     except BaseException:
-        results.put({"role": "destination", "error": traceback.format_exc()})
+        results.put({"error": traceback.format_exc()})
+
+
+def _pull(device: str, dtype: torch.dtype, publish: str = "shared", in_place: bool = True, kill_source=False):
+    """Run a source and a destination process through one pull; their answers. ``kill_source``:
+    SIGKILL the source once it has sent (a pull in place needs nothing more of it), then pull."""
+    ctx = mp.get_context("spawn")
+    addresses, done, pull = ctx.Queue(), ctx.Event(), ctx.Event()
+    # A queue of each: a process killed as it has just put may still hold its queue's lock.
+    results = {"source": ctx.Queue(), "destination": ctx.Queue()}
+    source_args = (device, dtype, publish, addresses, results["source"], done)
+    destination_args = (device, dtype, in_place, addresses, results["destination"], pull)
+    processes = {
+        "source": ctx.Process(target=_source, args=source_args, daemon=True),
+        "destination": ctx.Process(target=_destination, args=destination_args, daemon=True),
+    }
+    if not kill_source:
+        pull.set()
+    for p in processes.values():
+        p.start()
+    answers, deadline = {}, time.monotonic() + TIMEOUT
+    try:
+        for role, p in processes.items():
+            try:
+                answer = results[role].get(timeout=max(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no answer within {TIMEOUT} s from the {role}")
+            assert "error" not in answer, f"{role} failed:\n{answer.get('error')}"
+            answers[role] = answer
+            if kill_source and role == "source":
+                p.kill()
+                p.join(timeout=30)
+                pull.set()
+    finally:
+        if processes["source"].is_alive():  # (set with a sleeper killed, an Event waits for it to wake)
+            done.set()
+        for p in processes.values():
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return answers["source"], answers["destination"]
 
 
 def _expected(dtype: torch.dtype) -> torch.Tensor:
@@ -95,40 +155,46 @@ def _expected(dtype: torch.dtype) -> torch.Tensor:
     return expected
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_two_processes_on_one_gpu_move_kv_over_cuda_ipc(dtype):
+def _check_pulled(source: dict, destination: dict, dtype: torch.dtype, transport: str) -> None:
+    """Both ends moved the part's bytes over ``transport`` and the destination holds exactly them."""
     part = _part()
-    assert (part.layers, part.kv_heads) == (range(2, 4), range(2, 4))  # offsets on both sides
-    ctx = mp.get_context("spawn")
-    addresses, results, done = ctx.Queue(), ctx.Queue(), ctx.Event()
-    processes = [
-        ctx.Process(target=_source, args=(dtype, addresses, results, done), daemon=True),
-        ctx.Process(target=_destination, args=(dtype, addresses, results), daemon=True),
-    ]
-    for p in processes:
-        p.start()
-    answers, deadline = {}, time.monotonic() + TIMEOUT
-    try:
-        for _ in processes:
-            try:
-                answer = results.get(timeout=max(1.0, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"no answer within {TIMEOUT} s from {sorted({'source', 'destination'} - set(answers))}")
-            assert "error" not in answer, f"{answer['role']} failed:\n{answer.get('error')}"
-            answers[answer["role"]] = answer
-    finally:
-        done.set()
-        for p in processes:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    source, destination = answers["source"], answers["destination"]
-    assert source["transport"] == destination["transport"] == "ipc"
+    assert source["transport"] == destination["transport"] == transport
     element = torch.empty((), dtype=dtype).element_size()
     num_bytes = len(part.layers) * 2 * len(SRC_SLOTS) * len(part.kv_heads) * HEAD_DIM * element
     assert source["bytes"] == destination["bytes"] == num_bytes
     cache = torch.from_numpy(destination["cache"]).to(dtype)
     assert torch.equal(cache, _expected(dtype))  # the pulled slots, and every other slot unchanged
     assert not torch.equal(cache, _cache(DESTINATION, dtype, seed=2))  # (it did pull something)
-    assert destination["staging_bytes"] == 0  # IPC needs no staging buffers
     assert destination["dropped"] == [CHANNEL] and destination["channels"] == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("device", [CUDA, "cpu"])
+def test_two_processes_on_one_machine_pull_kv_in_place(device, dtype):
+    part = _part()
+    assert (part.layers, part.kv_heads) == (range(2, 4), range(2, 4))  # offsets on both sides
+    source, destination = _pull(device, dtype)
+    _check_pulled(source, destination, dtype, "ipc" if device == "cuda" else "shm")
+    assert destination["staging_bytes"] == 0  # in place needs no staging buffers
+    if device == "cpu":  # the source's cache was mapped here until the prefill instance was dropped
+        assert (destination["mapped"], destination["mapped_after_drop"]) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    "publish, in_place",
+    [("shared", False), ("plain", True), ("stale", True)],
+    ids=["destination-reads-over-a-group-only", "source-not-in-shared-memory", "source-file-does-not-open"],
+)
+def test_kv_goes_over_gloo_where_the_source_cannot_be_read_in_place(publish, in_place):
+    source, destination = _pull("cpu", torch.float32, publish, in_place)
+    _check_pulled(source, destination, torch.float32, "gloo")
+    assert destination["staging_bytes"] > 0 and destination["mapped"] == 0
+
+
+def test_a_killed_source_s_cache_stays_readable_until_its_channel_is_dropped():
+    """The source is SIGKILLed after the hand-shake: the destination's mapping keeps the memory, so
+    the pull still reads it whole; dropping the dead instance unmaps it (and with it the last of
+    the source's memory: the file has no name to leave behind)."""
+    source, destination = _pull("cpu", torch.float32, kill_source=True)
+    _check_pulled(source, destination, torch.float32, "shm")
+    assert (destination["mapped"], destination["mapped_after_drop"]) == (1, 0)

@@ -13,6 +13,7 @@ from distserve import AsyncCluster, SamplingParams
 from distserve.core.config import CacheConfig
 from distserve.kv_transfer.channel import KVTransfer, staging_bytes
 from distserve.kv_transfer.plan import KVLayout, plan_transfer, rank_layout, transfer_rounds
+from distserve.kv_transfer.shared_memory import shared_zeros
 from distserve.model_executor import kv_cache
 from distserve.model_executor.kv_cache import KVCacheShape, determine_num_blocks
 from distserve.parallel.ranks import ParallelRank
@@ -40,10 +41,15 @@ def _both(*calls: tuple) -> list:
     return results
 
 
-def _end(seed: int | None, chunk_tokens: int) -> KVTransfer:
+def _end(seed: int | None, chunk_tokens: int, shared: bool = False) -> KVTransfer:
+    """A rank's end: its cache zeros or drawn from ``seed``, in shared memory if ``shared``."""
     shape = (LAYERS, 2, SLOTS, HEADS, DIM)
     tensor = torch.zeros(shape) if seed is None else torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-    return KVTransfer(tensor, KVLayout(range(LAYERS), range(HEADS)), chunk_tokens)
+    file = None
+    if shared:
+        drawn, (tensor, file) = tensor, shared_zeros(shape, tensor.dtype)
+        tensor.copy_(drawn)
+    return KVTransfer(tensor, KVLayout(range(LAYERS), range(HEADS)), chunk_tokens, shared=file)
 
 
 def test_a_peer_replaced_again_and_again_leaves_no_channel_or_buffer_behind():
@@ -66,6 +72,24 @@ def test_a_peer_replaced_again_and_again_leaves_no_channel_or_buffer_behind():
         assert decode.peers()["channels"] == [] and prefill.peers()["channels"] == []
         staging.append(decode.peers()["staging_bytes"])
     assert staging == [staging_bytes(HEADS, DIM, torch.float32, chunk_tokens=5)] * 5  # fixed, not per peer
+
+
+def test_a_source_in_shared_memory_is_read_in_place_in_its_own_process():
+    """Source and destination in one process (as the local path of CUDA IPC): the destination
+    takes the source's tensor itself, with no staging buffers; a plain source is read over gloo."""
+    decode = _end(None, chunk_tokens=5)
+    src_slots, dst_slots = [7, 8, 9, 30], [1, 2, 40, 41]
+    for shared, transport in ((True, "shm"), (False, "gloo")):
+        prefill, channel = _end(3, chunk_tokens=5, shared=shared), f"prefill-{transport}.0>decode.0"
+        address = prefill.store_address()
+        _both((prefill.connect, channel, True, address), (decode.connect, channel, False, address))
+        assert prefill.transport(channel) == decode.transport(channel) == transport
+        _both(
+            (prefill.send, channel, src_slots, range(LAYERS), range(HEADS)),
+            (decode.recv, channel, dst_slots, range(LAYERS), range(HEADS), src_slots),
+        )
+        assert torch.equal(decode.kv_tensor[:, :, dst_slots], prefill.kv_tensor[:, :, src_slots])
+        assert decode.peers()["staging_bytes"] == (0 if shared else staging_bytes(HEADS, DIM, torch.float32, 5))
 
 
 def test_transfer_rounds_never_ask_a_rank_for_two_parts_at_once():

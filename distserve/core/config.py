@@ -23,6 +23,7 @@ DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpp", "compiled", "triton", "sdpa")
 POLICIES = ("fcfs", "sjf", "priority", "deadline", "deadline-feasible")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
+KV_TRANSPORTS = ("auto", "group")
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -85,6 +86,13 @@ class CacheConfig:
         "use for weights, activations and KV cache; when set, kv_cache_memory_fraction is not used",
     )
     enable_prefix_caching: bool = option(True, "share KV blocks of identical prompt prefixes")
+    kv_transport: str = option(
+        "auto",
+        "how a pull moves KV between two instances' ranks: 'auto' reads the source's cache in place when "
+        "they can (CUDA IPC between GPUs of one machine, shared memory between CPU processes of one Ray "
+        "node), else a two-rank group (NCCL on GPUs, gloo on CPU); 'group' always the group",
+        KV_TRANSPORTS,
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -95,6 +103,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check_choice("kv_transport", self.kv_transport, KV_TRANSPORTS)
 
 
 @dataclass

@@ -7,26 +7,34 @@ replaced without touching the other. A channel is named ``"{source instance}.{ra
 instance}.{rank}"``; when an instance is gone, its peers drop every channel that names it
 (``drop_peer``), so replacements leave nothing behind.
 
-How a channel moves the KV: on CPU, a two-rank gloo group. Between CUDA ranks, CUDA IPC when
-both are on one machine: the source publishes a handle to its whole KV cache, the destination
-opens it on its own device and copies the slots it pulls straight from the source's memory, GPU
-to GPU (through NVLink or PCIe peer access when the source's GPU is another one). That is the
-fastest way within a node, and the only one when both instances share one GPU: NCCL refuses two
-ranks on the same device. A two-rank NCCL group serves CUDA ranks on different machines, and
-those whose handle cannot be opened (no peer access between the GPUs, another container's
-shared memory). The two ends agree on the choice through the store when they connect.
+How a channel moves the KV: in place where the destination can read the source's cache, else a
+two-rank group. Between CUDA ranks on one machine, CUDA IPC: the source publishes a handle to its
+whole KV cache, the destination opens it on its own device and copies the slots it pulls straight
+from the source's memory, GPU to GPU (through NVLink or PCIe peer access when the source's GPU is
+another one). That is the fastest way within a node, and the only one when both instances share
+one GPU: NCCL refuses two ranks on the same device. Between CPU ranks on one machine and one Ray
+node, shared memory: the source's cache lives in an anonymous memory file (``shared_memory``), it
+publishes ``/proc/<pid>/fd/<fd>``, and the destination maps the file and copies the slots out of
+it. Ray nodes sharing a machine count as different machines, so that they move KV as a multi-node
+deployment does. A two-rank NCCL group serves CUDA ranks on different machines, a gloo group CPU
+ranks on different Ray nodes, and either serves where the source's cache cannot be opened (no peer
+access between the GPUs, another container's memory or processes) or an end is told to use a
+group only (``cache.kv_transport: group``). The two ends agree on the choice through the store
+when they connect.
 
 A transfer names the token slots on each side, so blocks are addressed whole but only the
 tokens that hold KV are moved: the bytes are exactly layers x 2 x tokens x heads x head_dim x
 dtype size. Over a group it goes through two staging buffers of a fixed size per rank, a chunk
 of at most ``STAGING_TOKENS`` tokens of one layer each, which the KV cache's memory budget sets
-aside (``staging_bytes``). Over IPC one kernel copies every layer's slots straight from the
-source's cache into the destination's (``slot_copy``); without Triton, a chunk at a time through
-at most one such chunk of temporary memory.
+aside (``staging_bytes``). In place, on CUDA one kernel copies every layer's slots straight from
+the source's cache into the destination's (``slot_copy``), without Triton a layer and a chunk at a
+time through at most one such chunk of temporary memory; on CPU each run of slots consecutive on
+both sides (a block or more) is one copy over every layer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -45,7 +53,8 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from distserve.kv_transfer.plan import KVLayout
-from distserve.kv_transfer.slot_copy import copy_slots
+from distserve.kv_transfer.shared_memory import SharedFile
+from distserve.kv_transfer.slot_copy import copy_slot_runs, copy_slots
 from distserve.parallel.process_group import COLLECTIVE_TIMEOUT, create_store
 
 logger = logging.getLogger(__name__)
@@ -68,7 +77,7 @@ def channel_peers(channel: str) -> tuple[str, str]:
 
 
 def machine_key() -> str:
-    """Names this machine and this boot of it: CUDA IPC handles open only where they were made."""
+    """Names this machine and this boot of it: CUDA IPC handles and /proc paths mean something only there."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot_id = f.read().strip()
@@ -77,17 +86,25 @@ def machine_key() -> str:
     return f"{socket.gethostname()}/{boot_id}"
 
 
+def ray_node() -> str:
+    """This process's Ray node id; empty outside Ray."""
+    import ray  # only channels ask: an engine alone never loads Ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
 @dataclass
 class IpcPeer:
-    """A channel over CUDA IPC. The destination's end holds the source's whole KV cache, opened on
-    its own device, and the part of the model it holds; the source's end holds nothing (None)."""
+    """A channel that reads the source's cache in place (CUDA IPC, or shared memory on CPU). The
+    destination's end holds the source's whole KV cache, opened on its own device, and the part of
+    the model it holds; the source's end holds nothing (None)."""
 
     tensor: torch.Tensor | None
     layout: KVLayout | None
 
 
-# The CUDA caches of this process's sources by token: CUDA cannot open an IPC handle in the
-# process that made it, so a destination in the same process reads the tensor itself.
+# The caches of this process's sources by token: CUDA cannot open an IPC handle in the process
+# that made it, so a destination in the same process reads the tensor itself (on CPU too: cheaper).
 _CACHES_IN_PROCESS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
 
@@ -96,18 +113,35 @@ class KVTransfer:
     pair communicators, and sends or receives the KV of given token slots.
 
     Transfers on a rank take turns through its one pair of staging buffers; the decode side pulls
-    one request at a time anyway, and a source's link is shared by its transfers."""
+    one request at a time anyway, and a source's link is shared by its transfers.
 
-    def __init__(self, kv_tensor: torch.Tensor, layout: KVLayout, chunk_tokens: int = STAGING_TOKENS) -> None:
+    ``in_place``: read a source's cache in place where both ends can (else always a group).
+    ``shared``: on CPU, how another process maps this rank's cache; without it the cache is read
+    over gloo only."""
+
+    def __init__(
+        self,
+        kv_tensor: torch.Tensor,
+        layout: KVLayout,
+        chunk_tokens: int = STAGING_TOKENS,
+        shared: SharedFile | None = None,
+        in_place: bool = True,
+    ) -> None:
         self.kv_tensor = kv_tensor  # the rank's cache, [layers, 2, slots, kv_heads, head_dim]
         self.layout = layout
         self.device = kv_tensor.device
         self.chunk_tokens = chunk_tokens
+        self.shared = shared
+        self.in_place = in_place
+        cuda = self.device.type == "cuda"
+        # The names of the two ways a channel moves the KV here: in place, or over a group.
+        self._in_place_transport, self._group_transport = ("ipc", "nccl") if cuda else ("shm", "gloo")
         self._store: dist.TCPStore | None = None
         self._groups: dict[str, dist.ProcessGroup | IpcPeer] = {}
         self._groups_lock = threading.Lock()  # guards _groups: joins and drops come from any thread
         self._transfer_lock = threading.Lock()  # one transfer at a time through the staging buffers
         self._buffers: list[torch.Tensor] = []
+        self._probe_buffer: torch.Tensor | None = None  # the raw link's probes (benchmarks)
         self._token = uuid.uuid4().hex  # names this cache to a destination in the same process
         self._copy_stream: torch.cuda.Stream | None = None  # IPC pulls: beside the steps' stream
 
@@ -128,69 +162,115 @@ class KVTransfer:
         else:
             store = dist.TCPStore(*address, 2, is_master=False, timeout=COLLECTIVE_TIMEOUT)
         prefixed = dist.PrefixStore(f"kv/{channel}", store)
-        rank = 0 if is_source else 1
         group: dist.ProcessGroup | IpcPeer | None
-        if self.device.type == "cuda":
-            if is_source:
-                # A wait on a store object holds it from every other thread until it ends: the
-                # source's handshake waits over a connection of its own, not the rank's shared one.
-                own = dist.TCPStore(*address, 2, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-                group = self._ipc_source(dist.PrefixStore(f"kv/{channel}", own))
-            else:
-                group = self._ipc_destination(prefixed)
-            if group is None:
-                group = dist.ProcessGroupNCCL(prefixed, rank, 2)
+        if is_source:
+            # A wait on a store object holds it from every other thread until it ends: the
+            # source's handshake waits over a connection of its own, not the rank's shared one.
+            own = dist.TCPStore(*address, 2, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+            group = self._ipc_source(dist.PrefixStore(f"kv/{channel}", own))
         else:
-            group = dist.ProcessGroupGloo(prefixed, rank, 2, COLLECTIVE_TIMEOUT)
+            group = self._ipc_destination(channel, prefixed)
+        if group is None:
+            rank = 0 if is_source else 1
+            if self.device.type == "cuda":
+                group = dist.ProcessGroupNCCL(prefixed, rank, 2)
+            else:
+                group = dist.ProcessGroupGloo(prefixed, rank, 2, COLLECTIVE_TIMEOUT)
         with self._groups_lock:
             self._groups[channel] = group
 
-    # The IPC handshake, keys under the channel's prefix: the source sets "ipc/source" (machine,
-    # process, token, layout); the destination answers "ipc/reply": "nccl" (another machine),
+    # The handshake, keys under the channel's prefix: the source sets "ipc/source" (where it is,
+    # whether it publishes its cache, process, token, layout); the destination answers "ipc/reply":
+    # the group's transport ("nccl" or "gloo": elsewhere, or either end reads over a group only),
     # "local" (same process: it takes the tensor itself) or "handle"; to "handle" the source sets
-    # "ipc/handle" (its cache, reduced for IPC) and the destination sets "ipc/mode" to "ipc" if it
-    # opened it, else "nccl". The source deletes the keys once it has its answer, so a channel
-    # connected again under the same name starts afresh.
+    # "ipc/handle" (its cache reduced for CUDA IPC, or its shared memory file) and the destination
+    # sets "ipc/mode" to the in-place transport ("ipc" or "shm") if it opened it, else the group's.
+    # The source deletes the keys once it has its answer, so a channel connected again under the
+    # same name starts afresh.
     _IPC_KEYS = ("ipc/source", "ipc/reply", "ipc/handle", "ipc/mode")
 
+    def _publishes(self) -> bool:
+        """Whether this rank, as a source, lets a destination read its cache in place."""
+        return self.in_place and (self.device.type == "cuda" or self.shared is not None)
+
+    def _place(self) -> str:
+        """Where a destination must be to read this rank's cache in place: on the same machine and
+        boot (a CUDA IPC handle or a /proc path means nothing elsewhere); on CPU also on the same
+        Ray node, so that Ray nodes sharing a machine move KV as separate machines do."""
+        return machine_key() if self.device.type == "cuda" else f"{machine_key()}/{ray_node()}"
+
     def _ipc_source(self, store: dist.Store) -> IpcPeer | None:
-        """The source's half of the handshake: an IPC channel, or None for NCCL."""
-        _CACHES_IN_PROCESS[self._token] = self.kv_tensor
-        source = {"machine": machine_key(), "pid": os.getpid(), "token": self._token, "layout": self.layout}
+        """The source's half of the handshake: a channel read in place, or None for a group."""
+        publishes = self._publishes()
+        if publishes:
+            _CACHES_IN_PROCESS[self._token] = self.kv_tensor
+        source = {
+            "place": self._place(),
+            "publishes": publishes,
+            "pid": os.getpid(),
+            "token": self._token,
+            "layout": self.layout,
+        }
         try:
             store.set("ipc/source", pickle.dumps(source))
             reply = store.get("ipc/reply").decode()
             if reply == "handle":
                 # Reduced per destination: each one releases its own reference when it drops the channel.
-                store.set("ipc/handle", pickle.dumps(reduce_tensor(self.kv_tensor)))
+                handle = reduce_tensor(self.kv_tensor) if self.device.type == "cuda" else self.shared
+                store.set("ipc/handle", pickle.dumps(handle))
                 reply = store.get("ipc/mode").decode()
         finally:
             for key in self._IPC_KEYS:
                 store.delete_key(key)
-        return None if reply == "nccl" else IpcPeer(None, None)
+        return IpcPeer(None, None) if reply in ("local", self._in_place_transport) else None
 
-    def _ipc_destination(self, store: dist.Store) -> IpcPeer | None:
-        """The destination's half of the handshake: the source's cache opened, or None for NCCL."""
+    def _ipc_destination(self, channel: str, store: dist.Store) -> IpcPeer | None:
+        """The destination's half of the handshake: the source's cache opened, or None for a group."""
         source = pickle.loads(store.get("ipc/source"))
-        if source["machine"] != machine_key():
-            store.set("ipc/reply", "nccl")
+        apart = self._apart(source)
+        if apart:
+            logger.info("KV channel %s over %s: %s", channel, self._group_transport, apart)
+            store.set("ipc/reply", self._group_transport)
             return None
         # The same pid with a token unknown here is another container's process: it takes the handle.
         if source["pid"] == os.getpid() and (tensor := _CACHES_IN_PROCESS.get(source["token"])) is not None:
             local = tensor.device == self.device  # on another device of this process NCCL serves
-            store.set("ipc/reply", "local" if local else "nccl")
+            store.set("ipc/reply", "local" if local else self._group_transport)
             return IpcPeer(tensor, source["layout"]) if local else None
         store.set("ipc/reply", "handle")
         handle = store.get("ipc/handle")
         try:
-            tensor = self._open(*pickle.loads(handle))
-        except Exception:  # no peer access between the GPUs, another container's shared memory
-            logger.warning("could not open the source's KV cache over CUDA IPC: using NCCL", exc_info=True)
+            tensor = self._open(pickle.loads(handle))
+        except Exception:  # no peer access between the GPUs, another container's memory, permissions
+            logger.warning(
+                "KV channel %s: could not open the source's KV cache in place: using %s",
+                channel,
+                self._group_transport,
+                exc_info=True,
+            )
             tensor = None
-        store.set("ipc/mode", "nccl" if tensor is None else "ipc")
+        store.set("ipc/mode", self._group_transport if tensor is None else self._in_place_transport)
         return None if tensor is None else IpcPeer(tensor, source["layout"])
 
-    def _open(self, rebuild: Callable[..., torch.Tensor], args: tuple) -> torch.Tensor:
+    def _apart(self, source: dict) -> str:
+        """Why the destination cannot read ``source``'s cache in place; empty if it may try."""
+        if not self.in_place:
+            return "this end reads over a group only"
+        if not source["publishes"]:
+            return "the source does not publish its cache"
+        if source["place"] != self._place():
+            return "the source is on another machine" + ("" if self.device.type == "cuda" else " or Ray node")
+        return ""
+
+    def _open(self, handle: SharedFile | tuple[Callable[..., torch.Tensor], tuple]) -> torch.Tensor:
+        """The source's cache from what it published, mapped into this process."""
+        if self.device.type == "cpu":
+            if not isinstance(handle, SharedFile):
+                raise ValueError(f"not a shared memory file: {handle!r}")
+            return handle.open()
+        return self._open_cuda(*handle)
+
+    def _open_cuda(self, rebuild: Callable[..., torch.Tensor], args: tuple) -> torch.Tensor:
         """The source's cache from its reduced handle, opened on this rank's device.
 
         The handle carries the source's device index, which means another GPU or none at all in
@@ -213,10 +293,22 @@ class KVTransfer:
                 self._copy_stream = torch.cuda.Stream(self.device)
             return self._copy_stream
 
+    @contextlib.contextmanager
+    def _copying(self) -> Iterator[None]:
+        """Where in-place copies run, done when it exits: on CUDA on the IPC stream, waited for; on
+        CPU on this thread."""
+        if self.device.type != "cuda":
+            yield
+            return
+        stream = self._stream()
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
+
     def transport(self, channel: str) -> str:
-        """How ``channel`` moves the KV: "ipc", "nccl" or "gloo"."""
-        group = self._group(channel)
-        return "ipc" if isinstance(group, IpcPeer) else "nccl" if self.device.type == "cuda" else "gloo"
+        """How ``channel`` moves the KV: "ipc" or "shm" (in place), "nccl" or "gloo" (a group)."""
+        in_place = isinstance(self._group(channel), IpcPeer)
+        return self._in_place_transport if in_place else self._group_transport
 
     def drop_peer(self, instance: str) -> list[str]:
         """Forget every channel to or from ``instance`` (it is gone); the channels dropped."""
@@ -224,8 +316,8 @@ class KVTransfer:
             dropped = [c for c in self._groups if instance in channel_peers(c)]
             groups = [self._groups.pop(c) for c in dropped]
         for group in groups:
-            # NCCL holds device resources until its communicator is aborted; an IPC peer's mapping
-            # goes with the last reference to its tensor.
+            # NCCL holds device resources until its communicator is aborted; an in-place peer's
+            # mapping of the source's cache goes with the last reference to its tensor, here.
             if hasattr(group, "abort"):
                 group.abort()
         return dropped
@@ -243,25 +335,31 @@ class KVTransfer:
     def send_probe(self, channel: str, num_bytes: int) -> int:
         """Send one contiguous tensor of ``num_bytes``: the raw speed of the pair's link."""
         group = self._group(channel)
-        if not isinstance(group, IpcPeer):  # over IPC the destination reads
-            group.send([torch.empty(num_bytes, dtype=torch.uint8, device=self.device)], 1, 0).wait()
+        if not isinstance(group, IpcPeer):  # in place the destination reads
+            group.send([self._probe(num_bytes)], 1, 0).wait()
         return num_bytes
 
     def recv_probe(self, channel: str, num_bytes: int) -> int:
         group = self._group(channel)
         if not isinstance(group, IpcPeer):
-            group.recv([torch.empty(num_bytes, dtype=torch.uint8, device=self.device)], 0, 0).wait()
+            group.recv([self._probe(num_bytes)], 0, 0).wait()
             return num_bytes
         # One contiguous copy out of the source's cache (again from its start past its end).
         source = group.tensor.view(-1).view(torch.uint8)
-        stream = self._stream()
-        with torch.cuda.stream(stream):
-            buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        with self._copying():
+            buffer = self._probe(num_bytes)
             for start in range(0, num_bytes, source.numel()):
                 piece = buffer[start : start + source.numel()]
                 piece.copy_(source[: piece.numel()])
-        stream.synchronize()
         return num_bytes
+
+    def _probe(self, num_bytes: int) -> torch.Tensor:
+        """The probes' buffer, kept from one to the next (as large as the largest so far): on CPU a
+        fresh one's page faults were most of a probe's time (off the main thread glibc maps a fresh
+        128 MiB buffer anew each time: filling one took 110 ms, filling a kept one 16 ms)."""
+        if self._probe_buffer is None or self._probe_buffer.numel() < num_bytes:
+            self._probe_buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+        return self._probe_buffer[:num_bytes]
 
     def _staging(self, index: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Staging buffer ``index`` (0 or 1) as a view of ``shape``. Allocated once, at their fixed
@@ -287,7 +385,7 @@ class KVTransfer:
         """Send the K and V of ``slots`` for ``layers`` x ``heads``; returns the bytes sent.
 
         A chunk at a time through the two staging buffers: gathering one chunk overlaps sending
-        the previous one. Over IPC the destination reads them itself; the bytes are the same.
+        the previous one. In place the destination reads them itself; the bytes are the same.
         """
         group = self._group(channel)
         if isinstance(group, IpcPeer):
@@ -311,13 +409,13 @@ class KVTransfer:
     ) -> int:
         """Receive into ``slots`` what the source sends for ``layers`` x ``heads``; returns the bytes.
 
-        The next chunk's receive is posted before this one is copied into the cache. Over IPC it
-        copies the source's ``src_slots`` (which only an IPC channel needs) itself.
+        The next chunk's receive is posted before this one is copied into the cache. In place it
+        copies the source's ``src_slots`` (which only a channel in place needs) itself.
         """
         group = self._group(channel)
         if isinstance(group, IpcPeer):
             if src_slots is None or len(src_slots) != len(slots):
-                raise ValueError("an IPC channel needs the source's slots, as many as the destination's")
+                raise ValueError("a channel in place needs the source's slots, as many as the destination's")
             return self._pull(group, src_slots, slots, layers, heads)
         pieces = list(self._pieces(slots, layers, heads))
         num_bytes = 0
@@ -333,18 +431,20 @@ class KVTransfer:
         return num_bytes
 
     def _pull(self, peer: IpcPeer, src_slots: list[int], slots: list[int], layers: range, heads: range) -> int:
-        """Copy the source's ``src_slots`` into ``slots``, GPU to GPU, every layer in one gather-
-        scatter (``slot_copy``); back once the copies are done, since the source may reuse its
-        blocks as soon as the pull is reported."""
+        """Copy the source's ``src_slots`` into ``slots``, every layer at once (``slot_copy``: on
+        CUDA GPU to GPU in one gather-scatter, on CPU a run of consecutive slots at a time); back
+        once the copies are done, since the source may reuse its blocks as soon as the pull is
+        reported."""
         assert peer.tensor is not None and peer.layout is not None  # a destination's end
         here, there = _part(self.kv_tensor, self.layout, layers, heads), _part(peer.tensor, peer.layout, layers, heads)
-        stream = self._stream()
-        with self._transfer_lock, torch.cuda.stream(stream):
-            # Through NumPy: torch.tensor of a list of Python ints is 3-4x slower, which was as long
-            # as the copy itself for thousands of tokens.
-            index, src_index = torch.from_numpy(np.array((slots, src_slots), dtype=np.int64)).to(self.device)
-            copy_slots(here, index, there, src_index, self.chunk_tokens)
-        stream.synchronize()
+        with self._transfer_lock, self._copying():
+            if self.device.type == "cpu":
+                copy_slot_runs(here, slots, there, src_slots)
+            else:
+                # Through NumPy: torch.tensor of a list of Python ints is 3-4x slower, which was as
+                # long as the copy itself for thousands of tokens.
+                index, src_index = torch.from_numpy(np.array((slots, src_slots), dtype=np.int64)).to(self.device)
+                copy_slots(here, index, there, src_index, self.chunk_tokens)
         return self._bytes(slots, layers, heads)
 
     def _bytes(self, slots: list[int], layers: range, heads: range) -> int:

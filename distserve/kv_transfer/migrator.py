@@ -32,7 +32,7 @@ class MigrationRecord:
     request_id: str
     num_tokens: int
     num_bytes: int  # received by all of this instance's ranks together
-    transport: str  # how it moved: "gloo", "nccl" or "ipc" ("ipc+nccl" where the pull's channels differ)
+    transport: str  # how it moved: "gloo", "nccl", "ipc" or "shm" ("ipc+nccl" where the pull's channels differ)
     start: float  # time.time() when the pull began and ended
     end: float
 
@@ -167,7 +167,7 @@ class Migrator:
                 channel = self._channel(handover.prefill_instance, sources, part)
                 transports.add(self._connected[channel])
                 sends.append(sources[part.src].call("send", channel, src_slots, part.layers, part.kv_heads))
-                # The source's slots too: over CUDA IPC the destination reads them itself.
+                # The source's slots too: in place (CUDA IPC, shared memory) the destination reads them itself.
                 recvs.append(
                     self.endpoints[part.dst].call("recv", channel, dst_slots, part.layers, part.kv_heads, src_slots)
                 )

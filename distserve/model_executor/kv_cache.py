@@ -10,6 +10,7 @@ import torch
 
 from distserve.core.config import CacheConfig
 from distserve.kv_transfer.channel import staging_bytes
+from distserve.kv_transfer.shared_memory import SharedFile, shared_zeros
 
 logger = logging.getLogger(__name__)
 
@@ -39,20 +40,17 @@ class KVCache:
     are the instance's: every rank holds the same blocks, each for its layers and KV heads.
     """
 
-    def __init__(self, shape: KVCacheShape, num_blocks: int, device: torch.device, layer_ids: range) -> None:
+    def __init__(
+        self, shape: KVCacheShape, num_blocks: int, device: torch.device, layer_ids: range, shared: bool = False
+    ) -> None:
         if len(layer_ids) != shape.num_layers:
             raise ValueError(f"{len(layer_ids)} layer ids for a cache of {shape.num_layers} layers")
         self.shape = shape
         self.num_blocks = num_blocks
-        self.tensor = torch.zeros(
-            shape.num_layers,
-            2,
-            num_blocks * shape.block_size,
-            shape.num_kv_heads,
-            shape.head_dim,
-            dtype=shape.dtype,
-            device=device,
-        )
+        dims = (shape.num_layers, 2, num_blocks * shape.block_size, shape.num_kv_heads, shape.head_dim)
+        # ``shared``: on CPU in shared memory where the system allows, so that a rank on the same
+        # machine pulls KV straight out of it (``self.shared`` says how it maps it).
+        self.tensor, self.shared = _allocate(dims, shape.dtype, device, shared)
         # Keyed by the model's layer index, which pipeline stages keep from the full model.
         self.layers = {layer: (self.tensor[i, 0], self.tensor[i, 1]) for i, layer in enumerate(layer_ids)}
 
@@ -65,6 +63,18 @@ class KVCache:
         pairs = torch.tensor(copies, dtype=torch.long, device=self.tensor.device)
         src, dst = ((pairs[:, i, None] * size + offsets).flatten() for i in (0, 1))
         self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
+
+
+def _allocate(
+    dims: tuple[int, ...], dtype: torch.dtype, device: torch.device, shared: bool
+) -> tuple[torch.Tensor, SharedFile | None]:
+    """The zeroed cache tensor, in shared memory if asked (on CPU) and the system allows it."""
+    if shared and device.type == "cpu":
+        try:
+            return shared_zeros(dims, dtype)
+        except OSError as e:
+            logger.warning("KV cache not in shared memory (%s): KV pulls from it go over gloo", e)
+    return torch.zeros(dims, dtype=dtype, device=device), None
 
 
 def free_device_memory(device: torch.device) -> int:

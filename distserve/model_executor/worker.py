@@ -129,11 +129,16 @@ class Worker:
             and not self.config.model.enforce_eager
             and self.rank.world_size == 1
         )
+        in_place = self.config.cache.kv_transport == "auto"  # and so, on CPU, in shared memory
         # With graphs, one block past the scheduler's takes the padding rows' K/V.
-        self.kv_cache = KVCache(self.kv_shape, num_blocks + (1 if use_graphs else 0), self.device, self.layers)
+        self.kv_cache = KVCache(
+            self.kv_shape, num_blocks + (1 if use_graphs else 0), self.device, self.layers, shared=in_place
+        )
         block_size = self.config.cache.block_size
         self.model_runner = ModelRunner(self.model, self.kv_cache, block_size, self.stage, backend)
-        self.kv_transfer = KVTransfer(self.kv_cache.tensor, self.kv_layout)
+        self.kv_transfer = KVTransfer(
+            self.kv_cache.tensor, self.kv_layout, shared=self.kv_cache.shared, in_place=in_place
+        )
         self.decode_graphs = None
         if use_graphs:
             runner = self.model_runner

@@ -1,16 +1,20 @@
-"""KV pulled over CUDA IPC between two processes on one GPU, against a raw copy of the same bytes.
+"""KV pulled in place between two processes, against a raw copy of the same bytes: over CUDA IPC
+on one GPU, or (``--device cpu``) over shared memory.
 
 Two spawned processes each hold one rank's KV cache of a Llama-3-8B shape (32 layers, 8 KV heads
 of 128, bfloat16, blocks of 16 tokens): a prefill rank and a decode rank, joined by a KV channel,
-which picks CUDA IPC. For each token count the decode rank pulls that many tokens from scattered
-blocks of the prefill rank's cache into scattered blocks of its own, as the migrator asks it
-(``recv`` with both sides' slots, timed on the decode rank until its copies are done: one Triton
-gather-scatter over every layer), then the same through torch's per-layer gather and scatter (the
-fallback without Triton), and then copies the same bytes in one contiguous piece out of the
-prefill rank's cache through the same mapping (``recv_probe``): the raw speed. Medians of the
-repeats, after one warm-up each.
+which picks CUDA IPC (on CPU: shared memory, the prefill rank's cache in a memory file). For each
+token count the decode rank pulls that many tokens from scattered blocks of the prefill rank's
+cache into scattered blocks of its own, as the migrator asks it (``recv`` with both sides' slots,
+timed on the decode rank until its copies are done: on CUDA one Triton gather-scatter over every
+layer, on CPU a copy per run of consecutive slots), then the same through torch's per-layer
+gather and scatter (the fallback without Triton), and then copies the same bytes in one
+contiguous piece out of the prefill rank's cache through the same mapping (``recv_probe``): the
+raw speed. Medians of the repeats, after one warm-up each.
 
     python scripts/benchmarks/bench_kv_ipc.py [--tokens 512,2048,8192] [--repeats 10] [--json kv_ipc.json]
+    python scripts/benchmarks/bench_kv_ipc.py --device cpu --dtype float32 --num-layers 8 --num-blocks 600 \
+        --tokens 128,512,2048,4096 --threads 1
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ import torch.multiprocessing as mp
 
 from distserve.kv_transfer.channel import STAGING_TOKENS, KVTransfer
 from distserve.kv_transfer.plan import KVLayout, token_slots
+from distserve.kv_transfer.shared_memory import shared_zeros
 from distserve.kv_transfer.slot_copy import copy_slots
+from distserve.model_executor.worker import keep_freed_memory
 
 CHANNEL = "bench-prefill.0>bench-decode.0"
 
@@ -49,29 +55,35 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=2048, help="blocks of each rank's cache")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--threads", type=int, help="CPU: the decode rank's torch threads (default: torch's)")
     p.add_argument("--chunk-tokens", type=int, default=STAGING_TOKENS, help="tokens of one layer per copy")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", metavar="PATH", help="also write the figures here")
     return p.parse_args()
 
 
-def make_rank(args: argparse.Namespace, seed: int) -> KVTransfer:
-    """One rank's cache ``[layers, 2, slots, kv_heads, head_dim]`` on cuda:0, holding every layer
-    and head, and its end of the KV channels."""
+def make_rank(args: argparse.Namespace, seed: int, shared: bool) -> KVTransfer:
+    """One rank's cache ``[layers, 2, slots, kv_heads, head_dim]`` on cuda:0 (or CPU, in shared
+    memory if ``shared``), holding every layer and head, and its end of the KV channels."""
     layout = KVLayout(range(args.num_layers), range(args.num_kv_heads))
     shape = (args.num_layers, 2, args.num_blocks * args.block_size, args.num_kv_heads, args.head_dim)
-    cache = torch.empty(shape, dtype=getattr(torch, args.dtype), device="cuda:0")
-    generator = torch.Generator("cuda:0").manual_seed(seed)
+    dtype, device = getattr(torch, args.dtype), "cuda:0" if args.device == "cuda" else "cpu"
+    if args.device == "cpu" and shared:
+        cache, file = shared_zeros(shape, dtype)
+    else:
+        cache, file = torch.empty(shape, dtype=dtype, device=device), None
+    generator = torch.Generator(device).manual_seed(seed)
     for layer in cache:  # a layer at a time: one draw of the whole cache would pass 2**31 elements
         layer.normal_(generator=generator)
-    return KVTransfer(cache, layout, chunk_tokens=args.chunk_tokens)
+    return KVTransfer(cache, layout, chunk_tokens=args.chunk_tokens, shared=file)
 
 
 def source(args: argparse.Namespace, addresses: Queue, results: Queue, done: Event) -> None:
     """The prefill rank: hosts the store, connects, and keeps its cache until the run is done (the
-    decode rank reads it in place; over IPC ``send`` moves nothing)."""
+    decode rank reads it in place; ``send`` moves nothing)."""
     try:
-        transfer = make_rank(args, seed=1)
+        transfer = make_rank(args, seed=1, shared=True)
         address = transfer.store_address()
         addresses.put(address)
         transfer.connect(CHANNEL, True, address)
@@ -81,7 +93,7 @@ def source(args: argparse.Namespace, addresses: Queue, results: Queue, done: Eve
 
 
 def median_seconds(call: Callable[[], object], repeats: int) -> float:
-    """Median wall time of ``call`` after one warm-up; ``call`` returns once the GPU is done."""
+    """Median wall time of ``call`` after one warm-up; ``call`` returns once the copies are done."""
     call()
     times = []
     for _ in range(repeats):
@@ -94,22 +106,25 @@ def median_seconds(call: Callable[[], object], repeats: int) -> float:
 def torch_pull(transfer: KVTransfer, dst_slots: list[int], src_slots: list[int]) -> None:
     """The pull of ``recv`` with torch's per-layer copy in place of the kernel: every layer and head."""
     src_cache = transfer._group(CHANNEL).tensor
-    stream = transfer._stream()
-    with torch.cuda.stream(stream):
+    with transfer._copying():
         index = torch.tensor(dst_slots, dtype=torch.long, device=transfer.device)
         src_index = torch.tensor(src_slots, dtype=torch.long, device=transfer.device)
         copy_slots(transfer.kv_tensor, index, src_cache, src_index, transfer.chunk_tokens, kernel=False)
-    stream.synchronize()
 
 
 def destination(args: argparse.Namespace, addresses: Queue, results: Queue) -> None:
     """The decode rank: connects, then for each token count pulls from scattered blocks and copies
     the same bytes contiguously; puts its figures (or its error) on ``results``."""
     try:
-        transfer = make_rank(args, seed=2)
+        if args.device == "cpu":  # as a worker: its temporaries reused, not faulted in afresh
+            keep_freed_memory()
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        transfer = make_rank(args, seed=2, shared=False)
         transfer.connect(CHANNEL, False, addresses.get(timeout=args.timeout))
-        if transfer.transport(CHANNEL) != "ipc":
-            raise RuntimeError(f"the channel chose {transfer.transport(CHANNEL)}, not CUDA IPC")
+        expected = "ipc" if args.device == "cuda" else "shm"
+        if transfer.transport(CHANNEL) != expected:
+            raise RuntimeError(f"the channel chose {transfer.transport(CHANNEL)}, not {expected}")
         layers, heads = range(args.num_layers), range(args.num_kv_heads)
         rng = random.Random(0)
         rows = []
@@ -127,16 +142,20 @@ def destination(args: argparse.Namespace, addresses: Queue, results: Queue) -> N
             pull = median_seconds(partial(transfer.recv, CHANNEL, dst_slots, layers, heads, src_slots), args.repeats)
             fallback = median_seconds(partial(torch_pull, transfer, dst_slots, src_slots), args.repeats)
             raw = median_seconds(partial(transfer.recv_probe, CHANNEL, num_bytes), args.repeats)
-            row = {"tokens": tokens, "bytes": num_bytes, "ipc_seconds": pull, "torch_seconds": fallback}
+            row = {"tokens": tokens, "bytes": num_bytes, "pull_seconds": pull, "torch_seconds": fallback}
             rows.append(row | {"raw_seconds": raw})
-        results.put({"device": torch.cuda.get_device_name(0), "rows": rows})
+        if args.device == "cuda":
+            where = f"{torch.cuda.get_device_name(0)}, two processes on one GPU over CUDA IPC"
+        else:
+            where = f"CPU, two processes over shared memory, {torch.get_num_threads()} torch thread(s) pulling"
+        results.put({"device": where, "rows": rows})
     except BaseException:
         results.put({"error": f"the decode rank failed:\n{traceback.format_exc()}"})
 
 
 def main() -> None:
     args = parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("bench_kv_ipc.py needs a CUDA device, and none is visible.", file=sys.stderr)
         sys.exit(2)
     most = max(int(x) for x in args.tokens.split(","))
@@ -165,15 +184,15 @@ def main() -> None:
 
     print(
         f"\n{answer['device']}: {args.num_layers} layers, {args.num_kv_heads} KV heads of {args.head_dim}, "
-        f"{args.dtype}, blocks of {args.block_size}; two processes, one GPU; medians of {args.repeats}\n"
+        f"{args.dtype}, blocks of {args.block_size}; medians of {args.repeats}\n"
     )
-    print("| tokens | KV MiB | IPC pull ms | GB/s | torch per-layer ms | raw copy ms | raw GB/s | pull / raw speed |")
+    print("| tokens | KV MiB | pull ms | GB/s | torch per-layer ms | raw copy ms | raw GB/s | pull / raw speed |")
     print("|---|---|---|---|---|---|---|---|")
     for row in answer["rows"]:
-        pull, raw, num_bytes = row["ipc_seconds"], row["raw_seconds"], row["bytes"]
-        row.update(ipc_gb_per_s=num_bytes / pull / 1e9, raw_gb_per_s=num_bytes / raw / 1e9, ratio=raw / pull)
+        pull, raw, num_bytes = row["pull_seconds"], row["raw_seconds"], row["bytes"]
+        row.update(pull_gb_per_s=num_bytes / pull / 1e9, raw_gb_per_s=num_bytes / raw / 1e9, ratio=raw / pull)
         print(
-            f"| {row['tokens']} | {num_bytes / 2**20:.1f} | {pull * 1e3:.2f} | {row['ipc_gb_per_s']:.1f} "
+            f"| {row['tokens']} | {num_bytes / 2**20:.1f} | {pull * 1e3:.2f} | {row['pull_gb_per_s']:.1f} "
             f"| {row['torch_seconds'] * 1e3:.2f} | {raw * 1e3:.2f} | {row['raw_gb_per_s']:.1f} | {row['ratio']:.2f} |"
         )
     if args.json:

@@ -8,13 +8,20 @@ one contiguous tensor of the same bytes sent the same way (a call to each side, 
 answered): the raw transport. It also reports migration time as a share of each request's
 end-to-end latency.
 
+``--kv-transport`` is the cluster's ``cache.kv_transport``: ``auto`` reads the prefill instance's
+cache in place on one node (shared memory on CPU, CUDA IPC on GPUs), and so does the raw
+transfer (one contiguous copy out of it); ``group`` moves both over a two-rank group (gloo on
+CPU); ``both`` runs a cluster of each, one after the other, and adds a table of the in-place
+migration against the group's migration and raw transfer.
+
 With ``--nodes``, the prefill and the decode instance run on two Ray nodes (two raylets of a
 ``ray.cluster_utils.Cluster`` on this machine, labelled as plan node groups 0 and 1), so the KV
 crosses from one node to the other, as does the raw transfer it is held against.
 
-Run (about 2 minutes on 2 CPU cores):
+Run (about 2 minutes a cluster on 2 CPU cores):
 
     DISTSERVE_CACHE_DIR=/tmp/dscache python scripts/benchmarks/bench_migration.py
+    python scripts/benchmarks/bench_migration.py --kv-transport both
     python scripts/benchmarks/bench_migration.py --nodes
     python scripts/benchmarks/bench_migration.py --device cuda --dtype bfloat16 --prompt-lens 512,2048,8192
 """
@@ -25,6 +32,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -32,6 +40,7 @@ import ray.cluster_utils
 from transformers.utils import logging as hf_logging
 
 from distserve import Cluster, SamplingParams
+from distserve.core.config import KV_TRANSPORTS
 from distserve.engine.node_groups import NODE_LABEL
 from distserve.engine.ray_runtime import one_gpu_shared_options
 from distserve.model_executor.tiny_models import write_llama_shape
@@ -48,7 +57,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--nodes", action="store_true", help="prefill and decode on two Ray nodes of this machine")
+    p.add_argument(
+        "--kv-transport",
+        default="auto",
+        choices=(*KV_TRANSPORTS, "both"),
+        help="the clusters' cache.kv_transport ('both': a cluster of each, compared)",
+    )
     return p.parse_args()
+
+
+@dataclass
+class Row:
+    """One prompt length's medians."""
+
+    length: int
+    num_bytes: int
+    seconds: float  # migration
+    raw: float  # one contiguous tensor of the same bytes over a channel between the same processes
+    e2e: float  # request latency
+    share: float  # migration / request latency
 
 
 def write_model_dir(root: Path, args: argparse.Namespace) -> Path:
@@ -79,6 +106,75 @@ def raw_transfer_seconds(prefill, decode, num_bytes: int, repeats: int) -> float
     return statistics.median(times[1:])
 
 
+def run_cluster(args: argparse.Namespace, model_dir: Path, pools: dict, kv_transport: str) -> tuple[str, list[Row]]:
+    """How the KV moved (the migration records' transport), and a row per prompt length."""
+    lengths = [int(x) for x in args.prompt_lens.split(",")]
+    cluster = Cluster(
+        model=str(model_dir),
+        load_format="dummy",
+        device=args.device,
+        dtype=args.dtype,
+        num_kv_blocks=(max(lengths) + args.output_len) // 16 * 2 + 16,
+        max_num_batched_tokens=max(lengths),
+        kv_transport=kv_transport,
+        **pools,
+    )
+    try:
+        orchestrator = cluster._async.orchestrator
+        prefill, decode = (s.handle for s in orchestrator.instances)
+        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        cluster.generate([[5] * 64], params)  # warm up: first channel, first steps
+        rows, transports = [], set()
+        for length in lengths:
+            outputs = []
+            for i in range(args.repeats):
+                outputs += cluster.generate([[(7 + i + j) % 30000 + 3 for j in range(length)]], params)
+            records = ray.get(decode.migrations.remote())
+            mig = [records[o.request_id] for o in outputs]
+            transports |= {r.transport for r in mig}
+            seconds = statistics.median(r.end - r.start for r in mig)
+            num_bytes = mig[0].num_bytes
+            raw = raw_transfer_seconds(prefill, decode, num_bytes, args.repeats)
+            e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outputs]
+            share = statistics.median((r.end - r.start) / t for r, t in zip(mig, e2e))
+            rows.append(Row(length, num_bytes, seconds, raw, statistics.median(e2e), share))
+            print(f"{kv_transport}: {length} tokens done", flush=True)
+    finally:
+        cluster.shutdown()
+    return "+".join(sorted(transports)), rows
+
+
+def print_rows(transport: str, rows: list[Row]) -> None:
+    print(f"\nmigration and raw transfer over {transport}\n")
+    print(
+        "| prompt tokens | KV MiB | migration ms | GB/s | raw ms | raw GB/s | migration / raw speed "
+        "| request latency s | migration share |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r.length} | {r.num_bytes / 2**20:.1f} | {r.seconds * 1e3:.1f} | {r.num_bytes / r.seconds / 1e9:.2f} "
+            f"| {r.raw * 1e3:.1f} | {r.num_bytes / r.raw / 1e9:.2f} | {r.raw / r.seconds:.2f} | {r.e2e:.2f} "
+            f"| {r.share:.2%} |"
+        )
+
+
+def print_comparison(in_place: tuple[str, list[Row]], group: tuple[str, list[Row]]) -> None:
+    """The in-place migration against the group's migration and its raw transfer, length by length."""
+    (fast, fast_rows), (slow, slow_rows) = in_place, group
+    print(f"\n{fast} migration against {slow} migration and raw {slow}\n")
+    print(
+        f"| prompt tokens | KV MiB | {fast} migration ms | {slow} migration ms | raw {slow} ms "
+        f"| {fast} / {slow} migration speed | {fast} / raw {slow} speed |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for f, g in zip(fast_rows, slow_rows):
+        print(
+            f"| {f.length} | {f.num_bytes / 2**20:.1f} | {f.seconds * 1e3:.1f} | {g.seconds * 1e3:.1f} "
+            f"| {g.raw * 1e3:.1f} | {g.seconds / f.seconds:.2f} | {g.raw / f.seconds:.2f} |"
+        )
+
+
 def main() -> None:
     args = parse_args()
     hf_logging.set_verbosity_error()
@@ -93,57 +189,24 @@ def main() -> None:
         pools = {"prefill": {"nodes": [[0]]}, "decode": {"nodes": [[1]]}}
     else:
         ray.init(include_dashboard=False, log_to_driver=False, **one_gpu_shared_options())  # one GPU: both on it
-    lengths = [int(x) for x in args.prompt_lens.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = write_model_dir(Path(tmp), args)
-        cluster = Cluster(
-            model=str(model_dir),
-            load_format="dummy",
-            device=args.device,
-            dtype=args.dtype,
-            num_kv_blocks=(max(lengths) + args.output_len) // 16 * 2 + 16,
-            max_num_batched_tokens=max(lengths),
-            **pools,
-        )
-        try:
-            orchestrator = cluster._async.orchestrator
-            prefill, decode = (s.handle for s in orchestrator.instances)
-            params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-            cluster.generate([[5] * 64], params)  # warm up: first channel, first steps
-            rows = []
-            for length in lengths:
-                outputs = []
-                for i in range(args.repeats):
-                    outputs += cluster.generate([[(7 + i + j) % 30000 + 3 for j in range(length)]], params)
-                records = ray.get(decode.migrations.remote())
-                mig = [records[o.request_id] for o in outputs]
-                seconds = statistics.median(r.end - r.start for r in mig)
-                num_bytes = mig[0].num_bytes
-                raw = raw_transfer_seconds(prefill, decode, num_bytes, args.repeats)
-                e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outputs]
-                share = statistics.median((r.end - r.start) / t for r, t in zip(mig, e2e))
-                rows.append((length, num_bytes, seconds, raw, statistics.median(e2e), share))
-                print(f"{length} tokens done", flush=True)
-        finally:
-            cluster.shutdown()
-            if nodes is not None:
-                ray.shutdown()
-                nodes.shutdown()
+    kv_transports = KV_TRANSPORTS if args.kv_transport == "both" else (args.kv_transport,)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = write_model_dir(Path(tmp), args)
+            results = [run_cluster(args, model_dir, pools, t) for t in kv_transports]
+    finally:
+        if nodes is not None:
+            ray.shutdown()
+            nodes.shutdown()
     where = "two Ray nodes (raylets) of this machine" if args.nodes else "one Ray node"
     print(
         f"\n{where}; model: Llama-shaped, {args.num_layers} layers, {args.num_kv_heads} KV heads of 128, {args.dtype} "
-        f"on {args.device}; {args.output_len} output tokens; medians of {args.repeats}\n"
+        f"on {args.device}; {args.output_len} output tokens; medians of {args.repeats}"
     )
-    print(
-        "| prompt tokens | KV MiB | migration ms | GB/s | raw ms | raw GB/s | migration / raw speed "
-        "| request latency s | migration share |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for length, num_bytes, seconds, raw, e2e, share in rows:
-        print(
-            f"| {length} | {num_bytes / 2**20:.1f} | {seconds * 1e3:.1f} | {num_bytes / seconds / 1e9:.2f} "
-            f"| {raw * 1e3:.1f} | {num_bytes / raw / 1e9:.2f} | {raw / seconds:.2f} | {e2e:.2f} | {share:.2%} |"
-        )
+    for transport, rows in results:
+        print_rows(transport, rows)
+    if len(results) == 2:
+        print_comparison(*results)
 
 
 if __name__ == "__main__":
