@@ -393,11 +393,18 @@ class Orchestrator:
             state.finish(now)
             self._observe(state)
             # The KV of its tokens (but the last, never computed) stays in that instance's prefix cache.
-            self.router.remember(entry, [*state.prompt_token_ids, *run.output_token_ids, *delta.new_token_ids][:-1])
+            self._remember(entry, [*state.prompt_token_ids, *run.output_token_ids, *delta.new_token_ids][:-1])
         output = run.add(delta)
         if delta.handover is not None:
             self.spawn(self._hand_over(state, delta.handover, entry))
         state.queue.put_nowait(output)
+
+    def _remember(self, entry: InstanceState, token_ids: list[int]) -> None:
+        """Tell the router ``entry`` holds the KV of ``token_ids``, where routing reads it: a colocated
+        instance's prefixes pick where prompts go, a decode instance's only which it prefills itself.
+        Hashing every request's tokens on this loop is not done for nothing."""
+        if entry.role is Role.COLOCATED or (entry.role is Role.DECODE and self.config.local_prefill.mode != "off"):
+            self.router.remember(entry, token_ids)
 
     def _observe(self, state: RequestState) -> None:
         """A request's latencies, for the role controller."""
@@ -413,7 +420,7 @@ class Orchestrator:
         try:
             entry = self.router.pick_decode(await self.instance_pool.healthy(lambda: self._decoders(state.source)))
             state.handed_to(entry, time.time())
-            self.router.remember(entry, state.prompt_token_ids)  # its KV is pulled into that prefix cache
+            self._remember(entry, state.prompt_token_ids)  # its KV is pulled into that prefix cache
             await entry.handle.add_handover.remote(handover)
             if state.cancelled:  # cancelled while the hand-over was on its way
                 await entry.handle.abort_request.remote(state.request_id, handover.attempt)
