@@ -73,8 +73,9 @@ def _prefilling(state) -> bool:
 
 # Each stage: the role killed, and what the orchestrator's requests must show at the kill.
 STAGES = {
-    # Prompts still to prefill at the kill; batches of at most 512 tokens (below) make
-    # that last several batches, which a loaded machine's event loop cannot miss as it could one.
+    # Prompts still to prefill at the kill. Both prefill stages run batches of at most 512 tokens
+    # (below): prefill then lasts several batches, so neither stage fits between two polls of a
+    # loaded machine's event loop, as one batch and pulls through shared memory can.
     "prefill-during-prefill": ("prefill", lambda states: len(states) == 8 and any(map(_prefilling, states))),
     "prefill-during-decode": ("prefill", lambda states: any(map(_decoding, states)) and any(map(_not_pulled, states))),
     "decode-during-decode": ("decode", lambda states: sum(map(_decoding, states)) >= 2),
@@ -127,7 +128,7 @@ def test_killed_instance_requests_rerun_to_the_same_output(ray_cluster, llama, s
     async def kill(cluster):  # no await before the kill: the stage seen is the stage killed in
         return _kill(cluster, role, ray_cluster)
 
-    options = {"max_num_batched_tokens": 512} if stage == "prefill-during-prefill" else {}
+    options = {"max_num_batched_tokens": 512} if role == "prefill" else {}
     asyncio.run(_rerun_scenario(prompts, expected, role, reached, kill, **options))
 
 
