@@ -11,7 +11,7 @@ from conftest import random_prompts, reference_greedy
 
 from distserve import AsyncCluster, SamplingParams
 from distserve.core.config import CacheConfig
-from distserve.kv_transfer.channel import KVTransfer, staging_bytes
+from distserve.kv_transfer.channel import KVTransfer, message_spans, message_tokens, staging_bytes
 from distserve.kv_transfer.plan import KVLayout, plan_transfer, rank_layout, transfer_rounds
 from distserve.kv_transfer.shared_memory import shared_zeros
 from distserve.model_executor import kv_cache
@@ -53,16 +53,16 @@ def _end(seed: int | None, chunk_tokens: int, shared: bool = False) -> KVTransfe
 
 
 def test_a_peer_replaced_again_and_again_leaves_no_channel_or_buffer_behind():
-    decode = _end(None, chunk_tokens=5)  # chunks of 5 tokens: a 13-token transfer goes in 3 chunks a layer
+    decode = _end(None, chunk_tokens=16)  # messages of at most 16 tokens: runs alone and a packed one
     src_slots, dst_slots = list(range(20, 33)), [3, 9, 10, 11, 40, 41, 42, 43, 50, 51, 52, 60, 61]
     staging = []
     for round in range(5):
-        prefill, channel = _end(round, chunk_tokens=5), f"prefill-r{round}.0>decode.0"
+        prefill, channel = _end(round, chunk_tokens=16), f"prefill-r{round}.0>decode.0"
         address = prefill.store_address()
         _both((prefill.connect, channel, True, address), (decode.connect, channel, False, address))
         sent, received = _both(
-            (prefill.send, channel, src_slots, range(LAYERS), range(HEADS)),
-            (decode.recv, channel, dst_slots, range(LAYERS), range(HEADS)),
+            (prefill.send, channel, src_slots, range(LAYERS), range(HEADS), dst_slots),
+            (decode.recv, channel, dst_slots, range(LAYERS), range(HEADS), src_slots),
         )
         assert sent == received == LAYERS * 2 * len(src_slots) * HEADS * DIM * 4
         assert torch.equal(decode.kv_tensor[:, :, dst_slots], prefill.kv_tensor[:, :, src_slots])
@@ -71,25 +71,47 @@ def test_a_peer_replaced_again_and_again_leaves_no_channel_or_buffer_behind():
         assert prefill.drop_peer("decode") == [channel]  # (or the decode instance is)
         assert decode.peers()["channels"] == [] and prefill.peers()["channels"] == []
         staging.append(decode.peers()["staging_bytes"])
-    assert staging == [staging_bytes(HEADS, DIM, torch.float32, chunk_tokens=5)] * 5  # fixed, not per peer
+    assert staging == [staging_bytes(HEADS, DIM, torch.float32, chunk_tokens=16)] * 5  # fixed, not per peer
+
+
+def test_messages_send_long_runs_alone_and_pack_short_ones():
+    """Both ends cut the same messages: runs of slots consecutive on both sides of at least an
+    eighth of a message go alone (cut at the message size), shorter ones are packed a message at
+    a time."""
+    src = [*range(100, 112), 7, 9, 11, *range(40, 44)]  # one run of 12, three of 1, one of 4 ...
+    dst = [*range(0, 12), 20, 21, 22, *range(60, 64)]  # ... and 20-22 consecutive here only
+    assert message_spans(src, dst, 5) == [(0, 5, True), (5, 10, True), (10, 12, True)] + [
+        (12, 13, True),
+        (13, 14, True),
+        (14, 15, True),
+        (15, 19, True),
+    ]
+    assert message_spans(src, dst, 16) == [(0, 12, True), (12, 15, False), (15, 19, True)]  # 1 < 16 / 8
+    assert message_spans(src, dst, 40) == [(0, 12, True), (12, 19, False)]  # 4 < 40 / 8: packed too
+    blocks = [b * 16 + i for b in (3, 1, 4, 1, 5, 9, 2, 6) for i in range(16)]  # blocks of 16, none adjacent
+    assert message_spans(blocks, list(range(128)), 100) == [(b, b + 16, True) for b in range(0, 128, 16)]
+    assert message_spans(blocks, list(range(128)), 256) == [(0, 128, False)]
+    assert message_spans(blocks, list(range(128)), 64) == [(b, b + 16, True) for b in range(0, 128, 16)]
+    assert message_spans(blocks, list(range(128)), 160) == [(0, 128, False)]  # 16 < 160 / 8
+    assert message_spans([], [], 64) == []
 
 
 def test_a_source_in_shared_memory_is_read_in_place_in_its_own_process():
     """Source and destination in one process (as the local path of CUDA IPC): the destination
     takes the source's tensor itself, with no staging buffers; a plain source is read over gloo."""
-    decode = _end(None, chunk_tokens=5)
-    src_slots, dst_slots = [7, 8, 9, 30], [1, 2, 40, 41]
+    decode = _end(None, chunk_tokens=16)
+    src_slots, dst_slots = [7, 8, 9, 30], [1, 2, 40, 41]  # a run of 2, then two runs of 1 packed
     for shared, transport in ((True, "shm"), (False, "gloo")):
-        prefill, channel = _end(3, chunk_tokens=5, shared=shared), f"prefill-{transport}.0>decode.0"
+        prefill, channel = _end(3, chunk_tokens=16, shared=shared), f"prefill-{transport}.0>decode.0"
         address = prefill.store_address()
         _both((prefill.connect, channel, True, address), (decode.connect, channel, False, address))
         assert prefill.transport(channel) == decode.transport(channel) == transport
         _both(
-            (prefill.send, channel, src_slots, range(LAYERS), range(HEADS)),
+            (prefill.send, channel, src_slots, range(LAYERS), range(HEADS), dst_slots),
             (decode.recv, channel, dst_slots, range(LAYERS), range(HEADS), src_slots),
         )
         assert torch.equal(decode.kv_tensor[:, :, dst_slots], prefill.kv_tensor[:, :, src_slots])
-        assert decode.peers()["staging_bytes"] == (0 if shared else staging_bytes(HEADS, DIM, torch.float32, 5))
+        assert decode.peers()["staging_bytes"] == (0 if shared else staging_bytes(HEADS, DIM, torch.float32, 16))
 
 
 def test_transfer_rounds_never_ask_a_rank_for_two_parts_at_once():
@@ -112,8 +134,8 @@ def test_transfer_rounds_never_ask_a_rank_for_two_parts_at_once():
 
 def test_the_kv_cache_budget_sets_the_staging_buffers_aside(monkeypatch):
     shape = KVCacheShape(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype=torch.float32)
-    staging = staging_bytes(2, 16, torch.float32)
-    assert staging == 2 * 2 * 4096 * 2 * 16 * 4
+    staging = staging_bytes(2, 16, torch.float32, message_tokens(2, 16, torch.float32, "cuda"))
+    assert staging == 2 * 4096 * 2 * 16 * 4  # two messages of 4,096 tokens of one layer's K or V
     config, gpu = CacheConfig(kv_cache_memory_fraction=1.0), torch.device("cuda")
     # Free memory for exactly 100 blocks and the staging buffers: 100 blocks; a byte less: 99.
     free = 100 * shape.bytes_per_block + staging

@@ -199,6 +199,14 @@ class Instance:
             self._wakeup.set()  # the step loop frees the blocks
         return released
 
+    def send_kv(self, request_id: str, attempt: int, sends: list[tuple[int, tuple]], release: bool) -> tuple[int, bool]:
+        """Prefill: this instance's ranks send a run's KV at once (``sends``: each a rank and its
+        ``KVTransfer.send`` arguments); the bytes sent and, with ``release``, what ``release_kv``
+        answers once they are out. Over a group the blocks can go as soon as their sends are done,
+        which saves the pull a call."""
+        num_bytes = sum(self.engine.executor.call_kv_on([(rank, "send", args) for rank, args in sends]))
+        return num_bytes, self.release_kv(request_id, attempt) if release else True
+
     def kv(self, method: str, *args):
         """KV transfer calls to this instance's only rank, which runs in this actor."""
         return self.engine.executor.worker.kv(method, *args)

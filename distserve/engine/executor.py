@@ -43,6 +43,10 @@ class Executor(Protocol):
     def call_kv(self, method: str, *args) -> list:
         """``KVTransfer.<method>`` on every rank; their answers in rank order."""
 
+    def call_kv_on(self, calls: list[tuple[int, str, tuple]]) -> list:
+        """``KVTransfer.<method>(*args)`` on each call's rank, all at once; their answers in order.
+        A call that fails raises, and the instance goes on: a transfer's peer may be what failed."""
+
     def shutdown(self) -> None: ...
 
 
@@ -85,6 +89,9 @@ class UniprocExecutor:
 
     def call_kv(self, method: str, *args) -> list:
         return [self.worker.kv(method, *args)]
+
+    def call_kv_on(self, calls: list[tuple[int, str, tuple]]) -> list:
+        return [self.worker.kv(method, *args) for _, method, args in calls]
 
     def shutdown(self) -> None:
         pass
@@ -194,6 +201,11 @@ class RayExecutor:
 
     def call_kv(self, method: str, *args) -> list:
         return self._call_all("kv", method, *args)
+
+    def call_kv_on(self, calls: list[tuple[int, str, tuple]]) -> list:
+        import ray
+
+        return ray.get([self.workers[rank].kv.remote(method, *args) for rank, method, args in calls])
 
     def kv_endpoints(self, instance: Any) -> list[KVEndpoint]:
         layouts = self._call_all("kv", "describe")

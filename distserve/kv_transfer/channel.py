@@ -24,17 +24,24 @@ when they connect.
 
 A transfer names the token slots on each side, so blocks are addressed whole but only the
 tokens that hold KV are moved: the bytes are exactly layers x 2 x tokens x heads x head_dim x
-dtype size. Over a group it goes through two staging buffers of a fixed size per rank, a chunk
-of at most ``STAGING_TOKENS`` tokens of one layer each, which the KV cache's memory budget sets
-aside (``staging_bytes``). In place, on CUDA one kernel copies every layer's slots straight from
-the source's cache into the destination's (``slot_copy``), without Triton a layer and a chunk at a
-time through at most one such chunk of temporary memory; on CPU each run of slots consecutive on
-both sides (a block or more) is one copy over every layer.
+dtype size. Over a group it goes as messages of one layer's K or V for at most ``chunk_tokens``
+tokens each (``message_tokens``: about 1 MiB over gloo, 4,096 tokens over NCCL). Both ends cut the
+same messages from both sides' slots (``message_spans``): a long run of tokens whose slots are
+consecutive on both sides goes straight out of the source's cache and into the destination's;
+short runs are packed into one message, gathered into a staging buffer on one side and scattered
+out of one on the other. Each side stages a run too where its part of the heads is not all of its
+cache's (tensor-parallel degrees that differ). The two staging buffers of a rank, one message
+each, come out of the KV cache's memory budget (``staging_bytes``). In place, on CUDA one kernel
+copies every layer's slots straight from the source's cache into the destination's
+(``slot_copy``), without Triton a layer and a chunk at a time through at most one such chunk of
+temporary memory; on CPU each run of slots consecutive on both sides (a block or more) is one copy
+over every layer.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -59,15 +66,58 @@ from distserve.parallel.process_group import COLLECTIVE_TIMEOUT, create_store
 
 logger = logging.getLogger(__name__)
 
-# Tokens of one layer's K and V per staged chunk: big enough that a send is far longer than its
-# call overhead, small enough that two chunks are a rounding error beside the KV cache.
-STAGING_TOKENS = 4096
+# Cold probes of the raw link cycle through this much memory: several times a server CPU's L3.
+PROBE_POOL_BYTES = 256 << 20
+
+# How channels move the KV when the destination reads the source's cache itself.
+IN_PLACE_TRANSPORTS = ("ipc", "shm")
+
+# One message over gloo: TCP on loopback moved 8-64 MiB fastest in messages of 1-2 MiB, 1.5-2x as
+# fast as in one send (the sender's writes and the receiver's reads overlap).
+GLOO_MESSAGE_BYTES = 1 << 20
+# Tokens of one layer's K or V per message over NCCL, whose per-call cost wants long messages.
+NCCL_MESSAGE_TOKENS = 4096
 
 
-def staging_bytes(num_kv_heads: int, head_dim: int, dtype: torch.dtype, chunk_tokens: int = STAGING_TOKENS) -> int:
-    """Memory of a rank's two staging buffers: K and V of ``chunk_tokens`` tokens each."""
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * 2 * chunk_tokens * num_kv_heads * head_dim * element
+def message_tokens(num_kv_heads: int, head_dim: int, dtype: torch.dtype, device_type: str) -> int:
+    """Tokens of one layer's K or V per message over a rank's groups."""
+    if device_type == "cuda":
+        return NCCL_MESSAGE_TOKENS
+    token_bytes = num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return max(1, GLOO_MESSAGE_BYTES // token_bytes)
+
+
+def staging_bytes(num_kv_heads: int, head_dim: int, dtype: torch.dtype, chunk_tokens: int) -> int:
+    """Memory of a rank's two staging buffers: one message of ``chunk_tokens`` tokens each."""
+    return 2 * chunk_tokens * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def message_spans(src_slots: list[int], dst_slots: list[int], chunk_tokens: int) -> list[tuple[int, int, bool]]:
+    """The messages of one layer's K or V, as token positions ``[start, stop)`` and whether they
+    are one run of slots consecutive on both sides. A run of at least an eighth of a message goes
+    alone, cut at ``chunk_tokens``; shorter ones are packed, ``chunk_tokens`` tokens a message (on
+    CPU a message of its own cost less than gathering and scattering one down to runs of 128 KiB:
+    a pull of 128 MiB in runs of 2-16 blocks took 42-47 ms so against 55 ms staging runs below
+    half a message). Both ends compute the same spans from the same slots."""
+    src, dst = np.asarray(src_slots), np.asarray(dst_slots)
+    breaks = (np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1).tolist()
+    spans: list[tuple[int, int, bool]] = []
+    packed = None  # start of the short runs being packed
+    for start, stop in zip([0, *breaks], [*breaks, len(src)]):
+        if stop - start < max(1, chunk_tokens // 8):
+            packed = start if packed is None else packed
+            while stop - packed >= chunk_tokens:
+                spans.append((packed, packed + chunk_tokens, False))
+                packed += chunk_tokens
+            packed = None if packed == stop else packed
+            continue
+        if packed is not None:
+            spans.append((packed, start, False))
+            packed = None
+        spans += [(s, min(s + chunk_tokens, stop), True) for s in range(start, stop, chunk_tokens)]
+    if packed is not None and packed < len(src):
+        spans.append((packed, len(src), False))
+    return spans
 
 
 def channel_peers(channel: str) -> tuple[str, str]:
@@ -123,25 +173,28 @@ class KVTransfer:
         self,
         kv_tensor: torch.Tensor,
         layout: KVLayout,
-        chunk_tokens: int = STAGING_TOKENS,
+        chunk_tokens: int | None = None,
         shared: SharedFile | None = None,
         in_place: bool = True,
     ) -> None:
         self.kv_tensor = kv_tensor  # the rank's cache, [layers, 2, slots, kv_heads, head_dim]
         self.layout = layout
         self.device = kv_tensor.device
-        self.chunk_tokens = chunk_tokens
+        heads, head_dim = kv_tensor.shape[3:]
+        self.chunk_tokens = chunk_tokens or message_tokens(heads, head_dim, kv_tensor.dtype, self.device.type)
         self.shared = shared
         self.in_place = in_place
         cuda = self.device.type == "cuda"
         # The names of the two ways a channel moves the KV here: in place, or over a group.
-        self._in_place_transport, self._group_transport = ("ipc", "nccl") if cuda else ("shm", "gloo")
+        self._in_place_transport = IN_PLACE_TRANSPORTS[0] if cuda else IN_PLACE_TRANSPORTS[1]
+        self._group_transport = "nccl" if cuda else "gloo"
         self._store: dist.TCPStore | None = None
         self._groups: dict[str, dist.ProcessGroup | IpcPeer] = {}
         self._groups_lock = threading.Lock()  # guards _groups: joins and drops come from any thread
         self._transfer_lock = threading.Lock()  # one transfer at a time through the staging buffers
         self._buffers: list[torch.Tensor] = []
         self._probe_buffer: torch.Tensor | None = None  # the raw link's probes (benchmarks)
+        self._probe_offset = 0  # where the next cold probe starts in it
         self._token = uuid.uuid4().hex  # names this cache to a destination in the same process
         self._copy_stream: torch.cuda.Stream | None = None  # IPC pulls: beside the steps' stream
 
@@ -332,34 +385,50 @@ class KVTransfer:
         with self._groups_lock:
             return self._groups[channel]
 
-    def send_probe(self, channel: str, num_bytes: int) -> int:
-        """Send one contiguous tensor of ``num_bytes``: the raw speed of the pair's link."""
+    def send_probe(self, channel: str, num_bytes: int, message_bytes: int = 0, cold: bool = False) -> int:
+        """Send one contiguous tensor of ``num_bytes``: the raw speed of the pair's link. In
+        messages of ``message_bytes`` posted at once (0: one message); ``cold``: from memory no
+        recent probe touched, as a KV transfer reads and writes (``_probe``)."""
         group = self._group(channel)
         if not isinstance(group, IpcPeer):  # in place the destination reads
-            group.send([self._probe(num_bytes)], 1, 0).wait()
+            pieces = _pieces(self._probe(num_bytes, cold), message_bytes)
+            _drain([(group.send([piece], 1, tag), None) for tag, piece in pieces])
         return num_bytes
 
-    def recv_probe(self, channel: str, num_bytes: int) -> int:
+    def recv_probe(self, channel: str, num_bytes: int, message_bytes: int = 0, cold: bool = False) -> int:
         group = self._group(channel)
         if not isinstance(group, IpcPeer):
-            group.recv([self._probe(num_bytes)], 0, 0).wait()
+            pieces = _pieces(self._probe(num_bytes, cold), message_bytes)
+            _drain([(group.recv([piece], 0, tag), None) for tag, piece in pieces])
             return num_bytes
         # One contiguous copy out of the source's cache (again from its start past its end).
         source = group.tensor.view(-1).view(torch.uint8)
         with self._copying():
-            buffer = self._probe(num_bytes)
+            buffer = self._probe(num_bytes, cold)
             for start in range(0, num_bytes, source.numel()):
                 piece = buffer[start : start + source.numel()]
                 piece.copy_(source[: piece.numel()])
         return num_bytes
 
-    def _probe(self, num_bytes: int) -> torch.Tensor:
-        """The probes' buffer, kept from one to the next (as large as the largest so far): on CPU a
-        fresh one's page faults were most of a probe's time (off the main thread glibc maps a fresh
-        128 MiB buffer anew each time: filling one took 110 ms, filling a kept one 16 ms)."""
-        if self._probe_buffer is None or self._probe_buffer.numel() < num_bytes:
-            self._probe_buffer = torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
-        return self._probe_buffer[:num_bytes]
+    def _probe(self, num_bytes: int, cold: bool = False) -> torch.Tensor:
+        """The probes' buffer, kept from one to the next and written once when made: on CPU a fresh
+        one's page faults were most of a probe's time (off the main thread glibc maps a fresh
+        128 MiB buffer anew each time: filling one took 110 ms, filling a kept one 16 ms).
+
+        A warm probe reuses its start, which stays in the CPU's cache when small (the 32 MiB L3
+        of the machine measured held both ends of an 8 MiB probe). A cold one takes the next
+        ``num_bytes`` of a buffer of at least ``PROBE_POOL_BYTES``, as a KV transfer moves KV that
+        no step touched since it was written."""
+        size = max(num_bytes, PROBE_POOL_BYTES) if cold else num_bytes
+        if self._probe_buffer is None or self._probe_buffer.numel() < size:
+            self._probe_buffer = torch.zeros(size, dtype=torch.uint8, device=self.device)
+            self._probe_offset = 0
+        if not cold:
+            return self._probe_buffer[:num_bytes]
+        if self._probe_offset + num_bytes > self._probe_buffer.numel():
+            self._probe_offset = 0
+        start, self._probe_offset = self._probe_offset, self._probe_offset + num_bytes
+        return self._probe_buffer[start : start + num_bytes]
 
     def _staging(self, index: int, shape: tuple[int, ...]) -> torch.Tensor:
         """Staging buffer ``index`` (0 or 1) as a view of ``shape``. Allocated once, at their fixed
@@ -367,67 +436,83 @@ class KVTransfer:
         slower for a 64 MiB gather on CPU)."""
         if not self._buffers:
             heads, head_dim = self.kv_tensor.shape[3:]
-            numel = 2 * self.chunk_tokens * heads * head_dim
+            numel = self.chunk_tokens * heads * head_dim
             self._buffers = [torch.empty(numel, dtype=self.kv_tensor.dtype, device=self.device) for _ in range(2)]
         return self._buffers[index][: math.prod(shape)].view(shape)
 
-    def _pieces(self, slots: list[int], layers: range, heads: range) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(``[2, slots, heads, head_dim]`` cache view of one layer, slot index of a chunk) in send order."""
+    def _messages(
+        self, slots: list[int], src_slots: list[int], dst_slots: list[int], layers: range, heads: range
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """This side's messages in order: (the cache's slots of one message as a contiguous view,
+        None) where it is sent or received in place, else (the ``[slots, heads, head_dim]`` view of
+        one layer's K or V, the message's slot index into it) to go through a staging buffer."""
         first_layer, first_head = self.layout.layers.start, self.layout.kv_heads.start
         head_slice = slice(heads.start - first_head, heads.stop - first_head)
-        index = torch.tensor(slots, device=self.device)
+        whole = len(heads) == self.kv_tensor.shape[3]  # a run's slots are contiguous memory
+        index = torch.from_numpy(np.asarray(slots, dtype=np.int64)).to(self.device)
+        spans = message_spans(src_slots, dst_slots, self.chunk_tokens)
         for layer in layers:
-            view = self.kv_tensor[layer - first_layer, :, :, head_slice]
-            for start in range(0, len(slots), self.chunk_tokens):
-                yield view, index[start : start + self.chunk_tokens]
+            for kv in range(2):
+                view = self.kv_tensor[layer - first_layer, kv, :, head_slice]
+                for start, stop, run in spans:
+                    if run and whole:
+                        yield view[slots[start] : slots[start] + stop - start], None
+                    else:
+                        yield view, index[start:stop]
 
-    def send(self, channel: str, slots: list[int], layers: range, heads: range) -> int:
-        """Send the K and V of ``slots`` for ``layers`` x ``heads``; returns the bytes sent.
+    def send(self, channel: str, slots: list[int], layers: range, heads: range, dst_slots: list[int]) -> int:
+        """Send the K and V of ``slots`` for ``layers`` x ``heads`` (to the destination's
+        ``dst_slots``); returns the bytes sent.
 
-        A chunk at a time through the two staging buffers: gathering one chunk overlaps sending
-        the previous one. In place the destination reads them itself; the bytes are the same.
+        Messages in place are all posted at once; a staged one waits for its buffer's last send,
+        so gathering one overlaps sending the other. In place the destination reads them itself;
+        the bytes are the same.
         """
         group = self._group(channel)
         if isinstance(group, IpcPeer):
             return self._bytes(slots, layers, heads)
-        pending = []
         num_bytes = 0
         with self._transfer_lock:
-            for i, (view, index) in enumerate(self._pieces(slots, layers, heads)):
-                if len(pending) == 2:
-                    pending.pop(0).wait()  # the buffer this chunk reuses has gone out
-                data = self._staging(i % 2, (2, len(index), *view.shape[2:]))
-                torch.index_select(view, 1, index, out=data)
-                pending.append(group.send([data], 1, i))
+            pending: list[tuple[dist.Work, int | None]] = []  # (send, staging buffer it reads)
+            staged = 0
+            for tag, (view, index) in enumerate(self._messages(slots, slots, dst_slots, layers, heads)):
+                data = view
+                if index is not None:
+                    buffer, staged = staged % 2, staged + 1
+                    _drain(pending, buffer)
+                    data = self._staging(buffer, (len(index), *view.shape[1:]))
+                    torch.index_select(view, 0, index, out=data)
+                pending.append((group.send([data], 1, tag), None if index is None else buffer))
                 num_bytes += data.numel() * data.element_size()
-            for work in pending:
-                work.wait()
+            _drain(pending)
         return num_bytes
 
-    def recv(
-        self, channel: str, slots: list[int], layers: range, heads: range, src_slots: list[int] | None = None
-    ) -> int:
-        """Receive into ``slots`` what the source sends for ``layers`` x ``heads``; returns the bytes.
+    def recv(self, channel: str, slots: list[int], layers: range, heads: range, src_slots: list[int]) -> int:
+        """Receive into ``slots`` what the source sends of its ``src_slots`` for ``layers`` x
+        ``heads``; returns the bytes. In place it copies them out of the source's cache itself.
 
-        The next chunk's receive is posted before this one is copied into the cache. In place it
-        copies the source's ``src_slots`` (which only a channel in place needs) itself.
+        Messages in place are all posted at once; a staged one is scattered into the cache once
+        it is in, before its buffer takes another.
         """
         group = self._group(channel)
         if isinstance(group, IpcPeer):
-            if src_slots is None or len(src_slots) != len(slots):
+            if len(src_slots) != len(slots):
                 raise ValueError("a channel in place needs the source's slots, as many as the destination's")
             return self._pull(group, src_slots, slots, layers, heads)
-        pieces = list(self._pieces(slots, layers, heads))
         num_bytes = 0
         with self._transfer_lock:
-            buffers = [self._staging(i % 2, (2, len(index), *view.shape[2:])) for i, (view, index) in enumerate(pieces)]
-            works = [group.recv([buffers[i]], 0, i) for i in range(min(2, len(pieces)))]
-            for i, (view, index) in enumerate(pieces):
-                works[i].wait()
-                view.index_copy_(1, index, buffers[i])
-                num_bytes += buffers[i].numel() * buffers[i].element_size()
-                if i + 2 < len(pieces):
-                    works.append(group.recv([buffers[i + 2]], 0, i + 2))
+            pending: list[tuple[dist.Work, int | None, Callable[[], object] | None]] = []
+            staged = 0
+            for tag, (view, index) in enumerate(self._messages(slots, src_slots, slots, layers, heads)):
+                data, scatter, buffer = view, None, None
+                if index is not None:
+                    buffer, staged = staged % 2, staged + 1
+                    _drain(pending, buffer)
+                    data = self._staging(buffer, (len(index), *view.shape[1:]))
+                    scatter = functools.partial(view.index_copy_, 0, index, data)
+                pending.append((group.recv([data], 0, tag), buffer, scatter))
+                num_bytes += data.numel() * data.element_size()
+            _drain(pending)
         return num_bytes
 
     def _pull(self, peer: IpcPeer, src_slots: list[int], slots: list[int], layers: range, heads: range) -> int:
@@ -451,6 +536,21 @@ class KVTransfer:
         """The K and V of ``slots`` for ``layers`` x ``heads``, in bytes."""
         head_dim = self.kv_tensor.shape[4]
         return len(layers) * 2 * len(slots) * len(heads) * head_dim * self.kv_tensor.element_size()
+
+
+def _pieces(buffer: torch.Tensor, piece_numel: int) -> list[tuple[int, torch.Tensor]]:
+    """``buffer`` cut into pieces of ``piece_numel`` elements (0: whole), with their tags."""
+    return list(enumerate(buffer.split(piece_numel or buffer.numel())))
+
+
+def _drain(pending: list[tuple], buffer: int | None = None) -> None:
+    """Complete the oldest of ``pending`` (work, staging buffer, then what to do once it is done)
+    until staging ``buffer`` is free, or all of them."""
+    while pending and (buffer is None or any(entry[1] == buffer for entry in pending)):
+        work, _, *then = pending.pop(0)
+        work.wait()
+        if then and then[0] is not None:
+            then[0]()
 
 
 def _part(cache: torch.Tensor, layout: KVLayout, layers: range, heads: range) -> torch.Tensor:

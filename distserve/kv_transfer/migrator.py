@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from distserve.core.handover import Handover
-from distserve.kv_transfer.channel import channel_peers
+from distserve.kv_transfer.channel import IN_PLACE_TRANSPORTS, channel_peers
 from distserve.kv_transfer.plan import KVEndpoint, TransferPart, plan_transfer, token_slots, transfer_rounds
 
 logger = logging.getLogger(__name__)
@@ -160,22 +160,31 @@ class Migrator:
         num_tokens = handover.num_kv_tokens
         src_slots = token_slots(handover.block_table, num_tokens, handover.block_size)
         dst_slots = token_slots(block_table, num_tokens, self.block_size)
-        num_bytes, transports = 0, set()
-        for round_ in transfer_rounds(plan):
-            sends, recvs = [], []
-            for part in round_:
-                channel = self._channel(handover.prefill_instance, sources, part)
-                transports.add(self._connected[channel])
-                sends.append(sources[part.src].call("send", channel, src_slots, part.layers, part.kv_heads))
-                # The source's slots too: in place (CUDA IPC, shared memory) the destination reads them itself.
-                recvs.append(
-                    self.endpoints[part.dst].call("recv", channel, dst_slots, part.layers, part.kv_heads, src_slots)
-                )
+        rounds = transfer_rounds(plan)
+        channels = [[self._channel(handover.prefill_instance, sources, part) for part in r] for r in rounds]
+        transports = {self._connected[c] for names in channels for c in names}
+        # Over groups the source frees its blocks in the call that sends the last of them; a
+        # destination that reads them in place needs them until its copy is done.
+        release_with_send = not transports & set(IN_PLACE_TRANSPORTS)
+        num_bytes, held = 0, True
+        for i, (round_, names) in enumerate(zip(rounds, channels)):
+            recvs = [
+                self.endpoints[part.dst].call("recv", channel, dst_slots, part.layers, part.kv_heads, src_slots)
+                for part, channel in zip(round_, names)
+            ]
+            sends = [
+                (part.src, (channel, src_slots, part.layers, part.kv_heads, dst_slots))
+                for part, channel in zip(round_, names)
+            ]
+            release = release_with_send and i == len(rounds) - 1
+            sent = handle.send_kv.remote(handover.request_id, handover.attempt, sends, release)
             num_bytes += sum(ray.get(recvs))
-            ray.get(sends)
-        # The prefill instance frees its blocks, unless it did so at its hold deadline already, in
-        # which case they may have been reused during the pull.
-        if not ray.get(handle.release_kv.remote(handover.request_id, handover.attempt)):
+            held = ray.get(sent)[1]
+        # Else the prefill instance frees its blocks now, unless it did so at its hold deadline
+        # already, in which case they may have been reused during the pull.
+        if not release_with_send:
+            held = ray.get(handle.release_kv.remote(handover.request_id, handover.attempt))
+        if not held:
             raise KVNoLongerHeld(f"{handover.prefill_instance} no longer held the KV (hold deadline or abort)")
         transport = "+".join(sorted(transports))
         record = MigrationRecord(handover.request_id, num_tokens, num_bytes, transport, start, time.time())

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from distserve.core.config import CacheConfig
-from distserve.kv_transfer.channel import staging_bytes
+from distserve.kv_transfer.channel import message_tokens, staging_bytes
 from distserve.kv_transfer.shared_memory import SharedFile, shared_zeros
 
 logger = logging.getLogger(__name__)
@@ -124,7 +124,8 @@ def determine_num_blocks(
     budget = kv_cache_budget(cache_config, device)
     if device.type == "cpu":
         budget = min(budget, CPU_KV_CACHE_LIMIT_BYTES) // num_cpu_workers
-    staging = staging_bytes(shape.num_kv_heads, shape.head_dim, shape.dtype)
+    tokens = message_tokens(shape.num_kv_heads, shape.head_dim, shape.dtype, device.type)
+    staging = staging_bytes(shape.num_kv_heads, shape.head_dim, shape.dtype, tokens)
     budget -= staging
     from_memory = budget // shape.bytes_per_block
     useful = -(-max_useful_tokens // shape.block_size)

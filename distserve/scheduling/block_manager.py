@@ -138,8 +138,10 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
         num_full = seq.num_tokens // self.block_size
-        for i in range(len(hits), seq.num_blocks(self.block_size)):
-            block_id = self._take_free_block()
+        # In ascending ids: blocks freed together come back tail first, and sorted they are runs of
+        # consecutive slots again, which a KV transfer moves whole instead of gathering them.
+        fresh = sorted(self._take_free_block() for _ in range(len(hits), seq.num_blocks(self.block_size)))
+        for i, block_id in enumerate(fresh, start=len(hits)):
             seq.block_table.append(block_id)
             if register and i < num_full:
                 self._register(seq, i, block_id)

@@ -36,7 +36,7 @@ from multiprocessing.synchronize import Event
 import torch
 import torch.multiprocessing as mp
 
-from distserve.kv_transfer.channel import STAGING_TOKENS, KVTransfer
+from distserve.kv_transfer.channel import NCCL_MESSAGE_TOKENS, KVTransfer
 from distserve.kv_transfer.plan import KVLayout, token_slots
 from distserve.kv_transfer.shared_memory import shared_zeros
 from distserve.kv_transfer.slot_copy import copy_slots
@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--threads", type=int, help="CPU: the decode rank's torch threads (default: torch's)")
-    p.add_argument("--chunk-tokens", type=int, default=STAGING_TOKENS, help="tokens of one layer per copy")
+    p.add_argument("--chunk-tokens", type=int, default=NCCL_MESSAGE_TOKENS, help="tokens of one layer per copy")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", metavar="PATH", help="also write the figures here")
     return p.parse_args()

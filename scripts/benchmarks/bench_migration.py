@@ -3,10 +3,12 @@
 A 1 prefill + 1 decode cluster serves one dummy Llama-shaped model. For each prompt length it
 runs requests one at a time and reads the decode instance's migration records (bytes, start,
 end: from the decode instance asking both sides to move the request's token slots until both
-answered). In the same run, over a pair communicator between the same two processes, it times
-one contiguous tensor of the same bytes sent the same way (a call to each side, until both
-answered): the raw transport. It also reports migration time as a share of each request's
-end-to-end latency.
+answered). After each request, over a pair communicator of its own between the same two
+processes, it times one contiguous tensor of the same bytes sent the same way (a call to each
+side, until both answered): the raw transport. Warm, the raw send reuses one buffer on each side,
+which stays in the CPU's cache when small; cold, it moves memory no recent probe touched, as a
+pull moves KV that no step touched since it was written; cold again in messages of 1 MiB posted
+at once. It also reports migration time as a share of each request's end-to-end latency.
 
 ``--kv-transport`` is the cluster's ``cache.kv_transport``: ``auto`` reads the prefill instance's
 cache in place on one node (shared memory on CPU, CUDA IPC on GPUs), and so does the raw
@@ -43,13 +45,14 @@ from distserve import Cluster, SamplingParams
 from distserve.core.config import KV_TRANSPORTS
 from distserve.engine.node_groups import NODE_LABEL
 from distserve.engine.ray_runtime import one_gpu_shared_options
+from distserve.kv_transfer.channel import GLOO_MESSAGE_BYTES
 from distserve.model_executor.tiny_models import write_llama_shape
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompt-lens", default="128,512,1024,2048")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--output-len", type=int, default=64, help="output tokens per request (for the latency share)")
     p.add_argument("--hidden-size", type=int, default=1024)
     p.add_argument("--num-layers", type=int, default=8)
@@ -74,6 +77,8 @@ class Row:
     num_bytes: int
     seconds: float  # migration
     raw: float  # one contiguous tensor of the same bytes over a channel between the same processes
+    raw_cold: float  # the same from and into memory no recent probe touched, as the KV is
+    raw_cold_messages: float  # that in messages of 1 MiB, posted at once
     e2e: float  # request latency
     share: float  # migration / request latency
 
@@ -91,23 +96,34 @@ def write_model_dir(root: Path, args: argparse.Namespace) -> Path:
     )
 
 
-def raw_transfer_seconds(prefill, decode, num_bytes: int, repeats: int) -> float:
-    """Median time of one contiguous ``num_bytes`` tensor over a fresh pair communicator."""
-    src = ray.get(prefill.kv_endpoints.remote())[0]
-    dst = ray.get(decode.kv_endpoints.remote())[0]
-    channel = f"bench-raw-{num_bytes}"
-    address = ray.get(src.call("store_address"))
-    ray.get([src.call("connect", channel, True, address), dst.call("connect", channel, False, address)])
-    times = []
-    for _ in range(repeats + 1):
+class RawLink:
+    """A pair communicator of its own between the two instances' first ranks: one contiguous
+    tensor sent over it, timed from a call to each side until both answered, as a pull is."""
+
+    def __init__(self, prefill, decode) -> None:
+        self.src = ray.get(prefill.kv_endpoints.remote())[0]
+        self.dst = ray.get(decode.kv_endpoints.remote())[0]
+        self.channel = "bench-raw.0>bench-raw.1"
+        address = ray.get(self.src.call("store_address"))
+        ray.get(
+            [
+                self.src.call("connect", self.channel, True, address),
+                self.dst.call("connect", self.channel, False, address),
+            ]
+        )
+
+    def seconds(self, num_bytes: int, message_bytes: int = 0, cold: bool = False) -> float:
+        """One send of ``num_bytes`` (``message_bytes``: in messages of that size, posted at once;
+        ``cold``: from and into memory out of the CPU's caches)."""
         start = time.time()
-        ray.get([src.call("send_probe", channel, num_bytes), dst.call("recv_probe", channel, num_bytes)])
-        times.append(time.time() - start)
-    return statistics.median(times[1:])
+        probe = (self.channel, num_bytes, message_bytes, cold)
+        ray.get([self.src.call("send_probe", *probe), self.dst.call("recv_probe", *probe)])
+        return time.time() - start
 
 
 def run_cluster(args: argparse.Namespace, model_dir: Path, pools: dict, kv_transport: str) -> tuple[str, list[Row]]:
-    """How the KV moved (the migration records' transport), and a row per prompt length."""
+    """How the KV moved (the migration records' transport), and a row per prompt length. Each
+    request is followed by the raw sends of its bytes, so that the two see the same machine."""
     lengths = [int(x) for x in args.prompt_lens.split(",")]
     cluster = Cluster(
         model=str(model_dir),
@@ -122,22 +138,30 @@ def run_cluster(args: argparse.Namespace, model_dir: Path, pools: dict, kv_trans
     try:
         orchestrator = cluster._async.orchestrator
         prefill, decode = (s.handle for s in orchestrator.instances)
+        link = RawLink(prefill, decode)
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
         cluster.generate([[5] * 64], params)  # warm up: first channel, first steps
         rows, transports = [], set()
         for length in lengths:
-            outputs = []
-            for i in range(args.repeats):
+            outputs, probes = [], []
+            for i in range(args.repeats + 1):  # the first one warms the raw sends' buffers up
                 outputs += cluster.generate([[(7 + i + j) % 30000 + 3 for j in range(length)]], params)
+                num_bytes = ray.get(decode.migrations.remote())[outputs[-1].request_id].num_bytes
+                probes.append(
+                    (
+                        link.seconds(num_bytes),
+                        link.seconds(num_bytes, cold=True),
+                        link.seconds(num_bytes, GLOO_MESSAGE_BYTES, cold=True),
+                    )
+                )
+            outputs, raw = outputs[1:], [statistics.median(p) for p in zip(*probes[1:])]
             records = ray.get(decode.migrations.remote())
             mig = [records[o.request_id] for o in outputs]
             transports |= {r.transport for r in mig}
             seconds = statistics.median(r.end - r.start for r in mig)
-            num_bytes = mig[0].num_bytes
-            raw = raw_transfer_seconds(prefill, decode, num_bytes, args.repeats)
             e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outputs]
             share = statistics.median((r.end - r.start) / t for r, t in zip(mig, e2e))
-            rows.append(Row(length, num_bytes, seconds, raw, statistics.median(e2e), share))
+            rows.append(Row(length, num_bytes, seconds, *raw, statistics.median(e2e), share))
             print(f"{kv_transport}: {length} tokens done", flush=True)
     finally:
         cluster.shutdown()
@@ -147,15 +171,16 @@ def run_cluster(args: argparse.Namespace, model_dir: Path, pools: dict, kv_trans
 def print_rows(transport: str, rows: list[Row]) -> None:
     print(f"\nmigration and raw transfer over {transport}\n")
     print(
-        "| prompt tokens | KV MiB | migration ms | GB/s | raw ms | raw GB/s | migration / raw speed "
+        "| prompt tokens | KV MiB | migration ms | GB/s | raw warm ms | migration / raw warm "
+        "| raw cold ms | migration / raw cold | raw cold in 1 MiB messages ms | migration / that "
         "| request latency s | migration share |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r.length} | {r.num_bytes / 2**20:.1f} | {r.seconds * 1e3:.1f} | {r.num_bytes / r.seconds / 1e9:.2f} "
-            f"| {r.raw * 1e3:.1f} | {r.num_bytes / r.raw / 1e9:.2f} | {r.raw / r.seconds:.2f} | {r.e2e:.2f} "
-            f"| {r.share:.2%} |"
+            f"| {r.raw * 1e3:.1f} | {r.raw / r.seconds:.2f} | {r.raw_cold * 1e3:.1f} | {r.raw_cold / r.seconds:.2f} "
+            f"| {r.raw_cold_messages * 1e3:.1f} | {r.raw_cold_messages / r.seconds:.2f} | {r.e2e:.2f} | {r.share:.2%} |"
         )
 
 
