@@ -39,6 +39,7 @@ from distserve.kv_transfer.plan import KVEndpoint
 from distserve.model_executor.model_loader import resolve_model
 from distserve.parallel.ranks import check_parallel_config
 from distserve.scheduling.step_time import StepCost
+from distserve.scheduling.swap import SwapSpace
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,12 @@ class InstanceInfo:
     # (Ray node id, pid) of its processes: the actor's, then its ranks' when they run apart from it.
     processes: tuple[tuple[str, int], ...] = ()
     kv_pulls_from: dict[str, PullTotals] = dataclasses.field(default_factory=dict)  # decode: by prefill instance
+    # Preemption by swap (``cache.swap_space``): sequences in the host pool now, swaps so far each
+    # way, and the seconds their copies took.
+    num_swapped: int = 0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    swap_seconds: float = 0.0
 
 
 @dataclass
@@ -295,6 +302,7 @@ class Instance:
             num_copied_blocks=engine.block_manager.num_copied_blocks,
             processes=self._processes,
             kv_pulls_from=self.migrator.totals(),
+            **_swap_counts(scheduler.swap),
         )
 
     def worker_pids(self) -> list[int]:
@@ -465,3 +473,15 @@ def launch_instance(config: EngineConfig, name: str) -> Any:
         ray.kill(handle)
         raise InstanceFailure(f"{name}: the instance failed to start: {e}") from None
     return handle
+
+
+def _swap_counts(swap: SwapSpace | None) -> dict[str, Any]:
+    """``InstanceInfo``'s swap fields."""
+    if swap is None:
+        return {}
+    return {
+        "num_swapped": len(swap),
+        "num_swap_outs": swap.num_swap_outs,
+        "num_swap_ins": swap.num_swap_ins,
+        "swap_seconds": swap.copy_seconds,
+    }

@@ -86,6 +86,11 @@ class CacheConfig:
         "use for weights, activations and KV cache; when set, kv_cache_memory_fraction is not used",
     )
     enable_prefix_caching: bool = option(True, "share KV blocks of identical prompt prefixes")
+    swap_space: float = option(
+        0.0,
+        "GiB of host memory per rank that a preempted sequence's KV is copied out to, and back when it "
+        "resumes, where that costs less than recomputing it (as vLLM's swap_space); 0: always recompute",
+    )
     kv_transport: str = option(
         "auto",
         "how a pull moves KV between two instances' ranks: 'auto' reads the source's cache in place when "
@@ -104,6 +109,8 @@ class CacheConfig:
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check_choice("kv_transport", self.kv_transport, KV_TRANSPORTS)
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be at least 0 GiB, got {self.swap_space}")
 
 
 @dataclass

@@ -19,6 +19,7 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"  # scheduled: its blocks hold its KV, and a step runs it
     HELD = "held"  # its KV held for a decode instance to pull (``KVHold``)
     PULLING = "pulling"  # its blocks allocated, its KV arriving by a pull (``DecodeAdmission``)
+    SWAPPED = "swapped"  # preempted, its KV in the host pool until blocks are free (``SwapSpace``)
     FINISHED = "finished"
 
 

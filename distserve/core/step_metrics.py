@@ -1,5 +1,6 @@
-"""Where an engine step's time goes: schedule, prepare inputs, forward, sample (on the driver
-rank), dispatch (calls to the workers and back) and postprocess."""
+"""Where an engine step's time goes: schedule, swap (KV copies to and from the host pool), prepare
+inputs, forward, sample (on the driver rank), dispatch (calls to the workers and back) and
+postprocess."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-PHASES = ("schedule", "prepare", "forward", "sample", "dispatch", "postprocess")
+PHASES = ("schedule", "swap", "prepare", "forward", "sample", "dispatch", "postprocess")
 
 
 @dataclass

@@ -30,6 +30,7 @@ WORKER_CONCURRENCY = 4  # a step, plus KV transfers and health pings beside it
 
 class Executor(Protocol):
     num_blocks: int
+    num_swap_blocks: int  # host blocks of ``cache.swap_space`` (on every rank)
 
     def execute_model(self, batch: BatchInput) -> ModelOutput: ...
 
@@ -72,6 +73,7 @@ class UniprocExecutor:
         self.worker = Worker(config)
         self.worker.init_model()
         self.num_blocks = self.worker.determine_num_blocks(max_useful_tokens)
+        self.num_swap_blocks = self.worker.num_swap_blocks()
         self.worker.init_kv_cache(self.num_blocks)
 
     def execute_model(self, batch: BatchInput) -> ModelOutput:
@@ -147,6 +149,7 @@ class RayExecutor:
             host, port = self._call([self.workers[0].create_store.remote()])[0]
             self._call_all("init_model", host, port)
             self.num_blocks = min(self._call_all("determine_num_blocks", max_useful_tokens))
+            self.num_swap_blocks = min(self._call_all("num_swap_blocks"))
             self._call_all("init_kv_cache", self.num_blocks)
         except BaseException:
             self.shutdown()

@@ -33,6 +33,7 @@ from distserve.parallel.ranks import check_parallel_config
 from distserve.scheduling.block_manager import BlockManager
 from distserve.scheduling.scheduler import ScheduledBatch, Scheduler
 from distserve.scheduling.step_time import StepTimeModel
+from distserve.scheduling.swap import SwapSpace
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,10 @@ class LLMEngine:
         self.executing: tuple[float, int] | None = None
         self.slowest_per_token = 0.0
         # One scheduler for the engine's life: a role change changes its mode, not its queues.
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.step_time)
+        swap = None
+        if self.executor.num_swap_blocks:
+            swap = SwapSpace(self.executor.num_swap_blocks, self.block_manager, self.step_time)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.step_time, swap=swap)
         scheduler = config.scheduler
         self.kv_hold = KVHold(scheduler.kv_hold_timeout, max(1, int(scheduler.kv_hold_fraction * num_blocks)))
         self._set_role(scheduler.role)
@@ -345,6 +349,10 @@ class LLMEngine:
         """Run ``batch`` on the executor and note when its sequences ran."""
         model_input = BatchInput.from_sequences(batch.is_prefill, batch.seqs, batch.num_decode, batch.num_new_tokens)
         model_input.block_copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
+        swap = self.scheduler.swap
+        if swap is not None:
+            model_input.swaps = [(copy.out, copy.pairs) for copy in swap.take_pending()]
+            model_input.num_host_blocks = swap.num_blocks
         self._constrain(batch.seqs, model_input.seqs)
         started = time.time()
         self.executing = (time.monotonic(), model_input.num_tokens)
@@ -366,6 +374,8 @@ class LLMEngine:
         # Split the executor's time into the driver rank's phases and the rest (calls, transfers).
         timer.seconds["dispatch"] = timer.seconds.pop("execute") - sum(output.seconds.values())
         timer.seconds.update(output.seconds)
+        if model_input.swaps and swap is not None:
+            swap.observe(sum(len(pairs) for _, pairs in model_input.swaps), output.seconds.get("swap", 0.0))
         return model_input, output
 
     def _update(self, batch: ScheduledBatch, model_input: BatchInput, output: ModelOutput) -> list[RequestDelta]:

@@ -58,7 +58,12 @@ class ServingMetrics:
         self.held = instance_gauge("held_requests", "prefilled requests whose KV waits to be pulled")
         self.kv_usage = instance_gauge("kv_cache_usage", "share of KV blocks in use")
         self.preemptions = instance_gauge("preemptions", "requests preempted since start")
+        self.swapped = instance_gauge("swapped_requests", "preempted requests whose KV is in the host pool")
+        self.swap_outs = instance_gauge("swap_outs", "preempted requests whose KV was copied to the host pool")
+        self.swap_ins = instance_gauge("swap_ins", "swapped requests whose KV was copied back")
+        self.swap_seconds = instance_gauge("swap_seconds", "seconds the copies to and from the host pool took")
         self.healthy = instance_gauge("healthy", "1 while the instance serves")
+        self._swaps = (self.swapped, self.swap_outs, self.swap_ins, self.swap_seconds)
         pair = ["instance", "source", "transport"]
         self.kv_pulls = Gauge("distserve_kv_pulls", "KV pulls of a decode instance, by prefill instance", pair,
                               registry=registry)  # fmt: skip
@@ -108,7 +113,7 @@ class ServingMetrics:
                 self.role_changes.labels(record.instance, record.old_role, record.new_role).inc()
                 self.role_change_time.observe(record.seconds)
         self._num_role_changes = len(role_changes)
-        gauges = (self.waiting, self.running, self.held, self.kv_usage, self.preemptions, self.healthy)
+        gauges = (self.waiting, self.running, self.held, self.kv_usage, self.preemptions, self.healthy, *self._swaps)
         for info in infos:
             labels = (info.name, info.role)
             for gauge, role in itertools.product(gauges, ROLES):
@@ -120,6 +125,9 @@ class ServingMetrics:
             self.held.labels(*labels).set(info.num_held)
             self.kv_usage.labels(*labels).set(1.0 - info.num_free_blocks / info.num_blocks)
             self.preemptions.labels(*labels).set(info.num_preemptions)
+            for gauge, value in zip(self._swaps, (info.num_swapped, info.num_swap_outs, info.num_swap_ins,
+                                                  info.swap_seconds)):  # fmt: skip
+                gauge.labels(*labels).set(value)
             self.healthy.labels(*labels).set(0 if info.failure else 1)
             for source, totals in info.kv_pulls_from.items():
                 pair = (info.name, source, totals.transport)

@@ -51,6 +51,7 @@ class KVCache:
         # ``shared``: on CPU in shared memory where the system allows, so that a rank on the same
         # machine pulls KV straight out of it (``self.shared`` says how it maps it).
         self.tensor, self.shared = _allocate(dims, shape.dtype, device, shared)
+        self.host: torch.Tensor | None = None  # the swap pool (``swap``), made when first used
         # Keyed by the model's layer index, which pipeline stages keep from the full model.
         self.layers = {layer: (self.tensor[i, 0], self.tensor[i, 1]) for i, layer in enumerate(layer_ids)}
 
@@ -58,11 +59,30 @@ class KVCache:
         """Copy the K/V of each (source, destination) block pair, every layer at once."""
         if not copies:
             return
-        size = self.shape.block_size
-        offsets = torch.arange(size, device=self.tensor.device)
-        pairs = torch.tensor(copies, dtype=torch.long, device=self.tensor.device)
-        src, dst = ((pairs[:, i, None] * size + offsets).flatten() for i in (0, 1))
+        src, dst = self._slots(copies, self.tensor.device)
         self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
+
+    def swap(self, out: bool, pairs: list[tuple[int, int]], num_host_blocks: int) -> None:
+        """Copy each (device block, host block) pair's K/V out to the host pool (``out``) or back
+        in, every layer at once. The pool, of ``num_host_blocks``, is made on the first swap (in
+        pinned memory on CUDA, so the copies run at the link's speed)."""
+        if self.host is None:
+            dims = (*self.tensor.shape[:2], num_host_blocks * self.shape.block_size, *self.tensor.shape[3:])
+            pinned = self.tensor.device.type == "cuda"
+            self.host = torch.zeros(dims, dtype=self.tensor.dtype, pin_memory=pinned)
+        device, host = self._slots(pairs, self.tensor.device), self._slots(pairs, self.host.device)
+        if out:
+            self.host.index_copy_(2, host[1], self.tensor.index_select(2, device[0]).to(self.host.device))
+        else:
+            self.tensor.index_copy_(2, device[0], self.host.index_select(2, host[1]).to(self.tensor.device))
+
+    def _slots(self, pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots of the first and of the second block of each pair, in order."""
+        size = self.shape.block_size
+        offsets = torch.arange(size, device=device)
+        blocks = torch.tensor(pairs, dtype=torch.long, device=device)
+        first, second = ((blocks[:, i, None] * size + offsets).flatten() for i in (0, 1))
+        return first, second
 
 
 def _allocate(

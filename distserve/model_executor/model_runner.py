@@ -91,6 +91,10 @@ class BatchInput:
     # Blocks to copy (source, destination) before the forward pass: a sample's first write into a
     # block it shared with its siblings (``BlockManager.append_slot``).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # KV copies to and from the host pool before those, in order: (out, [(device block, host
+    # block), ...]) each, out to the pool or back in (``SwapSpace``), and the pool's size in blocks.
+    swaps: list[tuple[bool, list[tuple[int, int]]]] = field(default_factory=list)
+    num_host_blocks: int = 0
 
     @classmethod
     def from_sequences(

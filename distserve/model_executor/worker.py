@@ -118,6 +118,10 @@ class Worker:
             self.config.cache, self.kv_shape, self.device, max_useful_tokens, self.rank.world_size
         )
 
+    def num_swap_blocks(self) -> int:
+        """Blocks of this rank's part of the KV that ``cache.swap_space`` holds in host memory."""
+        return int(self.config.cache.swap_space * 2**30) // self.kv_shape.bytes_per_block
+
     def init_kv_cache(self, num_blocks: int) -> None:
         backend = resolve_attention_backend(
             self.config.model.attention_backend, self.device, self.dtype, self.kv_shape.head_dim
@@ -159,6 +163,10 @@ class Worker:
     def execute_model(self, batch: BatchInput) -> ModelOutput | None:
         """Run this rank's part of one step; the driver rank returns the sampled tokens."""
         timer = StepTimer()
+        for out, pairs in batch.swaps:  # before the copies on write: one may fill a block swapped out
+            self.kv_cache.swap(out, pairs, batch.num_host_blocks)
+        if batch.swaps:
+            timer.lap("swap")
         self.kv_cache.copy_blocks(batch.block_copies)
         graphs = self.decode_graphs
         if graphs is not None and not batch.is_prefill and graphs.fits(len(batch.seqs)):

@@ -116,6 +116,16 @@ class BlockManager:
     def num_cached_tokens(self, seq: Sequence) -> int:
         return len(self._cached_prefix(seq)) * self.block_size
 
+    def num_shared_tokens(self, seq: Sequence) -> int:
+        """Tokens of ``seq``'s leading full blocks that other sequences hold too: the prefix that
+        stays cached when ``seq`` frees its blocks (its own go to the free list, first to be reused)."""
+        shared = 0
+        for block_id in seq.block_table[: seq.num_computed_tokens // self.block_size]:
+            if self._used[block_id].ref_count < 2 or self._used[block_id].hash is None:
+                break
+            shared += 1
+        return shared * self.block_size
+
     # Allocation ---------------------------------------------------------------------------
 
     def can_allocate(self, seq: Sequence, share_cached: bool = True) -> bool:

@@ -1,8 +1,8 @@
 """Decode scheduling: continuous batching, one token per running sequence per step.
 
 Before each step every running sequence needs a slot for its newest token; when blocks run
-out, the most recently admitted sequences are preempted (their blocks freed, to be recomputed
-later) until the rest fit.
+out, the most recently admitted sequences are preempted until the rest fit: their blocks freed,
+to be recomputed later, or copied out to the host pool first where that costs less (``swap``).
 """
 
 from __future__ import annotations
@@ -11,12 +11,14 @@ from collections.abc import Callable
 
 from distserve.core.sequence import Sequence, SequenceStatus
 from distserve.scheduling.block_manager import BlockManager
+from distserve.scheduling.swap import SwapSpace
 
 
 class RunningBatch:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, swap: SwapSpace | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
+        self.swap = swap
         self.seqs: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -46,7 +48,8 @@ class RunningBatch:
     def grow(self, decodes: Callable[[Sequence], bool]) -> tuple[list[Sequence], list[Sequence], list[Sequence]]:
         """A slot for the newest token of each sequence that ``decodes``, in admission order; when no
         block is free, the most recently admitted sequences (decoding or not) are preempted until the
-        rest fit. Returns (sequences given a slot, the others, sequences preempted)."""
+        rest fit. Returns (sequences given a slot, the others, sequences preempted to be recomputed);
+        those swapped out wait in the swap space."""
         if self.block_manager.num_free_blocks >= len(self.seqs):
             # A slot takes at most one block, so every sequence gets its own and none is preempted.
             batch: list[Sequence] = []
@@ -65,8 +68,8 @@ class RunningBatch:
                 continue
             while not self.block_manager.can_append(seq):
                 victim = queue.pop() if queue else others.pop() if others else seq
-                self.preempt(victim)
-                preempted.append(victim)
+                if not self.preempt(victim):
+                    preempted.append(victim)
                 if victim is seq:
                     break
             else:
@@ -74,10 +77,17 @@ class RunningBatch:
                 batch.append(seq)
         return batch, others, preempted
 
-    def preempt(self, seq: Sequence) -> None:
-        """Take ``seq`` out and free its blocks; it is recomputed from its tokens when it runs again."""
+    def preempt(self, seq: Sequence) -> bool:
+        """Take ``seq`` out and free its blocks: swapped out (True) where that costs less, else to be
+        recomputed from its tokens when it runs again (False)."""
         self.seqs.remove(seq)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        if self.swap is not None:
+            if self.swap.should_swap(seq):
+                self.swap.swap_out(seq)
+                return True
+            self.swap.num_recomputes += 1
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        return False

@@ -7,7 +7,9 @@ request a new role can serve stays where it is. How a step is formed is the sche
 
 * ``PREFILL_FIRST`` (colocated and decode instances): a prefill batch whenever one can be formed,
   otherwise a decode step of every running sequence. A decode instance needs prefill too, because a
-  sequence it preempts is recomputed through the waiting queue.
+  sequence it preempts is recomputed through the waiting queue (unless it is swapped out: with a
+  ``SwapSpace`` its KV goes to host memory where that costs less, and comes back, before any
+  prompt is admitted, once its blocks fit again).
 * ``CHUNKED`` (colocated instances with chunked prefill): both phases in one step under one token
   budget, as vLLM and Sarathi-Serve do.
 * ``PREFILL_ONLY`` (prefill instances): prompts only, at most ``max_num_seqs`` of them, and no
@@ -30,6 +32,7 @@ from distserve.core.sequence import Sequence
 from distserve.scheduling.block_manager import BlockManager
 from distserve.scheduling.running_batch import RunningBatch
 from distserve.scheduling.step_time import StepTimeModel
+from distserve.scheduling.swap import SwapSpace
 from distserve.scheduling.waiting_queue import WaitingQueue
 
 # The share of the tightest TPOT SLO among the decoding requests that a step cut to fit it aims at:
@@ -85,11 +88,14 @@ class Scheduler:
         step_time: StepTimeModel | None = None,
         clock: Callable[[], float] = time.time,
         mode: StepMode | None = None,
+        swap: SwapSpace | None = None,
     ) -> None:
-        """``mode``: how steps are formed until ``set_mode``; None: both phases, as configured."""
+        """``mode``: how steps are formed until ``set_mode``; None: both phases, as configured.
+        ``swap``: where preempted sequences' KV may go instead of being recomputed."""
         self.block_manager = block_manager
         self.waiting = WaitingQueue(config, block_manager, step_time, clock)
-        self.running = RunningBatch(block_manager, config.max_num_seqs)
+        self.swap = swap
+        self.running = RunningBatch(block_manager, config.max_num_seqs, swap)
         self.max_num_seqs = config.max_num_seqs
         self.budget = config.max_num_batched_tokens
         self.step_time = step_time if config.tpot_aware_chunking else None  # what cuts a chunked step
@@ -115,9 +121,13 @@ class Scheduler:
     def num_preemptions(self) -> int:
         return self.running.num_preemptions
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swap) if self.swap is not None else 0
+
     def has_unfinished(self) -> bool:
         """Whether a step has work."""
-        return bool(len(self.waiting) or len(self.running))
+        return bool(len(self.waiting) or len(self.running) or self.num_swapped)
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence for prefill."""
@@ -129,6 +139,8 @@ class Scheduler:
             if seq.block_table:
                 self.block_manager.register_computed(seq, first)
         self.chunks = []
+        if self.mode is not StepMode.PREFILL_ONLY:
+            self._swap_in()
         if self.mode is StepMode.CHUNKED:
             return self._schedule_chunked()
         if self.mode is StepMode.PREFILL_ONLY:
@@ -137,8 +149,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence wherever it is and free its blocks."""
-        if not self.running.remove(seq):
-            self.waiting.remove(seq)
+        if not self.running.remove(seq) and not self.waiting.remove(seq) and self.swap is not None:
+            self.swap.drop(seq)
         if seq.block_table:
             self.block_manager.free(seq)
 
@@ -147,15 +159,28 @@ class Scheduler:
         self.running.remove(seq)
 
     def waiting_seqs(self) -> list[Sequence]:
-        """Sequences queued for prefill (preempted ones first)."""
-        return self.waiting.seqs()
+        """Sequences queued to run: swapped out, then queued for prefill (preempted ones first)."""
+        swapped = self.swap.seqs() if self.swap is not None else []
+        return [*swapped, *self.waiting.seqs()]
+
+    def _swap_in(self) -> None:
+        """Bring swapped sequences back, oldest first, while their blocks fit with one to spare for
+        each running sequence (so that the step's growth does not preempt at once) and a slot is
+        free; until they are all back, no prompt is admitted (``waiting`` sees no free slot)."""
+        swap = self.swap
+        while swap is not None and self.running.free_seq_slots and swap.can_swap_in(reserve=len(self.running)):
+            self.running.add(swap.swap_in())
 
     def running_seqs(self) -> list[Sequence]:
         """Sequences with blocks in the running batch."""
         return list(self.running.seqs)
 
+    def _admits(self) -> bool:
+        """Whether a step may take prompts: not while a swapped-out sequence waits to come back."""
+        return not self.num_swapped
+
     def _schedule_prefill_first(self) -> ScheduledBatch:
-        batch = self.waiting.schedule(self.running.free_seq_slots)
+        batch = self.waiting.schedule(self.running.free_seq_slots) if self._admits() else []
         if batch:
             for seq in batch:
                 self.running.add(seq)
@@ -179,7 +204,7 @@ class Scheduler:
             budget -= chunk
         for seq in reversed(preempted):
             self.waiting.resume(seq)
-        if not preempted:
+        if not preempted and self._admits():
             for seq, chunk in self.waiting.admit(self.running.free_seq_slots, budget):
                 self.running.add(seq)
                 chunks.append((seq, chunk))
