@@ -157,10 +157,16 @@ async def run(args: argparse.Namespace) -> dict:
             "goodput": {mode: goodput(results[mode], args.target) for mode in args.modes}}  # fmt: skip
 
 
+def headline(summary: dict, args: argparse.Namespace) -> str:
+    """The SLOs and each mode's goodput, a report's first line."""
+    goodputs = ", ".join(f"{mode} {rate:g} req/s" for mode, rate in summary["goodput"].items())
+    return (f"SLOs: TTFT {summary['slo_ttft'] * 1e3:.0f} ms, TPOT {summary['slo_tpot'] * 1e3:.1f} ms; "
+            f"goodput at {args.target:.0%}: {goodputs}")  # fmt: skip
+
+
 def report(summary: dict, args: argparse.Namespace) -> str:
-    lines = [f"SLOs: TTFT {summary['slo_ttft'] * 1e3:.0f} ms, TPOT {summary['slo_tpot'] * 1e3:.1f} ms; "
-             f"goodput at {args.target:.0%}: " + ", ".join(f"{m} {g:g} req/s" for m, g in summary["goodput"].items()),
-             "", "| rate | mode | both SLOs | TTFT met | TPOT met | local prefills | TTFT p90 short / long (ms) "
+    lines = [headline(summary, args), "",
+             "| rate | mode | both SLOs | TTFT met | TPOT met | local prefills | TTFT p90 short / long (ms) "
              "| TPOT p90 (ms) | prefill steps held back |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     short, long = args.short_class, args.long_class
     for rate in args.rates:
@@ -174,6 +180,27 @@ def report(summary: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def add_run_args(p: argparse.ArgumentParser, calibration: int, out: str) -> None:
+    """The SLO, goodput and run arguments of a goodput experiment."""
+    p.add_argument("--ttft-scale", type=float, default=3.0)
+    p.add_argument("--tpot-scale", type=float, default=2.0)
+    p.add_argument("--target", type=float, default=0.9)
+    p.add_argument("--calibration", type=int, default=calibration, help="requests measured alone for the SLOs")
+    p.add_argument("--cpu-threads", type=int, default=1, help="torch threads per instance")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=Path(out))
+
+
+def run_and_report(args: argparse.Namespace, run, report) -> None:
+    """Run the experiment, write ``summary.json`` and ``report.md`` under ``--out``, print the report."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary = asyncio.run(run(args))
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    text = report(summary, args)
+    (args.out / "report.md").write_text(text + "\n")
+    print(text)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[0.8, 1.2, 1.6, 2.0])
@@ -183,22 +210,10 @@ def main() -> None:
     p.add_argument("--short-class", default="short")
     p.add_argument("--long-class", default="long")
     p.add_argument("--max-tokens", type=int, default=LocalPrefillConfig.max_tokens, help="local_prefill.max_tokens")
-    p.add_argument("--ttft-scale", type=float, default=3.0)
-    p.add_argument("--tpot-scale", type=float, default=2.0)
-    p.add_argument("--target", type=float, default=0.9)
-    p.add_argument("--calibration", type=int, default=8, help="requests measured alone for the SLOs")
-    p.add_argument("--cpu-threads", type=int, default=1, help="torch threads per instance")
     p.add_argument("--decode-chunk-tokens", type=int, default=256,
                    help="the decode instance's chunk budget, cut to the TPOT SLO; 0: prefill-first")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/local-prefill"))
-    args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    summary = asyncio.run(run(args))
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    text = report(summary, args)
-    (args.out / "report.md").write_text(text + "\n")
-    print(text)
+    add_run_args(p, calibration=8, out="results/local-prefill")
+    run_and_report(p.parse_args(), run, report)
 
 
 if __name__ == "__main__":

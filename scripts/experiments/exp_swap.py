@@ -24,7 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-from exp_local_prefill import goodput, parse_classes, probe, summarize
+from exp_local_prefill import add_run_args, goodput, headline, parse_classes, probe, run_and_report, summarize
 
 from distserve.core.slo import RequestSLO
 
@@ -97,9 +97,8 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def report(summary: dict, args: argparse.Namespace) -> str:
-    lines = [f"SLOs: TTFT {summary['slo_ttft'] * 1e3:.0f} ms, TPOT {summary['slo_tpot'] * 1e3:.1f} ms; "
-             f"goodput at {args.target:.0%}: " + ", ".join(f"{m} {g:g} req/s" for m, g in summary["goodput"].items()),
-             "", "| rate | mode | both SLOs | TTFT met | TPOT met | TPOT p90 (ms) | preemptions | swapped out / in "
+    lines = [headline(summary, args), "",
+             "| rate | mode | both SLOs | TTFT met | TPOT met | TPOT p90 (ms) | preemptions | swapped out / in "
              "| swap copies s | nothing in use after |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for rate in args.rates:
         for mode in MODES:
@@ -119,20 +118,8 @@ def main() -> None:
     p.add_argument("--classes", default="chat:128-384:128")
     p.add_argument("--decode-blocks", type=int, default=48, help="the decode instance's KV blocks (of 16 tokens)")
     p.add_argument("--swap-space", type=float, default=0.5, help="GiB of the swap cluster's decode swap space")
-    p.add_argument("--ttft-scale", type=float, default=3.0)
-    p.add_argument("--tpot-scale", type=float, default=2.0)
-    p.add_argument("--target", type=float, default=0.9)
-    p.add_argument("--calibration", type=int, default=6, help="requests measured alone for the SLOs")
-    p.add_argument("--cpu-threads", type=int, default=1, help="torch threads per instance")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("results/swap"))
-    args = p.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    summary = asyncio.run(run(args))
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    text = report(summary, args)
-    (args.out / "report.md").write_text(text + "\n")
-    print(text)
+    add_run_args(p, calibration=6, out="results/swap")
+    run_and_report(p.parse_args(), run, report)
 
 
 if __name__ == "__main__":
