@@ -12,7 +12,8 @@ own probe, in alternating order. Every probe draws its own Poisson arrivals and 
 recompute cluster unloaded: ``--ttft-scale`` x the median TTFT and ``--tpot-scale`` x the median
 TPOT of requests measured alone. Goodput is the highest rate of the grid at which, and at every
 rate below which, ``--target`` of the requests meet both. The report counts preemptions, swaps
-and recomputes, and checks that nothing stays in use.
+and recomputes, and checks that nothing stays in use. ``--no-prefix-caching`` turns the decode
+instances' prefix cache off, so that a recompute computes every token again.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ async def run(args: argparse.Namespace) -> dict:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     clusters = {}
     for mode in MODES:
-        decode = {"num_kv_blocks": args.decode_blocks, "swap_space": args.swap_space if mode == "swap" else 0.0}
+        decode = {"num_kv_blocks": args.decode_blocks, "swap_space": args.swap_space if mode == "swap" else 0.0,
+                  "enable_prefix_caching": not args.no_prefix_caching}  # fmt: skip
         clusters[mode] = await AsyncCluster.start(model=model, load_format="dummy", num_kv_blocks=1024,
                                                   cpu_threads=args.cpu_threads, prefill={}, decode=decode)  # fmt: skip
     try:
@@ -118,6 +120,8 @@ def main() -> None:
     p.add_argument("--classes", default="chat:128-384:128")
     p.add_argument("--decode-blocks", type=int, default=48, help="the decode instance's KV blocks (of 16 tokens)")
     p.add_argument("--swap-space", type=float, default=0.5, help="GiB of the swap cluster's decode swap space")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="decode instances without a prefix cache: a recompute computes every token again")  # fmt: skip
     add_run_args(p, calibration=6, out="results/swap")
     run_and_report(p.parse_args(), run, report)
 
