@@ -352,7 +352,6 @@ class LLMEngine:
         swap = self.scheduler.swap
         if swap is not None:
             model_input.swaps = [(copy.out, copy.pairs) for copy in swap.take_pending()]
-            model_input.num_host_blocks = swap.num_blocks
         self._constrain(batch.seqs, model_input.seqs)
         started = time.time()
         self.executing = (time.monotonic(), model_input.num_tokens)

@@ -66,11 +66,17 @@ from distserve.parallel.process_group import COLLECTIVE_TIMEOUT, create_store
 
 logger = logging.getLogger(__name__)
 
+# A posted send or receive: its work, the staging buffer it uses (None: straight from or into the
+# cache), and what to do once it is done (a received staged message's scatter into the cache).
+Pending = tuple[dist.Work, int | None, Callable[[], object] | None]
+
 # Cold probes of the raw link cycle through this much memory: several times a server CPU's L3.
 PROBE_POOL_BYTES = 256 << 20
 
-# How channels move the KV when the destination reads the source's cache itself.
-IN_PLACE_TRANSPORTS = ("ipc", "shm")
+# How a channel moves the KV, by device: in place (the destination reads the source's cache), or
+# over a two-rank group.
+TRANSPORTS = {"cuda": ("ipc", "nccl"), "cpu": ("shm", "gloo")}
+IN_PLACE_TRANSPORTS = {in_place for in_place, _ in TRANSPORTS.values()}
 
 # One message over gloo: TCP on loopback moved 8-64 MiB fastest in messages of 1-2 MiB, 1.5-2x as
 # fast as in one send (the sender's writes and the receiver's reads overlap).
@@ -97,8 +103,8 @@ def message_spans(src_slots: list[int], dst_slots: list[int], chunk_tokens: int)
     are one run of slots consecutive on both sides. A run of at least an eighth of a message goes
     alone, cut at ``chunk_tokens``; shorter ones are packed, ``chunk_tokens`` tokens a message (on
     CPU a message of its own cost less than gathering and scattering one down to runs of 128 KiB:
-    a pull of 128 MiB in runs of 2-16 blocks took 42-47 ms so against 55 ms staging runs below
-    half a message). Both ends compute the same spans from the same slots."""
+    a pull of 128 MiB in runs of 2-16 blocks took 42-47 ms, against 55 ms staging runs below half
+    a message). Both ends compute the same spans from the same slots."""
     src, dst = np.asarray(src_slots), np.asarray(dst_slots)
     breaks = (np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1).tolist()
     spans: list[tuple[int, int, bool]] = []
@@ -184,10 +190,7 @@ class KVTransfer:
         self.chunk_tokens = chunk_tokens or message_tokens(heads, head_dim, kv_tensor.dtype, self.device.type)
         self.shared = shared
         self.in_place = in_place
-        cuda = self.device.type == "cuda"
-        # The names of the two ways a channel moves the KV here: in place, or over a group.
-        self._in_place_transport = IN_PLACE_TRANSPORTS[0] if cuda else IN_PLACE_TRANSPORTS[1]
-        self._group_transport = "nccl" if cuda else "gloo"
+        self._in_place_transport, self._group_transport = TRANSPORTS[self.device.type]
         self._store: dist.TCPStore | None = None
         self._groups: dict[str, dist.ProcessGroup | IpcPeer] = {}
         self._groups_lock = threading.Lock()  # guards _groups: joins and drops come from any thread
@@ -392,14 +395,14 @@ class KVTransfer:
         group = self._group(channel)
         if not isinstance(group, IpcPeer):  # in place the destination reads
             pieces = _pieces(self._probe(num_bytes, cold), message_bytes)
-            _drain([(group.send([piece], 1, tag), None) for tag, piece in pieces])
+            _drain([(group.send([piece], 1, tag), None, None) for tag, piece in pieces])
         return num_bytes
 
     def recv_probe(self, channel: str, num_bytes: int, message_bytes: int = 0, cold: bool = False) -> int:
         group = self._group(channel)
         if not isinstance(group, IpcPeer):
             pieces = _pieces(self._probe(num_bytes, cold), message_bytes)
-            _drain([(group.recv([piece], 0, tag), None) for tag, piece in pieces])
+            _drain([(group.recv([piece], 0, tag), None, None) for tag, piece in pieces])
             return num_bytes
         # One contiguous copy out of the source's cache (again from its start past its end).
         source = group.tensor.view(-1).view(torch.uint8)
@@ -415,8 +418,8 @@ class KVTransfer:
         one's page faults were most of a probe's time (off the main thread glibc maps a fresh
         128 MiB buffer anew each time: filling one took 110 ms, filling a kept one 16 ms).
 
-        A warm probe reuses its start, which stays in the CPU's cache when small (the 32 MiB L3
-        of the machine measured held both ends of an 8 MiB probe). A cold one takes the next
+        A warm probe reuses its start, which may stay in the CPU's cache when small (on the machine
+        measured, warm and cold 8 MiB probes took alike). A cold one takes the next
         ``num_bytes`` of a buffer of at least ``PROBE_POOL_BYTES``, as a KV transfer moves KV that
         no step touched since it was written."""
         size = max(num_bytes, PROBE_POOL_BYTES) if cold else num_bytes
@@ -473,7 +476,7 @@ class KVTransfer:
             return self._bytes(slots, layers, heads)
         num_bytes = 0
         with self._transfer_lock:
-            pending: list[tuple[dist.Work, int | None]] = []  # (send, staging buffer it reads)
+            pending: list[Pending] = []
             staged = 0
             for tag, (view, index) in enumerate(self._messages(slots, slots, dst_slots, layers, heads)):
                 data = view
@@ -482,7 +485,7 @@ class KVTransfer:
                     _drain(pending, buffer)
                     data = self._staging(buffer, (len(index), *view.shape[1:]))
                     torch.index_select(view, 0, index, out=data)
-                pending.append((group.send([data], 1, tag), None if index is None else buffer))
+                pending.append((group.send([data], 1, tag), None if index is None else buffer, None))
                 num_bytes += data.numel() * data.element_size()
             _drain(pending)
         return num_bytes
@@ -501,7 +504,7 @@ class KVTransfer:
             return self._pull(group, src_slots, slots, layers, heads)
         num_bytes = 0
         with self._transfer_lock:
-            pending: list[tuple[dist.Work, int | None, Callable[[], object] | None]] = []
+            pending: list[Pending] = []
             staged = 0
             for tag, (view, index) in enumerate(self._messages(slots, src_slots, slots, layers, heads)):
                 data, scatter, buffer = view, None, None
@@ -543,14 +546,13 @@ def _pieces(buffer: torch.Tensor, piece_numel: int) -> list[tuple[int, torch.Ten
     return list(enumerate(buffer.split(piece_numel or buffer.numel())))
 
 
-def _drain(pending: list[tuple], buffer: int | None = None) -> None:
-    """Complete the oldest of ``pending`` (work, staging buffer, then what to do once it is done)
-    until staging ``buffer`` is free, or all of them."""
+def _drain(pending: list[Pending], buffer: int | None = None) -> None:
+    """Complete the oldest of ``pending`` until staging ``buffer`` is free, or all of them."""
     while pending and (buffer is None or any(entry[1] == buffer for entry in pending)):
-        work, _, *then = pending.pop(0)
+        work, _, then = pending.pop(0)
         work.wait()
-        if then and then[0] is not None:
-            then[0]()
+        if then is not None:
+            then()
 
 
 def _part(cache: torch.Tensor, layout: KVLayout, layers: range, heads: range) -> torch.Tensor:

@@ -165,7 +165,7 @@ class Migrator:
         transports = {self._connected[c] for names in channels for c in names}
         # Over groups the source frees its blocks in the call that sends the last of them; a
         # destination that reads them in place needs them until its copy is done.
-        release_with_send = not transports & set(IN_PLACE_TRANSPORTS)
+        release_with_send = not transports & IN_PLACE_TRANSPORTS
         num_bytes, held = 0, True
         for i, (round_, names) in enumerate(zip(rounds, channels)):
             recvs = [

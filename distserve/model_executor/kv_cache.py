@@ -41,7 +41,13 @@ class KVCache:
     """
 
     def __init__(
-        self, shape: KVCacheShape, num_blocks: int, device: torch.device, layer_ids: range, shared: bool = False
+        self,
+        shape: KVCacheShape,
+        num_blocks: int,
+        device: torch.device,
+        layer_ids: range,
+        shared: bool = False,
+        num_host_blocks: int = 0,
     ) -> None:
         if len(layer_ids) != shape.num_layers:
             raise ValueError(f"{len(layer_ids)} layer ids for a cache of {shape.num_layers} layers")
@@ -51,7 +57,8 @@ class KVCache:
         # ``shared``: on CPU in shared memory where the system allows, so that a rank on the same
         # machine pulls KV straight out of it (``self.shared`` says how it maps it).
         self.tensor, self.shared = _allocate(dims, shape.dtype, device, shared)
-        self.host: torch.Tensor | None = None  # the swap pool (``swap``), made when first used
+        self.num_host_blocks = num_host_blocks
+        self.host: torch.Tensor | None = None  # the swap pool of ``num_host_blocks`` (``swap``), made when first used
         # Keyed by the model's layer index, which pipeline stages keep from the full model.
         self.layers = {layer: (self.tensor[i, 0], self.tensor[i, 1]) for i, layer in enumerate(layer_ids)}
 
@@ -59,30 +66,29 @@ class KVCache:
         """Copy the K/V of each (source, destination) block pair, every layer at once."""
         if not copies:
             return
-        src, dst = self._slots(copies, self.tensor.device)
+        src, dst = (self._slots([pair[i] for pair in copies], self.tensor.device) for i in (0, 1))
         self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
 
-    def swap(self, out: bool, pairs: list[tuple[int, int]], num_host_blocks: int) -> None:
+    def swap(self, out: bool, pairs: list[tuple[int, int]]) -> None:
         """Copy each (device block, host block) pair's K/V out to the host pool (``out``) or back
-        in, every layer at once. The pool, of ``num_host_blocks``, is made on the first swap (in
-        pinned memory on CUDA, so the copies run at the link's speed)."""
+        in, every layer at once. The pool is made on the first swap (in pinned memory on CUDA, so
+        the copies run at the link's speed)."""
         if self.host is None:
-            dims = (*self.tensor.shape[:2], num_host_blocks * self.shape.block_size, *self.tensor.shape[3:])
+            dims = (*self.tensor.shape[:2], self.num_host_blocks * self.shape.block_size, *self.tensor.shape[3:])
             pinned = self.tensor.device.type == "cuda"
             self.host = torch.zeros(dims, dtype=self.tensor.dtype, pin_memory=pinned)
-        device, host = self._slots(pairs, self.tensor.device), self._slots(pairs, self.host.device)
+        device = self._slots([pair[0] for pair in pairs], self.tensor.device)
+        host = self._slots([pair[1] for pair in pairs], self.host.device)
         if out:
-            self.host.index_copy_(2, host[1], self.tensor.index_select(2, device[0]).to(self.host.device))
+            self.host.index_copy_(2, host, self.tensor.index_select(2, device).to(self.host.device))
         else:
-            self.tensor.index_copy_(2, device[0], self.host.index_select(2, host[1]).to(self.tensor.device))
+            self.tensor.index_copy_(2, device, self.host.index_select(2, host).to(self.tensor.device))
 
-    def _slots(self, pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slots of the first and of the second block of each pair, in order."""
+    def _slots(self, blocks: list[int], device: torch.device) -> torch.Tensor:
+        """The slots of ``blocks``, in order."""
         size = self.shape.block_size
-        offsets = torch.arange(size, device=device)
-        blocks = torch.tensor(pairs, dtype=torch.long, device=device)
-        first, second = ((blocks[:, i, None] * size + offsets).flatten() for i in (0, 1))
-        return first, second
+        ids = torch.tensor(blocks, dtype=torch.long, device=device)
+        return (ids[:, None] * size + torch.arange(size, device=device)).flatten()
 
 
 def _allocate(

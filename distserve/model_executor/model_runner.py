@@ -92,9 +92,8 @@ class BatchInput:
     # block it shared with its siblings (``BlockManager.append_slot``).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # KV copies to and from the host pool before those, in order: (out, [(device block, host
-    # block), ...]) each, out to the pool or back in (``SwapSpace``), and the pool's size in blocks.
+    # block), ...]) each, out to the pool or back in (``SwapSpace``).
     swaps: list[tuple[bool, list[tuple[int, int]]]] = field(default_factory=list)
-    num_host_blocks: int = 0
 
     @classmethod
     def from_sequences(

@@ -136,7 +136,12 @@ class Worker:
         in_place = self.config.cache.kv_transport == "auto"  # and so, on CPU, in shared memory
         # With graphs, one block past the scheduler's takes the padding rows' K/V.
         self.kv_cache = KVCache(
-            self.kv_shape, num_blocks + (1 if use_graphs else 0), self.device, self.layers, shared=in_place
+            self.kv_shape,
+            num_blocks + (1 if use_graphs else 0),
+            self.device,
+            self.layers,
+            shared=in_place,
+            num_host_blocks=self.num_swap_blocks(),
         )
         block_size = self.config.cache.block_size
         self.model_runner = ModelRunner(self.model, self.kv_cache, block_size, self.stage, backend)
@@ -164,7 +169,7 @@ class Worker:
         """Run this rank's part of one step; the driver rank returns the sampled tokens."""
         timer = StepTimer()
         for out, pairs in batch.swaps:  # before the copies on write: one may fill a block swapped out
-            self.kv_cache.swap(out, pairs, batch.num_host_blocks)
+            self.kv_cache.swap(out, pairs)
         if batch.swaps:
             timer.lap("swap")
         self.kv_cache.copy_blocks(batch.block_copies)
