@@ -14,6 +14,7 @@ LAYERS = [
     ["core"],  # configs, sampling params, requests, outputs, roles, errors
     ["scheduling", "parallel"],  # who runs and which blocks it holds; ranks, groups, sharding
     ["kv_transfer"],  # how KV crosses between instances
+    ["kv_tier"],  # the shared prefix tier: a store of KV blocks per node
     ["model_executor"],  # the model on one rank: loading, KV cache, attention, runner, sampler, worker
     ["engine"],  # one instance's engine, its roles and executor
     ["cluster"],  # instances as Ray actors, orchestrator, routing, failover, Cluster API

@@ -26,6 +26,7 @@ from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.slo import RequestSLO
 from distserve.engine.ray_runtime import ensure_ray_async
+from distserve.kv_tier.store import TierInfo
 
 
 def make_cluster_config(config: ClusterConfig | None = None, **options: Any) -> ClusterConfig:
@@ -104,6 +105,11 @@ class AsyncCluster:
     async def info(self) -> list[InstanceInfo]:
         self._check_running()
         return await self.orchestrator.info()
+
+    async def tier_info(self) -> list[TierInfo]:
+        """Each node's prefix tier store (``cache.kv_tier_space``); none without a tier."""
+        self._check_running()
+        return await self.orchestrator.tier_info()
 
     async def set_roles(self, roles: dict[str, Role | str], role_control: str | None = None) -> list[RoleChangeRecord]:
         """Give instances (by name, as ``info()`` lists them) new roles while serving; returns once
@@ -190,6 +196,9 @@ class Cluster:
 
     def info(self) -> list[InstanceInfo]:
         return self._run(self._async.info())
+
+    def tier_info(self) -> list[TierInfo]:
+        return self._run(self._async.tier_info())
 
     def set_roles(self, roles: dict[str, Role | str], role_control: str | None = None) -> list[RoleChangeRecord]:
         return self._run(self._async.set_roles(roles, role_control))

@@ -44,8 +44,11 @@ class Failover:
         instances: InstancePool,
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
         replaced: Callable[[InstanceState, InstanceState], None],
+        tier_stores: dict[str, Any] | None = None,
     ) -> None:
+        """``tier_stores``: the prefix tier's stores by node id (filled once the cluster starts)."""
         self.name = name
+        self.tier_stores = tier_stores if tier_stores is not None else {}
         self.replace = replace
         self.instances = instances
         self.spawn = spawn
@@ -76,7 +79,9 @@ class Failover:
         """Every live instance drops its KV channels to ``failed`` (their communicators and what the
         migrator cached); one that cannot answer is gone too and will be told nothing."""
         peers = [s for s in self.instances.live() if s is not failed]
-        await asyncio.gather(*(s.handle.forget_peer.remote(failed.name) for s in peers), return_exceptions=True)
+        calls = [s.handle.forget_peer.remote(failed.name) for s in peers]
+        calls += [store.forget.remote(failed.name) for store in self.tier_stores.values()]  # its pins
+        await asyncio.gather(*calls, return_exceptions=True)
 
     async def _replace(self, failed: InstanceState) -> None:
         """Start a new instance in place of ``failed``, under a new actor name (peers know each other
@@ -110,7 +115,7 @@ class Failover:
             name = f"{self.name}-{failed.role}-r{self._generation}"
             config = on_nodes_left(failed.config)
             try:
-                handle = await loop.run_in_executor(None, launch_instance, config, name)
+                handle = await loop.run_in_executor(None, launch_instance, config, name, self.tier_stores)
                 return InstanceState(name, failed.role, handle, await handle.info.remote(), config)
             except Exception as e:
                 logger.error("could not replace %s (try %d of %d): %s", failed.name, attempt + 1,

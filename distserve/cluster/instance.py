@@ -34,6 +34,7 @@ from distserve.engine.executor import Executor, cluster_device
 from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.node_groups import ray_node_ids
 from distserve.engine.ray_runtime import cuda_actor_options
+from distserve.kv_tier.client import TierClient
 from distserve.kv_transfer.migrator import MigrationRecord, Migrator, PullTotals
 from distserve.kv_transfer.plan import KVEndpoint
 from distserve.model_executor.model_loader import resolve_model
@@ -77,6 +78,13 @@ class InstanceInfo:
     num_swap_outs: int = 0
     num_swap_ins: int = 0
     swap_seconds: float = 0.0
+    # Prompt tokens asked for since start (prefills and recomputes), those found cached (in its
+    # prefix cache or the tier), and of those the tier's; blocks copied in from the tier and out to it.
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    tier_hit_tokens: int = 0
+    tier_loaded_blocks: int = 0
+    tier_saved_blocks: int = 0
 
 
 @dataclass
@@ -91,7 +99,9 @@ class RoleChange:
 
 
 class Instance:
-    def __init__(self, config: EngineConfig, name: str) -> None:
+    def __init__(self, config: EngineConfig, name: str, tier_stores: dict[str, Any] | None = None) -> None:
+        """``tier_stores``: the prefix tier's store on each Ray node, by node id; this instance uses
+        its own node's when ``cache.kv_tier_space`` is set."""
         self.name = name
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -112,11 +122,21 @@ class Instance:
             return self.migrator
 
         self.engine = LLMEngine(config, max_step_records=RECENT_STEPS, name=name, make_kv_puller=make_migrator)
+        node = ray.get_runtime_context().get_node_id()
+        if config.cache.kv_tier_space and (store := (tier_stores or {}).get(node)) is not None:
+            self._attach_tier(store)
         # Where its processes are, known before anything can stall: what fencing it kills.
-        own = (ray.get_runtime_context().get_node_id(), os.getpid())
+        own = (node, os.getpid())
         self._processes = (own, *self.engine.executor.worker_processes())
         self._loop = threading.Thread(target=self._run, name=f"{name}-step-loop", daemon=True)
         self._loop.start()
+
+    def _attach_tier(self, store: Any) -> None:
+        """Use the node's prefix tier; without it where its pool cannot be mapped here."""
+        try:
+            self.engine.attach_tier(TierClient(store, self.name))
+        except (OSError, ValueError, ray.exceptions.RayError) as e:
+            logger.warning("%s: serving without the KV tier: %s", self.name, e)
 
     # Calls from the cluster -------------------------------------------------------------------
 
@@ -303,6 +323,11 @@ class Instance:
             processes=self._processes,
             kv_pulls_from=self.migrator.totals(),
             **_swap_counts(scheduler.swap),
+            prompt_tokens=engine.block_manager.prefix_cache_queried_tokens,
+            cached_prompt_tokens=engine.block_manager.prefix_cache_hit_tokens,
+            tier_hit_tokens=engine.block_manager.tier_hit_tokens,
+            tier_loaded_blocks=engine.tier.loaded_blocks if engine.tier else 0,
+            tier_saved_blocks=engine.tier.saved_blocks if engine.tier else 0,
         )
 
     def worker_pids(self) -> list[int]:
@@ -442,8 +467,9 @@ class Instance:
             self._outputs_ready.notify_all()
 
 
-def launch_instance(config: EngineConfig, name: str) -> Any:
-    """Start an instance actor named ``name`` and wait until its model is loaded; returns the handle.
+def launch_instance(config: EngineConfig, name: str, tier_stores: dict[str, Any] | None = None) -> Any:
+    """Start an instance actor named ``name`` (with the prefix tier's ``tier_stores``, by node id)
+    and wait until its model is loaded; returns the handle.
 
     Raises ValueError for a bad configuration or a name in use, InstanceFailure when a worker fails.
     """
@@ -465,7 +491,7 @@ def launch_instance(config: EngineConfig, name: str) -> Any:
     handle = (
         ray.remote(Instance)
         .options(name=name, num_cpus=0, num_gpus=gpus, max_concurrency=MAX_CONCURRENT_CALLS, **options)
-        .remote(config, name)
+        .remote(config, name, tier_stores)
     )
     try:
         ray.get(handle.ready.remote())

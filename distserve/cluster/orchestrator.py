@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import ray
+import torch
 
 from distserve.cluster.config import ClusterConfig
 from distserve.cluster.core_plan import plan_cores
@@ -38,6 +39,7 @@ from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
 from distserve.cluster.role_control.controller import RoleController
 from distserve.cluster.role_control.request_records import Arrival, FinishedRequest, InFlight
 from distserve.cluster.routing import InstanceState, Router, spread_prompts
+from distserve.core.config import EngineConfig
 from distserve.core.cpu_cores import available_cores
 from distserve.core.errors import InstanceFailure, InstanceStalled, RequestError
 from distserve.core.handover import Handover
@@ -48,7 +50,14 @@ from distserve.core.slo import RequestSLO
 from distserve.engine.executor import cluster_device
 from distserve.engine.input_processor import InputProcessor
 from distserve.engine.node_groups import check_nodes_hold
-from distserve.model_executor.model_loader import eos_token_ids, load_tokenizer, resolve_model
+from distserve.kv_tier.store import TierGeometry, TierInfo, start_tier_stores, tier_blocks
+from distserve.model_executor.model_loader import (
+    ResolvedModel,
+    eos_token_ids,
+    load_tokenizer,
+    resolve_dtype,
+    resolve_model,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,9 +77,11 @@ class Orchestrator:
         self.instance_pool = InstancePool()
         self.requests = RequestTable()
         self.router = Router(config.engine.cache.block_size)
+        self.tier_stores: dict[str, Any] = {}  # the prefix tier's store on each node, by node id
         self.failover = Failover(
-            config.name, config.replace_failed_instances, self.instance_pool, self.spawn, self._replaced
-        )
+            config.name, config.replace_failed_instances, self.instance_pool, self.spawn, self._replaced,
+            self.tier_stores,
+        )  # fmt: skip
         self.roles = RoleChanger(self.instance_pool, self._leaving_layout, self._roles_changed)
         self.controller = RoleController(self, config.role_control)
         self._pollers: list[asyncio.Task] = []
@@ -90,8 +101,9 @@ class Orchestrator:
         self.config = plan.config
         configs = self.config.instance_configs()
         check_nodes_hold(configs)  # a plan's node groups: refused before anything starts
+        self._start_tier(resolved, [config for _, config in configs])
         handles = await asyncio.gather(
-            *(loop.run_in_executor(None, launch_instance, config, name) for name, config in configs),
+            *(loop.run_in_executor(None, launch_instance, config, name, self.tier_stores) for name, config in configs),
             return_exceptions=True,
         )
         failures = [h for h in handles if isinstance(h, BaseException)]
@@ -115,6 +127,25 @@ class Orchestrator:
         )
         self._pollers.append(asyncio.create_task(self.controller.run()))  # it decides while adaptive
 
+    def _start_tier(self, resolved: ResolvedModel, configs: list[EngineConfig]) -> None:
+        """A prefix tier store on every node, sized by the largest ``kv_tier_space`` of any instance."""
+        space = max(config.cache.kv_tier_space for config in configs)
+        if not space:
+            return
+        engine = configs[0]
+        shape = resolved.shape
+        dtype = resolve_dtype(engine.model.dtype, resolved.hf_config, torch.device(cluster_device(engine)))
+        geometry = TierGeometry(shape.num_layers, shape.num_kv_heads, shape.head_dim, engine.cache.block_size, dtype)
+        blocks = tier_blocks(space, geometry)
+        if blocks < 1:
+            raise ValueError(f"kv_tier_space {space} GiB holds no block of {geometry.bytes_per_block} bytes")
+        self.tier_stores.update(start_tier_stores(self.config.name, geometry, blocks))
+        self.router.use_tier(blocks)
+
+    async def tier_info(self) -> list[TierInfo]:
+        """Each node's prefix tier store, its state and counts; none without a tier."""
+        return list(await asyncio.gather(*(store.info.remote() for store in self.tier_stores.values())))
+
     @property
     def instances(self) -> list[InstanceState]:
         return self.instance_pool.instances
@@ -131,6 +162,8 @@ class Orchestrator:
         await asyncio.gather(*(s.handle.shutdown.remote() for s in self.instances), return_exceptions=True)
         for state in self.instances:
             ray.kill(state.handle)
+        for store in self.tier_stores.values():
+            ray.kill(store)
 
     async def set_roles(self, roles: dict[str, Role | str], role_control: str | None = None) -> list[RoleChangeRecord]:
         """Give instances new roles (see ``RoleChanger.set_roles``), and with ``role_control`` take
@@ -401,9 +434,11 @@ class Orchestrator:
 
     def _remember(self, entry: InstanceState, token_ids: list[int]) -> None:
         """Tell the router ``entry`` holds the KV of ``token_ids``, where routing reads it: a colocated
-        instance's prefixes pick where prompts go, a decode instance's only which it prefills itself.
-        Hashing every request's tokens on this loop is not done for nothing."""
-        if entry.role is Role.COLOCATED or (entry.role is Role.DECODE and self.config.local_prefill.mode != "off"):
+        instance's prefixes pick where prompts go, a decode instance's only which it prefills itself,
+        and with a prefix tier every instance's are in the tier. Hashing every request's tokens on
+        this loop is not done for nothing."""
+        local_prefill = entry.role is Role.DECODE and self.config.local_prefill.mode != "off"
+        if entry.role is Role.COLOCATED or local_prefill or self.router.tier_index is not None:
             self.router.remember(entry, token_ids)
 
     def _observe(self, state: RequestState) -> None:

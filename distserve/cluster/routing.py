@@ -1,9 +1,9 @@
 """Which instance gets a request: a prompt goes where its first token comes soonest, the instance
 with the fewest prompt tokens still to prefill, counting this prompt's own less the prefix cached
-there; decode goes to the instance with the most room. With per-request disaggregation, a decode
-instance holding the prompt's prefix may prefill it itself (``pick_local_prefill``). When
-instances that take prompts are added (a role change), the prompts queued at the others are
-spread over them all.
+there or in the prefix tier (which every instance reads); decode goes to the instance with the
+most room. With per-request disaggregation, a decode instance holding the prompt's prefix may
+prefill it itself (``pick_local_prefill``). When instances that take prompts are added (a role
+change), the prompts queued at the others are spread over them all.
 
 Prefill work, not load, picks the prompt's instance: a colocated instance's load is mostly the
 requests it decodes, which slow its next prefill little (their tokens ride in the same steps),
@@ -55,6 +55,17 @@ class InstanceState:
 class Router:
     def __init__(self, block_size: int) -> None:
         self.prefix_index = PrefixIndex(block_size)
+        # With a prefix tier, the prefixes sent anywhere lately, as many blocks as the tier holds: an
+        # instance finds them there, at the cost of a copy, whatever it has in its own cache.
+        self.tier_index: PrefixIndex | None = None
+
+    def use_tier(self, capacity_blocks: int) -> None:
+        self.tier_index = PrefixIndex(self.prefix_index.block_size, capacity_blocks)
+
+    def _add(self, entry: InstanceState, hashes: list[int]) -> None:
+        self.prefix_index.add(entry.name, hashes)
+        if self.tier_index is not None:
+            self.tier_index.add("", hashes)
 
     def pick_prefill(
         self, pool: list[InstanceState], prompt_token_ids: list[int], tokens: int, chosen: InstanceState | None = None
@@ -67,7 +78,7 @@ class Router:
         candidates = [chosen] if chosen in pool else _roomy(pool, tokens)
         to_prefill = self._to_compute(candidates, prompt_token_ids, hashes)
         entry = min(to_prefill, key=lambda s: (s.prefill_tokens + to_prefill[s], s.load))
-        self.prefix_index.add(entry.name, hashes)
+        self._add(entry, hashes)
         return entry, to_prefill[entry]
 
     def pick_local_prefill(
@@ -92,20 +103,23 @@ class Router:
         prefill_queued = min(s.prefill_tokens + n for s, n in remote.items())
         if not prefill_locally(config, to_compute[decode], decode.prefill_tokens, prefill_queued):
             return None
-        self.prefix_index.add(decode.name, hashes)
+        self._add(decode, hashes)
         return decode, to_compute[decode]
 
     def remember(self, entry: InstanceState, token_ids: list[int]) -> None:
-        """``entry`` holds the KV of ``token_ids`` (in its prefix cache once the request is done)."""
-        self.prefix_index.add(entry.name, self.prefix_index.block_hashes(token_ids))
+        """``entry`` holds the KV of ``token_ids`` (in its prefix cache once the request is done, and
+        in the tier)."""
+        self._add(entry, self.prefix_index.block_hashes(token_ids))
 
     def _to_compute(
         self, candidates: list[InstanceState], prompt_token_ids: list[int], hashes: list[int]
     ) -> dict[InstanceState, int]:
-        """Per candidate: the prompt's tokens less the prefix sent there; the last token is always computed."""
+        """Per candidate: the prompt's tokens less the prefix sent there or to the tier; the last
+        token is always computed."""
         to_compute = {}
+        in_tier = self.tier_index.matched_blocks("", hashes) if self.tier_index is not None else 0
         for entry in candidates:
-            cached = self.prefix_index.matched_blocks(entry.name, hashes) * self.prefix_index.block_size
+            cached = max(self.prefix_index.matched_blocks(entry.name, hashes), in_tier) * self.prefix_index.block_size
             to_compute[entry] = len(prompt_token_ids) - min(cached, len(prompt_token_ids) - 1)
         return to_compute
 

@@ -91,6 +91,13 @@ class CacheConfig:
         "GiB of host memory per rank that a preempted sequence's KV is copied out to, and back when it "
         "resumes, where that costs less than recomputing it (as vLLM's swap_space); 0: always recompute",
     )
+    kv_tier_space: float = option(
+        0.0,
+        "GiB of host memory on each node for the shared prefix tier: full KV blocks, keyed by the prefix "
+        "cache's block hashes, that every instance on the node saves what it computes to and looks prompts "
+        "up in before computing them (another node's tier is asked on a miss); the largest value of any "
+        "pool sizes it, and an instance with 0 leaves it alone; 0 everywhere: no tier",
+    )
     kv_transport: str = option(
         "auto",
         "how a pull moves KV between two instances' ranks: 'auto' reads the source's cache in place when "
@@ -111,6 +118,8 @@ class CacheConfig:
         _check_choice("kv_transport", self.kv_transport, KV_TRANSPORTS)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be at least 0 GiB, got {self.swap_space}")
+        if self.kv_tier_space < 0:
+            raise ValueError(f"kv_tier_space must be at least 0 GiB, got {self.kv_tier_space}")
 
 
 @dataclass

@@ -182,9 +182,14 @@ class OutputBuilder:
         self.logprobs: list[TokenLogprobs] | None = None
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.metrics = metrics or RequestMetrics()  # shared with the caller, who may stamp more times
+        self.num_cached_tokens = 0
 
     def add(self, delta: RequestDelta) -> RequestOutput:
         """The whole output so far, ``delta`` included; its metrics are a snapshot."""
+        if not self.output_token_ids and delta.new_token_ids:
+            # The prompt's hits where it was prefilled: a decode instance's deltas, and a recompute's,
+            # count those of later allocations.
+            self.num_cached_tokens = delta.num_cached_tokens
         self.output_token_ids += delta.new_token_ids
         self.text += delta.new_text
         self.finished = delta.finished
@@ -208,7 +213,7 @@ class OutputBuilder:
             new_text=delta.new_text,
             finished=delta.finished,
             finish_reason=delta.finish_reason,
-            num_cached_tokens=delta.num_cached_tokens,
+            num_cached_tokens=self.num_cached_tokens,
             metrics=replace(self.metrics, token_times=list(self.metrics.token_times)),
             logprobs=None if self.logprobs is None else list(self.logprobs),
             new_logprobs=delta.logprobs,

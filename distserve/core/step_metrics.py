@@ -1,6 +1,6 @@
-"""Where an engine step's time goes: schedule, swap (KV copies to and from the host pool), prepare
-inputs, forward, sample (on the driver rank), dispatch (calls to the workers and back) and
-postprocess."""
+"""Where an engine step's time goes: schedule, swap (KV copies to and from the host pool), tier (KV
+copies to and from the node's prefix tier), prepare inputs, forward, sample (on the driver rank),
+dispatch (calls to the workers and back) and postprocess."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-PHASES = ("schedule", "swap", "prepare", "forward", "sample", "dispatch", "postprocess")
+PHASES = ("schedule", "swap", "tier", "prepare", "forward", "sample", "dispatch", "postprocess")
 
 
 @dataclass
@@ -24,7 +24,8 @@ class StepRecord:
 
 
 class StepTimer:
-    """Times the phases of one step; ``lap(phase)`` closes the phase that just ran."""
+    """Times the phases of one step; ``lap(phase)`` closes the phase that just ran (a phase that runs
+    twice in a step adds up)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -32,7 +33,7 @@ class StepTimer:
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
-        self.seconds[phase] = now - self._last
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
         self._last = now
 
 

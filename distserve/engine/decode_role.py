@@ -141,7 +141,8 @@ class DecodeRole(InstanceRole):
         samples = [seq, *(s for s in self.siblings.pop((request_id, attempt), []) if not s.is_finished)]
         if reason is not None:
             return PullOutcome(samples, reason)
-        self.scheduler.block_manager.register_computed(seq, 0)  # its KV is here: later prompts may share it
+        # Its KV is here: later prompts may share it. The prefill instance saved it to the tier.
+        self.scheduler.block_manager.register_computed(seq, 0, save=False)
         for sibling in samples[1:]:
             self.scheduler.block_manager.fork(seq, sibling)
         for sample in samples:

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from distserve.core.config import EngineConfig
 from distserve.core.errors import InstanceFailure
 from distserve.kv_transfer.plan import KVEndpoint
 from distserve.model_executor.model_runner import BatchInput
 from distserve.model_executor.worker import ModelOutput, Worker
+
+if TYPE_CHECKING:
+    from distserve.kv_tier.store import TierGeometry
+    from distserve.kv_transfer.shared_memory import SharedFile
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,9 @@ class Executor(Protocol):
         """(Ray node id, pid) of each rank's process apart from the caller's; none when the rank runs here."""
 
     def kv_endpoints(self, instance: Any) -> list[KVEndpoint]: ...
+
+    def attach_tier(self, geometry: TierGeometry, shared: SharedFile) -> None:
+        """Every rank maps the node's prefix tier pool; raises where one cannot (the instance goes on)."""
 
     def call_kv(self, method: str, *args) -> list:
         """``KVTransfer.<method>`` on every rank; their answers in rank order."""
@@ -91,6 +98,9 @@ class UniprocExecutor:
 
     def call_kv(self, method: str, *args) -> list:
         return [self.worker.kv(method, *args)]
+
+    def attach_tier(self, geometry: TierGeometry, shared: SharedFile) -> None:
+        self.worker.attach_tier(geometry, shared)
 
     def call_kv_on(self, calls: list[tuple[int, str, tuple]]) -> list:
         return [self.worker.kv(method, *args) for _, method, args in calls]
@@ -204,6 +214,11 @@ class RayExecutor:
 
     def call_kv(self, method: str, *args) -> list:
         return self._call_all("kv", method, *args)
+
+    def attach_tier(self, geometry: TierGeometry, shared: SharedFile) -> None:
+        import ray
+
+        ray.get([w.attach_tier.remote(geometry, shared) for w in self.workers])
 
     def call_kv_on(self, calls: list[tuple[int, str, tuple]]) -> list:
         import ray

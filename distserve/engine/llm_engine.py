@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from distserve.core.config import EngineConfig
 from distserve.core.errors import RequestError
@@ -34,6 +35,9 @@ from distserve.scheduling.block_manager import BlockManager
 from distserve.scheduling.scheduler import ScheduledBatch, Scheduler
 from distserve.scheduling.step_time import StepTimeModel
 from distserve.scheduling.swap import SwapSpace
+
+if TYPE_CHECKING:
+    from distserve.kv_tier.client import TierClient
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +75,7 @@ class LLMEngine:
         self.executor = make_executor(config, max_tokens, name)
         num_blocks = self.executor.num_blocks
         self.block_manager = BlockManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.tier: TierClient | None = None  # the node's prefix tier, once attached
         self.detokenizer = Detokenizer(self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, num_blocks, config.cache.block_size, self.eos_token_ids
@@ -145,6 +150,11 @@ class LLMEngine:
         self._set_role(role, finishing=finishing and not new_class.decodes)
         logger.info("%s is a %s instance now", self.name, role)
         return deltas
+
+    def attach_tier(self, client: TierClient) -> None:
+        """Use the node's prefix tier (``client``'s store): look prompts up there, save blocks there."""
+        self.executor.attach_tier(client.geometry, client.shared)
+        self.tier = self.block_manager.tier = client
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -335,6 +345,7 @@ class LLMEngine:
         batch = self.scheduler.schedule() if self.role.may_schedule() else ScheduledBatch([], is_prefill=True)
         timer.lap("schedule")
         if not batch.seqs:
+            self.block_manager.saved(self.block_manager.take_tier_work()[1])  # nothing ran: nothing to save
             return []
         model_input, output = self._execute(batch, timer)
         deltas = self._update(batch, model_input, output)
@@ -352,6 +363,9 @@ class LLMEngine:
         swap = self.scheduler.swap
         if swap is not None:
             model_input.swaps = [(copy.out, copy.pairs) for copy in swap.take_pending()]
+        loads, saves = self.block_manager.take_tier_work()
+        if loads or saves:
+            model_input.tier_loads, model_input.tier_saves = self.tier.plan(loads, saves)
         self._constrain(batch.seqs, model_input.seqs)
         started = time.time()
         self.executing = (time.monotonic(), model_input.num_tokens)
@@ -360,6 +374,9 @@ class LLMEngine:
         finally:
             self.executing = None
         timer.lap("execute")
+        if loads or saves:
+            self.tier.settle(loads, model_input.tier_saves)
+            self.block_manager.saved(saves)
         ended = time.time()
         step = (started, ended, len(batch.seqs))
         for seq in batch.seqs:

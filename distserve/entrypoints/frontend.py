@@ -129,7 +129,10 @@ class Frontend:
 
     async def info(self) -> list[InstanceInfo]:
         infos = await self.cluster.info()
-        self.metrics.update_instances(infos, self.num_pending, self.cluster.role_changes, self.cluster.role_verdicts)
+        tiers = await self.cluster.tier_info()
+        self.metrics.update_instances(
+            infos, self.num_pending, self.cluster.role_changes, self.cluster.role_verdicts, tiers
+        )
         return infos
 
     async def set_roles(self, roles: dict[str, Role | str], role_control: str | None = None) -> list[RoleChangeRecord]:

@@ -18,6 +18,7 @@ from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.role_changes import RoleChangeRecord
 from distserve.core.outputs import RequestOutput
 from distserve.core.role import ROLES
+from distserve.kv_tier.store import TierInfo
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -63,7 +64,34 @@ class ServingMetrics:
         self.swap_ins = instance_gauge("swap_ins", "swapped requests whose KV was copied back")
         self.swap_seconds = instance_gauge("swap_seconds", "seconds the copies to and from the host pool took")
         self.healthy = instance_gauge("healthy", "1 while the instance serves")
-        self._swaps = (self.swapped, self.swap_outs, self.swap_ins, self.swap_seconds)
+        # Gauges read straight off an InstanceInfo field: (gauge, field).
+        self._counts = [
+            (self.swapped, "num_swapped"),
+            (self.swap_outs, "num_swap_outs"),
+            (self.swap_ins, "num_swap_ins"),
+            (self.swap_seconds, "swap_seconds"),
+            (instance_gauge("prompt_tokens", "prompt tokens to prefill since start (recomputes too)"), "prompt_tokens"),
+            (instance_gauge("cached_prompt_tokens", "of those, found cached (prefix cache or tier)"),
+             "cached_prompt_tokens"),
+            (instance_gauge("tier_hit_tokens", "of those, found in the prefix tier: prefill tokens it saved"),
+             "tier_hit_tokens"),
+            (instance_gauge("tier_loaded_blocks", "KV blocks copied in from the prefix tier"), "tier_loaded_blocks"),
+            (instance_gauge("tier_saved_blocks", "KV blocks copied out to the prefix tier"), "tier_saved_blocks"),
+        ]  # fmt: skip
+
+        def tier_gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"distserve_kv_tier_{name}", doc, ["node"], registry=registry)
+
+        self._tier = [
+            (tier_gauge("capacity_blocks", "KV blocks the node's prefix tier holds at most"), "capacity_blocks"),
+            (tier_gauge("entries", "KV blocks in the node's prefix tier"), "num_entries"),
+            (tier_gauge("bytes_per_block", "bytes of one block of the whole model's KV"), "bytes_per_block"),
+            (tier_gauge("queried_blocks", "blocks looked up since start"), "queried_blocks"),
+            (tier_gauge("hit_blocks", "of those, found"), "hit_blocks"),
+            (tier_gauge("remote_hit_blocks", "of those, copied from another node's tier"), "remote_hit_blocks"),
+            (tier_gauge("written_blocks", "blocks saved since start"), "written_blocks"),
+            (tier_gauge("evicted_blocks", "blocks evicted since start, least recently used first"), "evicted_blocks"),
+        ]
         pair = ["instance", "source", "transport"]
         self.kv_pulls = Gauge("distserve_kv_pulls", "KV pulls of a decode instance, by prefill instance", pair,
                               registry=registry)  # fmt: skip
@@ -103,8 +131,12 @@ class ServingMetrics:
         num_pending: int,
         role_changes: list[RoleChangeRecord],
         role_verdicts: dict[str, int],
+        tiers: list[TierInfo] = (),
     ) -> None:
         self.pending.set(num_pending)
+        for tier in tiers:
+            for gauge, name in self._tier:
+                gauge.labels(tier.node_id).set(getattr(tier, name))
         for verdict, count in role_verdicts.items():
             self.role_verdicts.labels(verdict).inc(count - self._verdicts.get(verdict, 0))
         self._verdicts = dict(role_verdicts)
@@ -113,7 +145,8 @@ class ServingMetrics:
                 self.role_changes.labels(record.instance, record.old_role, record.new_role).inc()
                 self.role_change_time.observe(record.seconds)
         self._num_role_changes = len(role_changes)
-        gauges = (self.waiting, self.running, self.held, self.kv_usage, self.preemptions, self.healthy, *self._swaps)
+        counts = [gauge for gauge, _ in self._counts]
+        gauges = (self.waiting, self.running, self.held, self.kv_usage, self.preemptions, self.healthy, *counts)
         for info in infos:
             labels = (info.name, info.role)
             for gauge, role in itertools.product(gauges, ROLES):
@@ -125,9 +158,8 @@ class ServingMetrics:
             self.held.labels(*labels).set(info.num_held)
             self.kv_usage.labels(*labels).set(1.0 - info.num_free_blocks / info.num_blocks)
             self.preemptions.labels(*labels).set(info.num_preemptions)
-            for gauge, value in zip(self._swaps, (info.num_swapped, info.num_swap_outs, info.num_swap_ins,
-                                                  info.swap_seconds)):  # fmt: skip
-                gauge.labels(*labels).set(value)
+            for gauge, name in self._counts:
+                gauge.labels(*labels).set(getattr(info, name))
             self.healthy.labels(*labels).set(0 if info.failure else 1)
             for source, totals in info.kv_pulls_from.items():
                 pair = (info.name, source, totals.transport)

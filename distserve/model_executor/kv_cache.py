@@ -77,12 +77,17 @@ class KVCache:
             dims = (*self.tensor.shape[:2], self.num_host_blocks * self.shape.block_size, *self.tensor.shape[3:])
             pinned = self.tensor.device.type == "cuda"
             self.host = torch.zeros(dims, dtype=self.tensor.dtype, pin_memory=pinned)
+        self.copy_host(self.host, out, pairs)
+
+    def copy_host(self, host: torch.Tensor, out: bool, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (cache block, ``host`` block) pair's K/V out to ``host`` (``out``) or back in.
+        ``host`` is laid out as this cache (its layers and heads; a view into a larger pool will do)."""
         device = self._slots([pair[0] for pair in pairs], self.tensor.device)
-        host = self._slots([pair[1] for pair in pairs], self.host.device)
+        slots = self._slots([pair[1] for pair in pairs], host.device)
         if out:
-            self.host.index_copy_(2, host, self.tensor.index_select(2, device).to(self.host.device))
+            host.index_copy_(2, slots, self.tensor.index_select(2, device).to(host.device))
         else:
-            self.tensor.index_copy_(2, device, self.host.index_select(2, host).to(self.tensor.device))
+            self.tensor.index_copy_(2, device, host.index_select(2, slots).to(self.tensor.device))
 
     def _slots(self, blocks: list[int], device: torch.device) -> torch.Tensor:
         """The slots of ``blocks``, in order."""

@@ -94,6 +94,10 @@ class BatchInput:
     # KV copies to and from the host pool before those, in order: (out, [(device block, host
     # block), ...]) each, out to the pool or back in (``SwapSpace``).
     swaps: list[tuple[bool, list[tuple[int, int]]]] = field(default_factory=list)
+    # (block, tier slot) pairs: KV copied in from the node's prefix tier before the forward pass,
+    # and out to it after the forward pass (blocks this step computed, or earlier ones).
+    tier_loads: list[tuple[int, int]] = field(default_factory=list)
+    tier_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def from_sequences(

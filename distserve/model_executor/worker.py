@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,10 @@ from distserve.model_executor.sampler import Sampler, fan_out_samples
 from distserve.parallel.process_group import create_store, init_process_group
 from distserve.parallel.ranks import ParallelRank
 from distserve.parallel.tensor_parallel import local_kv_heads
+
+if TYPE_CHECKING:
+    from distserve.kv_tier.store import TierGeometry
+    from distserve.kv_transfer.shared_memory import SharedFile
 
 
 def keep_freed_memory() -> None:
@@ -65,6 +70,7 @@ class Worker:
         self.rank = ParallelRank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, rank)
         self.device = resolve_device(config.model.device)
         self._store: dist.TCPStore | None = None
+        self.tier_pool: torch.Tensor | None = None  # this rank's view of the node's prefix tier pool
         if self.device.type == "cpu":
             # Ray pins actors to one thread. One batch is in flight at a time, so only the TP ranks
             # of one stage compute at once: unbound, they share the machine's cores.
@@ -161,6 +167,15 @@ class Worker:
             )
             self.decode_graphs.capture()
 
+    def attach_tier(self, geometry: TierGeometry, shared: SharedFile) -> None:
+        """Map the node's prefix tier pool, this rank's layers and heads of it. OSError where it
+        cannot be mapped (not this machine's), ValueError where its blocks are not this model's."""
+        mine = (self.kv_shape.block_size, self.kv_shape.head_dim, self.kv_shape.dtype)
+        if (geometry.block_size, geometry.head_dim, geometry.dtype) != mine:
+            raise ValueError(f"the tier holds blocks of {geometry}, this rank's are {self.kv_shape}")
+        layers, heads = self.kv_layout.layers, self.kv_layout.kv_heads
+        self.tier_pool = shared.open()[layers.start : layers.stop, :, :, heads.start : heads.stop]
+
     def kv(self, method: str, *args):
         """A KV transfer call (``KVTransfer.<method>``); it runs beside the steps, on another thread."""
         return getattr(self.kv_transfer, method)(*args)
@@ -173,16 +188,22 @@ class Worker:
         if batch.swaps:
             timer.lap("swap")
         self.kv_cache.copy_blocks(batch.block_copies)
+        if batch.tier_loads:
+            self.kv_cache.copy_host(self.tier_pool, False, batch.tier_loads)
+            timer.lap("tier")
         graphs = self.decode_graphs
         if graphs is not None and not batch.is_prefill and graphs.fits(len(batch.seqs)):
             out = graphs.run(batch.seqs)
         else:
             out = self._forward(batch, timer)
-        if out is None or not self.rank.is_driver:
-            return None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and out is not None and self.rank.is_driver:
             torch.cuda.synchronize(self.device)  # so the forward's time is not booked to sampling
         timer.lap("forward")
+        if batch.tier_saves:  # every rank's part, before the step's answer says they are there
+            self.kv_cache.copy_host(self.tier_pool, True, batch.tier_saves)
+            timer.lap("tier")
+        if out is None or not self.rank.is_driver:
+            return None
         prompt_logprobs = None
         if batch.is_prefill and any(s.wants_prompt_logprobs for s in batch.seqs):
             out, prompt_logprobs = split_prompt_rows(out, batch.seqs)

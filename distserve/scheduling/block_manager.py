@@ -13,13 +13,27 @@ taken, so a pool of millions of blocks costs nothing to make (the planner simula
 The samples of one request share their prompt's blocks (``fork``); the first of them to write a
 token into a shared block gets a copy of it (copy on write): the copies a step needs wait in
 ``pending_copies`` for the workers to make before its forward pass.
+
+With a second tier (``tier``: the node's shared prefix tier), a prompt's blocks past its cached
+prefix are looked up there too; those found are copied in before the step's forward pass
+(``tier_loads``) and count as cached. Every block computed here joins the tier after the step that
+computes it (``tier_saves``), holding a reference until then, so that it is not reused before the
+copy.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import Protocol
 
 from distserve.core.sequence import Sequence
+
+TierKey = tuple[int, tuple[int, ...]]  # (block hash, the block's tokens)
+
+
+class TierLookup(Protocol):
+    def lookup(self, keys: list[TierKey]) -> list[int]:
+        """The tier slots of the longest leading run of ``keys`` it holds, kept until the step is done."""
 
 
 def chain_hash(parent: int, tokens: list[int]) -> int:
@@ -52,6 +66,10 @@ class BlockManager:
         self.prefix_cache_hit_tokens = 0
         self.pending_copies: list[tuple[int, int]] = []  # (source block, destination block)
         self.num_copied_blocks = 0  # copies on write so far
+        self.tier: TierLookup | None = None
+        self.tier_loads: list[tuple[TierKey, int, int]] = []  # (key, tier slot, block) to copy in
+        self.tier_saves: list[tuple[TierKey, int]] = []  # (key, block) to copy out; the block referenced
+        self.tier_hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -93,18 +111,21 @@ class BlockManager:
             hashes.append(chain_hash(parent, seq.block_tokens(i, self.block_size)))
         return hashes[index]
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of ``seq``.
-
-        Only blocks inside the first ``num_tokens - 1`` tokens count: the last token is always
-        computed, because its logits are needed to sample the next one.
-        """
+    def _shareable_blocks(self, seq: Sequence) -> int:
+        """How many leading blocks of ``seq`` may come from a cache: full blocks inside the first
+        ``num_tokens - 1`` tokens (the last token is always computed, because its logits are needed
+        to sample the next one); none without prefix caching or for a prompt whose logprobs are asked
+        for, which come from computing every prompt token."""
         if not self.enable_prefix_caching:
-            return []
+            return 0
         if seq.sampling_params.prompt_logprobs is not None and not seq.num_output_tokens:
-            return []  # its prompt's logprobs come from computing every prompt token
+            return 0
+        return (seq.num_tokens - 1) // self.block_size
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of ``seq``."""
         hits: list[int] = []
-        for i in range((seq.num_tokens - 1) // self.block_size):
+        for i in range(self._shareable_blocks(seq)):
             block_id = self.hash_to_block_id.get(self._block_hash(seq, i))
             if block_id is None:
                 break
@@ -147,23 +168,38 @@ class BlockManager:
                 del self._free_back[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
+        tier_slots = self._tier_prefix(seq, len(hits)) if share_cached else []
         num_full = seq.num_tokens // self.block_size
         # In ascending ids: blocks freed together come back tail first, and sorted they are runs of
         # consecutive slots again, which a KV transfer moves whole instead of gathering them.
         fresh = sorted(self._take_free_block() for _ in range(len(hits), seq.num_blocks(self.block_size)))
         for i, block_id in enumerate(fresh, start=len(hits)):
             seq.block_table.append(block_id)
-            if register and i < num_full:
+            if i < len(hits) + len(tier_slots):  # its KV comes from the tier before the forward pass
+                self._register(seq, i, block_id, save=False)
+                key = (seq.block_hashes[i], tuple(seq.block_tokens(i, self.block_size)))
+                self.tier_loads.append((key, tier_slots[i - len(hits)], block_id))
+            elif register and i < num_full:
                 self._register(seq, i, block_id)
-        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_cached_tokens = seq.num_computed_tokens = (len(hits) + len(tier_slots)) * self.block_size
         self.prefix_cache_queried_tokens += seq.num_tokens
         self.prefix_cache_hit_tokens += seq.num_cached_tokens
+        self.tier_hit_tokens += len(tier_slots) * self.block_size
 
-    def register_computed(self, seq: Sequence, from_token: int) -> None:
+    def _tier_prefix(self, seq: Sequence, start: int) -> list[int]:
+        """Tier slots of the blocks of ``seq`` that follow its ``start`` cached ones, as far as the
+        tier holds them."""
+        end = self._shareable_blocks(seq)
+        if self.tier is None or start >= end:
+            return []
+        keys = [(self._block_hash(seq, i), tuple(seq.block_tokens(i, self.block_size))) for i in range(start, end)]
+        return self.tier.lookup(keys)
+
+    def register_computed(self, seq: Sequence, from_token: int, save: bool = True) -> None:
         """Enter ``seq``'s full blocks whose KV is computed, from the one holding ``from_token`` on,
-        into the prefix cache."""
+        into the prefix cache; ``save``: and into the tier (not KV that came from elsewhere)."""
         for index in range(from_token // self.block_size, seq.num_computed_tokens // self.block_size):
-            self._register(seq, index, seq.block_table[index])
+            self._register(seq, index, seq.block_table[index], save)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give ``child`` (a sample forked from ``parent``) ``parent``'s blocks, shared."""
@@ -216,17 +252,31 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks. Tail blocks are freed first so that they are evicted first."""
         for block_id in reversed(seq.block_table):
-            block = self._used[block_id]
-            if block.ref_count <= 0:
-                raise RuntimeError(f"block {block_id} freed more often than allocated")
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is None:  # nothing to reuse: hand it out before cached blocks
-                    self._free_front.appendleft(block_id)
-                else:
-                    self._free_back[block_id] = None
+            self._unref(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    def _unref(self, block_id: int) -> None:
+        block = self._used[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"block {block_id} freed more often than allocated")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is None:  # nothing to reuse: hand it out before cached blocks
+                self._free_front.appendleft(block_id)
+            else:
+                self._free_back[block_id] = None
+
+    def take_tier_work(self) -> tuple[list[tuple[TierKey, int, int]], list[tuple[TierKey, int]]]:
+        """The step's copies from the tier and to it; ``saved`` once the step is done."""
+        work = self.tier_loads, self.tier_saves
+        self.tier_loads, self.tier_saves = [], []
+        return work
+
+    def saved(self, saves: list[tuple[TierKey, int]]) -> None:
+        """The step that copied ``saves`` out to the tier is done: their blocks' references go."""
+        for _, block_id in saves:
+            self._unref(block_id)
 
     def _take_free_block(self) -> int:
         if self._free_front:
@@ -246,10 +296,15 @@ class BlockManager:
         block.ref_count = 1
         return block.block_id
 
-    def _register(self, seq: Sequence, index: int, block_id: int) -> None:
+    def _register(self, seq: Sequence, index: int, block_id: int, save: bool = True) -> None:
+        """Block ``index`` of ``seq`` is (or after this step's forward pass will be) computed: it
+        joins the prefix cache, and with ``save`` the tier."""
         if not self.enable_prefix_caching:
             return
         block = self._used[block_id]
         block.hash = self._block_hash(seq, index)
         block.token_ids = tuple(seq.block_tokens(index, self.block_size))
         self.hash_to_block_id[block.hash] = block_id
+        if save and self.tier is not None:
+            block.ref_count += 1
+            self.tier_saves.append(((block.hash, block.token_ids), block_id))

@@ -103,7 +103,7 @@ class SwapSpace:
         self._copy(False, list(zip(seq.block_table, entry.host_blocks)))
         self._free += reversed(entry.host_blocks)
         seq.num_computed_tokens, seq.num_cached_tokens = entry.num_computed_tokens, cached
-        self.block_manager.register_computed(seq, 0)
+        self.block_manager.register_computed(seq, 0, save=False)  # saved to the tier when first computed
         self.num_swap_ins += 1
         return seq
 

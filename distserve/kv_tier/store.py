@@ -1,0 +1,189 @@
+"""One node's share of the tier: a Ray actor on that node holding the index and a pool of KV blocks
+in shared memory, which every rank on the node maps and copies blocks in and out of itself.
+
+The pool is laid out as a KV cache of the whole model, ``[layers, 2, slots * block_size, kv_heads,
+head_dim]``, so a rank moves its layers and heads of a block with the copies its cache's swap
+uses, whatever its TP and PP degrees. The store only keeps the index: a lookup answers slots, and
+KV never passes through the actor on one node. A lookup that misses here asks the other nodes'
+stores, and copies what the best of them holds into this pool through Ray's object store, so a
+prefix computed on one node is read, not recomputed, on another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from distserve.kv_tier.index import Key, TierIndex
+from distserve.kv_transfer.shared_memory import SharedFile, shared_zeros
+
+logger = logging.getLogger(__name__)
+
+STORE_CONCURRENCY = 8  # lookups of several instances, and other nodes' exports, at once
+
+
+@dataclass(frozen=True)
+class TierGeometry:
+    """The KV of one block of the whole model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element
+
+    def pool_dims(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, 2, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+
+
+@dataclass
+class TierInfo:
+    """A store's state and what it has done, for metrics."""
+
+    node_id: str
+    capacity_blocks: int
+    num_entries: int
+    num_pinned: int  # entries a reader still copies from
+    num_reserved: int  # slots a writer still copies into
+    bytes_per_block: int
+    queried_blocks: int
+    hit_blocks: int
+    remote_hit_blocks: int
+    written_blocks: int
+    evicted_blocks: int
+
+
+class KVTierStore:
+    def __init__(self, geometry: TierGeometry, num_blocks: int) -> None:
+        self.geometry = geometry
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.pool, self.shared = shared_zeros(geometry.pool_dims(num_blocks), geometry.dtype)
+        self.index = TierIndex(num_blocks)
+        self._lock = threading.Lock()
+        self._peers: list[Any] = []
+
+    def describe(self) -> tuple[TierGeometry, SharedFile]:
+        """What a rank on this node needs to map the pool."""
+        return self.geometry, self.shared
+
+    def set_peers(self, peers: list[Any]) -> None:
+        """The other nodes' stores, asked when a lookup misses here."""
+        self._peers = peers
+
+    def lookup(self, holder: str, keys: list[Key]) -> list[int]:
+        """Slots of the longest leading run of ``keys`` held here or, past what is held here, on
+        another node; pinned for ``holder`` until ``settle`` releases them."""
+        with self._lock:
+            slots = self.index.lookup(holder, keys)
+        if len(slots) < len(keys) and self._peers:
+            slots += self._fetch(holder, keys[len(slots) :])
+        return slots
+
+    def reserve(self, holder: str, keys: list[Key]) -> list[int | None]:
+        with self._lock:
+            return self.index.reserve(holder, keys)
+
+    def settle(self, holder: str, written: list[int], read: list[int]) -> None:
+        """``holder``'s step is done: the slots it ``written`` are entries now, the entries it ``read``
+        (by hash) are no longer pinned."""
+        with self._lock:
+            self.index.commit(holder, written)
+            self.index.release(holder, read)
+
+    def forget(self, holder: str) -> None:
+        with self._lock:
+            self.index.forget(holder)
+
+    def export(self, keys: list[Key]) -> np.ndarray | None:
+        """The KV of the longest leading run of ``keys`` held here, as bytes (``[layers, 2, blocks *
+        block_size, heads, head_dim]``), for another node's store; None when the first is not held."""
+        with self._lock:
+            slots = self.index.lookup("", keys, pin=False, count=False)
+            if not slots:
+                return None
+            size = self.geometry.block_size
+            ids = (torch.tensor(slots)[:, None] * size + torch.arange(size)).flatten()
+            data = self.pool.index_select(2, ids)
+        return data.view(-1).view(torch.uint8).numpy()
+
+    def _fetch(self, holder: str, keys: list[Key]) -> list[int]:
+        """Copy the longest leading run of ``keys`` any other node holds into this pool; its slots,
+        pinned for ``holder``."""
+        exports = ray.get([peer.export.remote(keys) for peer in self._peers])
+        best = max((e for e in exports if e is not None), key=len, default=None)
+        if best is None:
+            return []
+        geometry = self.geometry
+        count = len(best) // geometry.bytes_per_block
+        # A copy: the object store's buffer is read-only, which torch does not take without a warning.
+        data = torch.from_numpy(best.copy()).view(geometry.dtype).view(geometry.pool_dims(count))
+        fetcher = f"fetch:{holder}"
+        with self._lock:
+            reserved = self.index.reserve(fetcher, keys[:count])
+            written = [slot for slot in reserved if slot is not None]
+            if len(written) < count:  # no room, or another fetch of them is under way: leave it to that
+                self.index.forget(fetcher)
+                return []
+            size = geometry.block_size
+            ids = (torch.tensor(written)[:, None] * size + torch.arange(size)).flatten()
+            self.pool.index_copy_(2, ids, data)
+            self.index.commit(fetcher, written)
+            self.index.stats.hits += count
+            self.index.stats.remote_hits += count
+            return self.index.lookup(holder, keys[:count], count=False)
+
+    def info(self) -> TierInfo:
+        with self._lock:
+            stats, entries = dataclasses.replace(self.index.stats), len(self.index)
+            pinned, reserved = self.index.num_pinned, self.index.num_reserved
+        return TierInfo(
+            self.node_id,
+            self.index.capacity,
+            entries,
+            pinned,
+            reserved,
+            self.geometry.bytes_per_block,
+            stats.queried,
+            stats.hits,
+            stats.remote_hits,
+            stats.written,
+            stats.evicted,
+        )
+
+
+def tier_blocks(space_gib: float, geometry: TierGeometry) -> int:
+    """Blocks of ``space_gib`` GiB."""
+    return int(space_gib * 2**30) // geometry.bytes_per_block
+
+
+def start_tier_stores(prefix: str, geometry: TierGeometry, num_blocks: int) -> dict[str, Any]:
+    """A store on every alive Ray node, each knowing the others; by node id."""
+    nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+    stores = {
+        node: ray.remote(KVTierStore)
+        .options(
+            name=f"{prefix}-kv-tier-{node[:12]}",
+            num_cpus=0,
+            max_concurrency=STORE_CONCURRENCY,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        )
+        .remote(geometry, num_blocks)
+        for node in nodes
+    }
+    ray.get([store.set_peers.remote([s for n, s in stores.items() if n != node]) for node, store in stores.items()])
+    logger.info("KV tier: %d blocks (%.1f MiB) on each of %d nodes", num_blocks,
+                num_blocks * geometry.bytes_per_block / 2**20, len(stores))  # fmt: skip
+    return stores

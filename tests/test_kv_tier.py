@@ -1,0 +1,220 @@
+"""The shared prefix tier: its LRU index, blocks looked up and saved by the block manager, a block
+written by one engine and read by another (on one node and across nodes), and a conversation's
+history on 2 prefill + 1 decode instances; outputs equal to transformers' greedy decoding."""
+
+import asyncio
+
+import pytest
+import torch
+from conftest import assert_engine_idle, random_prompts, reference_greedy, wait_nothing_in_use_async
+
+from distserve import AsyncCluster, SamplingParams
+from distserve.core.config import EngineConfig
+from distserve.core.sequence import Sequence
+from distserve.kv_tier.index import TierIndex
+from distserve.scheduling.block_manager import BlockManager
+
+
+def _keys(*blocks: int) -> list:
+    return [(h, (h, h)) for h in blocks]
+
+
+def test_the_index_finds_leading_runs_and_never_a_collision():
+    index = TierIndex(capacity=4)
+    slots = index.reserve("a", _keys(1, 2, 3))
+    assert slots == [0, 1, 2]
+    assert index.lookup("b", _keys(1, 2)) == []  # reserved, not yet written
+    index.commit("a", slots)
+    assert index.lookup("b", _keys(1, 2, 9, 3)) == [0, 1]
+    assert index.lookup("b", [(1, (0, 0))]) == []  # the hash of block 1 with other tokens
+    assert index.reserve("c", _keys(2, 4)) == [None, 3]  # held already
+    assert index.stats.queried == 7 and index.stats.hits == 2
+
+
+def test_eviction_takes_the_least_recently_used_entry_nobody_pins():
+    index = TierIndex(capacity=3)
+    index.commit("w", index.reserve("w", _keys(1, 2, 3)))
+    assert index.lookup("r", _keys(1)) == [0]  # 1 pinned, and the most recently used
+    index.lookup("r", _keys(2), pin=False)  # 2 used after 1: 3 is the least recently used
+    assert index.reserve("w", _keys(4)) == [2]  # 3 went
+    assert index.reserve("w", _keys(5)) == [1]  # then 2, not the pinned 1
+    assert index.reserve("w", _keys(6)) == [None]  # 1 pinned, the others being written: no room
+    index.release("r", [1])
+    assert index.reserve("w", _keys(6)) == [0]
+    assert index.stats.evicted == 3
+
+
+def test_a_holder_that_is_forgotten_leaves_no_pin_or_reservation():
+    index = TierIndex(capacity=2)
+    index.commit("w", index.reserve("w", _keys(1)))
+    index.lookup("gone", _keys(1))
+    index.lookup("gone", _keys(1))
+    index.reserve("gone", _keys(2))
+    assert (index.num_pinned, index.num_reserved) == (1, 1)
+    index.forget("gone")
+    assert (index.num_pinned, index.num_reserved) == (0, 0)
+    assert index.reserve("w", _keys(3, 4)) == [1, 0]  # the freed reservation, then 1 evicted
+
+
+class IndexTier:
+    """The block manager's tier: a real index, slots as it answers them."""
+
+    def __init__(self, capacity: int) -> None:
+        self.index = TierIndex(capacity)
+
+    def lookup(self, keys):
+        return self.index.lookup("engine", keys)
+
+
+def test_the_block_manager_loads_what_the_tier_holds_and_saves_what_it_computes():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    bm.tier = tier = IndexTier(capacity=8)
+    first = Sequence(list(range(10, 27)), SamplingParams())  # 17 tokens: 4 full blocks
+    bm.allocate(first)
+    loads, saves = bm.take_tier_work()
+    assert loads == [] and [block for _, block in saves] == first.block_table[:4]
+    assert all(bm.blocks[b].ref_count == 2 for _, b in saves)  # kept until the step is done
+    tier.index.commit("engine", tier.index.reserve("engine", [key for key, _ in saves]))
+    bm.saved(saves)
+    bm.free(first)
+    bm.set_prefix_caching(False)  # forget this instance's own cache: only the tier holds the prefix
+    bm.set_prefix_caching(True)
+    second = Sequence(list(range(10, 23)) + [99, 98], SamplingParams())  # 3 blocks shared, a 4th not full
+    bm.allocate(second)
+    loads, saves = bm.take_tier_work()
+    assert [(slot, block) for _, slot, block in loads] == list(zip([0, 1, 2], second.block_table[:3]))
+    assert second.num_computed_tokens == second.num_cached_tokens == 12 and bm.tier_hit_tokens == 12
+    assert saves == []  # nothing full is computed here
+    bm.saved(saves)
+    bm.free(second)
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def _engines(names, block_size=8):
+    """Engines of tiny-llama in this process, each with a tier client of the store it is given."""
+    from distserve.engine.llm_engine import LLMEngine
+
+    config = EngineConfig.from_flat(model="tiny-llama", block_size=block_size, num_kv_blocks=64)
+    return {name: LLMEngine(config, name=name) for name in names}
+
+
+def _geometry(block_size=8):
+    from distserve.kv_tier.store import TierGeometry
+    from distserve.model_executor.model_loader import resolve_model
+
+    shape = resolve_model(EngineConfig.from_flat(model="tiny-llama").model).shape
+    return TierGeometry(shape.num_layers, shape.num_kv_heads, shape.head_dim, block_size, torch.float32)
+
+
+def _greedy(engine, prompt, max_tokens):
+    engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), request_id="r")
+    tokens = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens += delta.new_token_ids
+    return tokens
+
+
+def _stores_idle(ray, stores):
+    infos = ray.get([store.info.remote() for store in stores])
+    return all(i.num_pinned == 0 and i.num_reserved == 0 for i in infos)
+
+
+def test_blocks_one_engine_saves_another_reads_greedy_equal(ray_cluster, reference_model):
+    """Engine a computes a prompt and saves its blocks (and the one its decoding fills) to the
+    store; engine b, whose own cache is empty, prefills a longer prompt from them; both outputs are
+    transformers' greedy tokens, and neither engine nor the store holds anything afterwards."""
+    from distserve.kv_tier.client import TierClient
+    from distserve.kv_tier.store import start_tier_stores
+
+    llama = reference_model("tiny-llama")
+    stores = start_tier_stores("tier-test", _geometry(), num_blocks=32)
+    try:
+        store = next(iter(stores.values()))
+        engines = _engines(["a", "b"])
+        for name, engine in engines.items():
+            engine.attach_tier(TierClient(store, name))
+        prompt = random_prompts([50], 1024, seed=1)[0]
+        first = _greedy(engines["a"], prompt, 10)
+        assert first == reference_greedy(llama, prompt, 10)
+        assert engines["a"].tier.saved_blocks == 7  # 6 of the prompt, 1 filled while decoding
+        second = prompt + first + random_prompts([5], 1024, seed=2)[0]
+        assert _greedy(engines["b"], second, 10) == reference_greedy(llama, second, 10)
+        assert engines["b"].block_manager.tier_hit_tokens == 56 and engines["b"].tier.loaded_blocks == 7
+        for engine in engines.values():
+            assert_engine_idle(engine)
+        assert _stores_idle(ray_cluster, stores.values())
+    finally:
+        for store in stores.values():
+            ray_cluster.kill(store)
+
+
+async def _final(cluster, prompt, max_tokens):
+    async for output in cluster.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0)):
+        last = output
+    return last
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_a_conversation_turn_reads_its_history_from_the_tier(ray_cluster, reference_model, tier):
+    """2 prefill + 1 decode. A second turn re-sends the first's prompt and answer: the answer's KV
+    was computed on the decode instance, so without the tier the prefill instance computes it again;
+    with the tier it reads it (and the prompt, wherever it was prefilled). Greedy-equal either way;
+    nothing in use afterwards."""
+    llama = reference_model("tiny-llama")
+    first = random_prompts([40], 1024, seed=4)[0]
+    max_tokens = 25
+
+    async def scenario():
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=128,
+                                           kv_tier_space=0.01 if tier else 0.0,
+                                           prefill={"instances": 2})  # fmt: skip
+        try:
+            turn1 = await _final(cluster, first, max_tokens)
+            assert turn1.output_token_ids == reference_greedy(llama, first, max_tokens)
+            second = first + turn1.output_token_ids + random_prompts([7], 1024, seed=5)[0]  # 72 tokens
+            turn2 = await _final(cluster, second, max_tokens)
+            assert turn2.output_token_ids == reference_greedy(llama, second, max_tokens)
+            infos = await cluster.info()
+            tier_hits = sum(i.tier_hit_tokens for i in infos)
+            if tier:  # the answer's first 24 tokens, at least (the prompt's too where turn 2 went elsewhere)
+                assert turn2.num_cached_tokens == 64 and tier_hits in (24, 64)
+                assert sum(i.tier_saved_blocks for i in infos) >= 8
+                stores = await cluster.tier_info()
+                assert sum(store.hit_blocks for store in stores) == tier_hits // 8
+            else:
+                assert turn2.num_cached_tokens in (0, 40) and tier_hits == 0 and not await cluster.tier_info()
+            await wait_nothing_in_use_async(cluster)
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_block_saved_on_one_node_is_read_on_another(ray_nodes, reference_model):
+    """Two engines attached to the stores of two different nodes: b's store misses, copies the run
+    from a's store through Ray's object store, and b's output is greedy-equal. (Last in this
+    module: its cluster of three nodes stays up to the module's end.)"""
+    import ray
+
+    from distserve.kv_tier.client import TierClient
+    from distserve.kv_tier.store import start_tier_stores
+
+    llama = reference_model("tiny-llama")
+    stores = start_tier_stores("tier-nodes", _geometry(), num_blocks=32)
+    try:
+        assert len(stores) == 3
+        store_a, store_b, _ = stores.values()
+        engines = _engines(["a", "b"])
+        engines["a"].attach_tier(TierClient(store_a, "a"))
+        engines["b"].attach_tier(TierClient(store_b, "b"))
+        prompt = random_prompts([41], 1024, seed=3)[0]
+        assert _greedy(engines["a"], prompt, 4) == reference_greedy(llama, prompt, 4)
+        assert _greedy(engines["b"], prompt, 4) == reference_greedy(llama, prompt, 4)
+        assert engines["b"].block_manager.tier_hit_tokens == 40
+        info_b = ray.get(store_b.info.remote())
+        assert info_b.remote_hit_blocks == 5 and info_b.num_entries == 5
+        assert _stores_idle(ray, stores.values())
+    finally:
+        for store in stores.values():
+            ray.kill(store)
