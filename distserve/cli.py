@@ -170,9 +170,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{info.model}: {state}, {info.num_pending_requests}/{info.max_pending_requests} requests in flight, "
         f"context {info.max_model_len} tokens"
     )
-    columns = (
-        "instance", "role", "node", "TPxPP", "KV used", "waiting", "running", "held", "pending", "preempted", "state"
-    )  # fmt: skip
+    columns = ("instance", "role", "node", "TPxPP", "KV used", "waiting", "running", "held", "pending", "preempted",
+               "swapped", "prompt cached", "state")  # fmt: skip
     rows = [columns]
     for i in info.instances:
         used = i.num_blocks - i.num_free_blocks
@@ -188,6 +187,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                 str(i.num_held),
                 str(i.num_pending),
                 str(i.num_preemptions),
+                f"{i.num_swapped} ({i.num_swap_outs} out)",
+                f"{i.cached_prompt_tokens / i.prompt_tokens:.0%}" if i.prompt_tokens else "-",
                 f"failed: {i.failure}" if i.failure else "ok",
             )
         )
@@ -200,6 +201,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, p in pulls:
         rate = f"{p.bytes / p.seconds / 2**20:.0f} MiB/s" if p.seconds else "-"
         print(f"  {name} <- {p.source}: {p.transport}, {p.pulls}, {p.bytes / 2**20:.1f} MiB, {p.seconds:.2f} s, {rate}")
+    if info.kv_tiers:
+        print("KV tier (node: blocks held, hits / lookups, from other nodes, evicted):")
+    for t in info.kv_tiers:
+        held = f"{t.entries}/{t.capacity_blocks} ({t.entries * t.bytes_per_block / 2**20:.0f} MiB)"
+        hits = f"{t.hit_blocks}/{t.queried_blocks}"
+        print(f"  {t.node_id[:8]}: {held}, {hits}, {t.remote_hit_blocks}, {t.evicted_blocks}")
     print(f"roles: {info.role_control}" + (", latest changes:" if info.role_changes else ""))
     for change in info.role_changes[-5:]:
         _print_role_change(change)

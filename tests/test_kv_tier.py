@@ -19,41 +19,48 @@ def _keys(*blocks: int) -> list:
     return [(h, (h, h)) for h in blocks]
 
 
+def _write(index, holder, *blocks):
+    """Lease a slot per block and commit the blocks to them; the slots."""
+    slots = index.lease(holder, len(blocks))
+    index.commit(holder, list(zip(slots, _keys(*blocks))))
+    return slots
+
+
 def test_the_index_finds_leading_runs_and_never_a_collision():
     index = TierIndex(capacity=4)
-    slots = index.reserve("a", _keys(1, 2, 3))
+    slots = index.lease("a", 3)
     assert slots == [0, 1, 2]
-    assert index.lookup("b", _keys(1, 2)) == []  # reserved, not yet written
-    index.commit("a", slots)
+    assert index.lookup("b", _keys(1, 2)) == []  # leased, not yet written
+    index.commit("a", list(zip(slots, _keys(1, 2, 3))))
     assert index.lookup("b", _keys(1, 2, 9, 3)) == [0, 1]
     assert index.lookup("b", [(1, (0, 0))]) == []  # the hash of block 1 with other tokens
-    assert index.reserve("c", _keys(2, 4)) == [None, 3]  # held already
-    assert index.stats.queried == 7 and index.stats.hits == 2
+    assert _write(index, "c", 2) == [3] and len(index) == 3  # held already: its slot is free again
+    assert index.stats.queried == 7 and index.stats.hits == 2 and index.stats.written == 3
 
 
 def test_eviction_takes_the_least_recently_used_entry_nobody_pins():
     index = TierIndex(capacity=3)
-    index.commit("w", index.reserve("w", _keys(1, 2, 3)))
+    _write(index, "w", 1, 2, 3)
     assert index.lookup("r", _keys(1)) == [0]  # 1 pinned, and the most recently used
     index.lookup("r", _keys(2), pin=False)  # 2 used after 1: 3 is the least recently used
-    assert index.reserve("w", _keys(4)) == [2]  # 3 went
-    assert index.reserve("w", _keys(5)) == [1]  # then 2, not the pinned 1
-    assert index.reserve("w", _keys(6)) == [None]  # 1 pinned, the others being written: no room
+    assert index.lease("w", 1) == [2]  # 3 went
+    assert index.lease("w", 1) == [1]  # then 2, not the pinned 1
+    assert index.lease("w", 1) == []  # 1 pinned, the others leased: no room
     index.release("r", [1])
-    assert index.reserve("w", _keys(6)) == [0]
+    assert index.lease("w", 1) == [0]
     assert index.stats.evicted == 3
 
 
-def test_a_holder_that_is_forgotten_leaves_no_pin_or_reservation():
+def test_a_holder_that_is_forgotten_leaves_no_pin_or_lease():
     index = TierIndex(capacity=2)
-    index.commit("w", index.reserve("w", _keys(1)))
+    _write(index, "w", 1)
     index.lookup("gone", _keys(1))
     index.lookup("gone", _keys(1))
-    index.reserve("gone", _keys(2))
-    assert (index.num_pinned, index.num_reserved) == (1, 1)
+    index.lease("gone", 1)
+    assert (index.num_pinned, index.num_leased) == (1, 1)
     index.forget("gone")
-    assert (index.num_pinned, index.num_reserved) == (0, 0)
-    assert index.reserve("w", _keys(3, 4)) == [1, 0]  # the freed reservation, then 1 evicted
+    assert (index.num_pinned, index.num_leased) == (0, 0)
+    assert index.lease("w", 2) == [1, 0]  # the freed lease, then 1 evicted
 
 
 class IndexTier:
@@ -74,7 +81,7 @@ def test_the_block_manager_loads_what_the_tier_holds_and_saves_what_it_computes(
     loads, saves = bm.take_tier_work()
     assert loads == [] and [block for _, block in saves] == first.block_table[:4]
     assert all(bm.blocks[b].ref_count == 2 for _, b in saves)  # kept until the step is done
-    tier.index.commit("engine", tier.index.reserve("engine", [key for key, _ in saves]))
+    tier.index.commit("engine", list(zip(tier.index.lease("engine", 4), [key for key, _ in saves])))
     bm.saved(saves)
     bm.free(first)
     bm.set_prefix_caching(False)  # forget this instance's own cache: only the tier holds the prefix
@@ -117,7 +124,7 @@ def _greedy(engine, prompt, max_tokens):
 
 def _stores_idle(ray, stores):
     infos = ray.get([store.info.remote() for store in stores])
-    return all(i.num_pinned == 0 and i.num_reserved == 0 for i in infos)
+    return all(i.num_pinned == 0 for i in infos)
 
 
 def test_blocks_one_engine_saves_another_reads_greedy_equal(ray_cluster, reference_model):
@@ -155,6 +162,23 @@ async def _final(cluster, prompt, max_tokens):
     return last
 
 
+def _check_reported(infos, stores) -> None:
+    """What the instances and the stores count reaches /metrics and ``distserve status``."""
+    from distserve.entrypoints.grpc_server import instance_to_proto, tier_to_proto
+    from distserve.entrypoints.prometheus import ServingMetrics
+
+    metrics = ServingMetrics()
+    metrics.update_instances(infos, 0, [], {}, stores)
+    text = metrics.render().decode()
+    for info in infos:
+        assert f'distserve_instance_tier_hit_tokens{{instance="{info.name}",role="{info.role}"}} ' \
+               f"{float(info.tier_hit_tokens)}" in text  # fmt: skip
+        assert instance_to_proto(info).cached_prompt_tokens == info.cached_prompt_tokens
+    for store in stores:
+        assert f'distserve_kv_tier_hit_blocks{{node="{store.node_id}"}} {float(store.hit_blocks)}' in text
+        assert tier_to_proto(store).entries == store.num_entries > 0
+
+
 @pytest.mark.parametrize("tier", [False, True])
 def test_a_conversation_turn_reads_its_history_from_the_tier(ray_cluster, reference_model, tier):
     """2 prefill + 1 decode. A second turn re-sends the first's prompt and answer: the answer's KV
@@ -182,6 +206,7 @@ def test_a_conversation_turn_reads_its_history_from_the_tier(ray_cluster, refere
                 assert sum(i.tier_saved_blocks for i in infos) >= 8
                 stores = await cluster.tier_info()
                 assert sum(store.hit_blocks for store in stores) == tier_hits // 8
+                _check_reported(infos, stores)
             else:
                 assert turn2.num_cached_tokens in (0, 40) and tier_hits == 0 and not await cluster.tier_info()
             await wait_nothing_in_use_async(cluster)

@@ -365,7 +365,8 @@ class LLMEngine:
             model_input.swaps = [(copy.out, copy.pairs) for copy in swap.take_pending()]
         loads, saves = self.block_manager.take_tier_work()
         if loads or saves:
-            model_input.tier_loads, model_input.tier_saves = self.tier.plan(loads, saves)
+            model_input.tier_loads, tier_saves = self.tier.plan(loads, saves)
+            model_input.tier_saves = [(block, slot) for block, slot, _ in tier_saves]
         self._constrain(batch.seqs, model_input.seqs)
         started = time.time()
         self.executing = (time.monotonic(), model_input.num_tokens)
@@ -375,7 +376,7 @@ class LLMEngine:
             self.executing = None
         timer.lap("execute")
         if loads or saves:
-            self.tier.settle(loads, model_input.tier_saves)
+            self.tier.settle(loads, tier_saves)
             self.block_manager.saved(saves)
         ended = time.time()
         step = (started, ended, len(batch.seqs))

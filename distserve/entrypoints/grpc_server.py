@@ -20,6 +20,7 @@ from distserve.entrypoints.errors import InvalidRequest, ServingError, to_servin
 from distserve.entrypoints.frontend import Frontend
 from distserve.entrypoints.preflight import check_port
 from distserve.entrypoints.server_config import ServerConfig
+from distserve.kv_tier.store import TierInfo
 from distserve.v1 import distserve_pb2 as pb
 from distserve.v1 import distserve_pb2_grpc as pb_grpc
 
@@ -171,6 +172,27 @@ def instance_to_proto(info: InstanceInfo) -> pb.InstanceInfo:
             pb.KVPulls(source=source, transport=t.transport, pulls=t.pulls, bytes=t.num_bytes, seconds=t.seconds)
             for source, t in sorted(info.kv_pulls_from.items())
         ],
+        num_swapped=info.num_swapped,
+        num_swap_outs=info.num_swap_outs,
+        num_swap_ins=info.num_swap_ins,
+        swap_seconds=info.swap_seconds,
+        prompt_tokens=info.prompt_tokens,
+        cached_prompt_tokens=info.cached_prompt_tokens,
+        tier_hit_tokens=info.tier_hit_tokens,
+    )
+
+
+def tier_to_proto(tier: TierInfo) -> pb.KVTier:
+    return pb.KVTier(
+        node_id=tier.node_id,
+        capacity_blocks=tier.capacity_blocks,
+        entries=tier.num_entries,
+        bytes_per_block=tier.bytes_per_block,
+        queried_blocks=tier.queried_blocks,
+        hit_blocks=tier.hit_blocks,
+        remote_hit_blocks=tier.remote_hit_blocks,
+        written_blocks=tier.written_blocks,
+        evicted_blocks=tier.evicted_blocks,
     )
 
 
@@ -228,6 +250,7 @@ class DistServeServicer(pb_grpc.DistServeServicer):
             vocab_size=self.frontend.vocab_size,
             role_changes=[role_change_to_proto(r) for r in self.frontend.cluster.role_changes[-MAX_ROLE_CHANGES:]],
             role_control=self.frontend.role_control,
+            kv_tiers=[tier_to_proto(tier) for tier in await self.frontend.cluster.tier_info()],
         )
 
     async def SetRoles(self, request: pb.SetRolesRequest, context: grpc.aio.ServicerContext):

@@ -1,11 +1,12 @@
 """Which blocks the tier holds and where: an LRU index over a fixed number of slots.
 
 A block is keyed by its prefix-cache hash and carries its tokens, so that a hash collision is never
-taken for a hit. A slot is in one of three states: free, reserved by a writer (its KV is being
-copied in; invisible to readers), or holding a committed entry. Readers pin the entries they
-found until their copies are done; eviction takes the least recently used entry nobody pins.
-Every pin and reservation belongs to a holder (an instance), so that one that dies leaves none
-behind (``forget``).
+taken for a hit. A slot is in one of three states: free, leased to a writer (which copies blocks
+into its slots as it computes them and then commits them; invisible to readers meanwhile), or
+holding a committed entry. A writer leases slots ahead, many at a time, so that saving a block
+needs no call to the store before its copy. Readers pin the entries they found until their
+copies are done; eviction takes the least recently used entry nobody pins. Every pin and lease
+belongs to a holder (an instance), so that one that dies leaves none behind (``forget``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class TierIndex:
             raise ValueError(f"a tier needs at least one slot, got {self.capacity}")
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by hash, least recently used first
         self._free = list(range(self.capacity - 1, -1, -1))  # popped from the end: lowest first
-        self._reserved: dict[int, tuple[str, int, tuple[int, ...]]] = {}  # slot: (holder, hash, tokens)
+        self._leased: dict[int, str] = {}  # slot: the holder that may write into it
         self._pins: dict[str, Counter[int]] = {}  # holder: hash -> pins
 
     def __len__(self) -> int:
@@ -56,9 +57,9 @@ class TierIndex:
         return sum(1 for entry in self._entries.values() if entry.pins)
 
     @property
-    def num_reserved(self) -> int:
-        """Slots a writer is copying into."""
-        return len(self._reserved)
+    def num_leased(self) -> int:
+        """Slots leased to writers."""
+        return len(self._leased)
 
     def lookup(self, holder: str, keys: list[Key], pin: bool = True, count: bool = True) -> list[int]:
         """The slots of the longest leading run of ``keys`` held, each pinned for ``holder`` until
@@ -89,38 +90,37 @@ class TierIndex:
                     entry.pins -= 1
         self._pins[holder] = +pins
 
-    def reserve(self, holder: str, keys: list[Key]) -> list[int | None]:
-        """A slot for each key to write, or None where the tier holds it already (or a writer is on
-        it) or no slot can be had: every entry is pinned or reserved."""
-        writing = {h for _, h, _ in self._reserved.values()}
-        slots: list[int | None] = []
-        for h, tokens in keys:
-            if h in self._entries or h in writing or (slot := self._take_slot()) is None:
-                slots.append(None)
-                continue
-            self._reserved[slot] = (holder, h, tokens)
-            writing.add(h)
+    def lease(self, holder: str, count: int) -> list[int]:
+        """Up to ``count`` slots for ``holder`` to write blocks into, fewer where every other slot
+        is pinned or leased; each is ``holder``'s until it commits a block to it or is forgotten."""
+        slots = []
+        while len(slots) < count and (slot := self._take_slot()) is not None:
+            self._leased[slot] = holder
             slots.append(slot)
         return slots
 
-    def commit(self, holder: str, slots: list[int]) -> None:
-        """The KV of these reserved slots is written: they become entries, the most recently used."""
-        for slot in slots:
-            owner, h, tokens = self._reserved.get(slot, (None, 0, ()))
-            if owner != holder:
+    def commit(self, holder: str, written: list[tuple[int, Key]]) -> None:
+        """``holder`` wrote these blocks into these leased slots: they become entries, the most
+        recently used, unless the tier holds the block already (another writer's came first), when
+        the slot is free again."""
+        for slot, (h, tokens) in written:
+            if self._leased.get(slot) != holder:
                 continue  # forgotten meanwhile
-            del self._reserved[slot]
+            del self._leased[slot]
+            if h in self._entries:
+                self._free.append(slot)
+                continue
             self._entries[h] = _Entry(tokens, slot)
             self.stats.written += 1
 
     def forget(self, holder: str) -> None:
-        """``holder`` is gone: drop its pins and its reservations."""
+        """``holder`` is gone: drop its pins and its leases."""
         for h, pins in self._pins.pop(holder, Counter()).items():
             if entry := self._entries.get(h):
                 entry.pins -= pins
-        for slot, (owner, _, _) in list(self._reserved.items()):
+        for slot, owner in list(self._leased.items()):
             if owner == holder:
-                del self._reserved[slot]
+                del self._leased[slot]
                 self._free.append(slot)
 
     def _take_slot(self) -> int | None:

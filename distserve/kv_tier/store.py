@@ -57,7 +57,7 @@ class TierInfo:
     capacity_blocks: int
     num_entries: int
     num_pinned: int  # entries a reader still copies from
-    num_reserved: int  # slots a writer still copies into
+    num_leased: int  # slots leased to writers, not yet written
     bytes_per_block: int
     queried_blocks: int
     hit_blocks: int
@@ -75,9 +75,9 @@ class KVTierStore:
         self._lock = threading.Lock()
         self._peers: list[Any] = []
 
-    def describe(self) -> tuple[TierGeometry, SharedFile]:
-        """What a rank on this node needs to map the pool."""
-        return self.geometry, self.shared
+    def describe(self) -> tuple[TierGeometry, SharedFile, int]:
+        """What a rank on this node needs to map the pool, and how many blocks it holds."""
+        return self.geometry, self.shared, self.index.capacity
 
     def set_peers(self, peers: list[Any]) -> None:
         """The other nodes' stores, asked when a lookup misses here."""
@@ -92,13 +92,13 @@ class KVTierStore:
             slots += self._fetch(holder, keys[len(slots) :])
         return slots
 
-    def reserve(self, holder: str, keys: list[Key]) -> list[int | None]:
+    def lease(self, holder: str, count: int) -> list[int]:
         with self._lock:
-            return self.index.reserve(holder, keys)
+            return self.index.lease(holder, count)
 
-    def settle(self, holder: str, written: list[int], read: list[int]) -> None:
-        """``holder``'s step is done: the slots it ``written`` are entries now, the entries it ``read``
-        (by hash) are no longer pinned."""
+    def settle(self, holder: str, written: list[tuple[int, Key]], read: list[int]) -> None:
+        """``holder``'s step is done: the blocks it ``written`` into its leased slots are entries
+        now, and the entries it ``read`` (by hash) are no longer pinned."""
         with self._lock:
             self.index.commit(holder, written)
             self.index.release(holder, read)
@@ -132,29 +132,29 @@ class KVTierStore:
         data = torch.from_numpy(best.copy()).view(geometry.dtype).view(geometry.pool_dims(count))
         fetcher = f"fetch:{holder}"
         with self._lock:
-            reserved = self.index.reserve(fetcher, keys[:count])
-            written = [slot for slot in reserved if slot is not None]
-            if len(written) < count:  # no room, or another fetch of them is under way: leave it to that
+            slots = self.index.lease(fetcher, count)
+            if len(slots) < count:  # no room
                 self.index.forget(fetcher)
                 return []
             size = geometry.block_size
-            ids = (torch.tensor(written)[:, None] * size + torch.arange(size)).flatten()
+            ids = (torch.tensor(slots)[:, None] * size + torch.arange(size)).flatten()
             self.pool.index_copy_(2, ids, data)
-            self.index.commit(fetcher, written)
-            self.index.stats.hits += count
+            self.index.commit(fetcher, list(zip(slots, keys)))
             self.index.stats.remote_hits += count
-            return self.index.lookup(holder, keys[:count], count=False)
+            found = self.index.lookup(holder, keys[:count], count=False)
+            self.index.stats.hits += len(found)
+            return found
 
     def info(self) -> TierInfo:
         with self._lock:
             stats, entries = dataclasses.replace(self.index.stats), len(self.index)
-            pinned, reserved = self.index.num_pinned, self.index.num_reserved
+            pinned, leased = self.index.num_pinned, self.index.num_leased
         return TierInfo(
             self.node_id,
             self.index.capacity,
             entries,
             pinned,
-            reserved,
+            leased,
             self.geometry.bytes_per_block,
             stats.queried,
             stats.hits,

@@ -182,9 +182,10 @@ class BlockManager:
             elif register and i < num_full:
                 self._register(seq, i, block_id)
         seq.num_cached_tokens = seq.num_computed_tokens = (len(hits) + len(tier_slots)) * self.block_size
-        self.prefix_cache_queried_tokens += seq.num_tokens
-        self.prefix_cache_hit_tokens += seq.num_cached_tokens
-        self.tier_hit_tokens += len(tier_slots) * self.block_size
+        if share_cached:  # tokens to compute, less those found; not KV copied in whole
+            self.prefix_cache_queried_tokens += seq.num_tokens
+            self.prefix_cache_hit_tokens += seq.num_cached_tokens
+            self.tier_hit_tokens += len(tier_slots) * self.block_size
 
     def _tier_prefix(self, seq: Sequence, start: int) -> list[int]:
         """Tier slots of the blocks of ``seq`` that follow its ``start`` cached ones, as far as the

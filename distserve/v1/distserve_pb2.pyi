@@ -241,7 +241,7 @@ class GetClusterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("name", "role", "tensor_parallel_size", "pipeline_parallel_size", "num_blocks", "block_size", "num_free_blocks", "num_waiting", "num_running", "num_held", "num_pending", "num_preemptions", "failure", "node_id", "kv_pulls")
+    __slots__ = ("name", "role", "tensor_parallel_size", "pipeline_parallel_size", "num_blocks", "block_size", "num_free_blocks", "num_waiting", "num_running", "num_held", "num_pending", "num_preemptions", "failure", "node_id", "kv_pulls", "num_swapped", "num_swap_outs", "num_swap_ins", "swap_seconds", "prompt_tokens", "cached_prompt_tokens", "tier_hit_tokens")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,13 @@ class InstanceInfo(_message.Message):
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_PULLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAP_OUTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SWAP_INS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIER_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: Role
     tensor_parallel_size: int
@@ -272,7 +279,36 @@ class InstanceInfo(_message.Message):
     failure: str
     node_id: str
     kv_pulls: _containers.RepeatedCompositeFieldContainer[KVPulls]
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_held: _Optional[int] = ..., num_pending: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., failure: _Optional[str] = ..., node_id: _Optional[str] = ..., kv_pulls: _Optional[_Iterable[_Union[KVPulls, _Mapping]]] = ...) -> None: ...
+    num_swapped: int
+    num_swap_outs: int
+    num_swap_ins: int
+    swap_seconds: float
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    tier_hit_tokens: int
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_held: _Optional[int] = ..., num_pending: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., failure: _Optional[str] = ..., node_id: _Optional[str] = ..., kv_pulls: _Optional[_Iterable[_Union[KVPulls, _Mapping]]] = ..., num_swapped: _Optional[int] = ..., num_swap_outs: _Optional[int] = ..., num_swap_ins: _Optional[int] = ..., swap_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., tier_hit_tokens: _Optional[int] = ...) -> None: ...
+
+class KVTier(_message.Message):
+    __slots__ = ("node_id", "capacity_blocks", "entries", "bytes_per_block", "queried_blocks", "hit_blocks", "remote_hit_blocks", "written_blocks", "evicted_blocks")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    QUERIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_HIT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    capacity_blocks: int
+    entries: int
+    bytes_per_block: int
+    queried_blocks: int
+    hit_blocks: int
+    remote_hit_blocks: int
+    written_blocks: int
+    evicted_blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., entries: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., queried_blocks: _Optional[int] = ..., hit_blocks: _Optional[int] = ..., remote_hit_blocks: _Optional[int] = ..., written_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
 
 class KVPulls(_message.Message):
     __slots__ = ("source", "transport", "pulls", "bytes", "seconds")
@@ -289,7 +325,7 @@ class KVPulls(_message.Message):
     def __init__(self, source: _Optional[str] = ..., transport: _Optional[str] = ..., pulls: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
-    __slots__ = ("model", "instances", "num_pending_requests", "max_pending_requests", "max_model_len", "draining", "vocab_size", "role_changes", "role_control")
+    __slots__ = ("model", "instances", "num_pending_requests", "max_pending_requests", "max_model_len", "draining", "vocab_size", "role_changes", "role_control", "kv_tiers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -299,6 +335,7 @@ class ClusterInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     ROLE_CHANGES_FIELD_NUMBER: _ClassVar[int]
     ROLE_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
     num_pending_requests: int
@@ -308,7 +345,8 @@ class ClusterInfo(_message.Message):
     vocab_size: int
     role_changes: _containers.RepeatedCompositeFieldContainer[RoleChange]
     role_control: str
-    def __init__(self, model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., num_pending_requests: _Optional[int] = ..., max_pending_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., role_changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., role_control: _Optional[str] = ...) -> None: ...
+    kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTier]
+    def __init__(self, model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., num_pending_requests: _Optional[int] = ..., max_pending_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., role_changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., role_control: _Optional[str] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTier, _Mapping]]] = ...) -> None: ...
 
 class RoleChange(_message.Message):
     __slots__ = ("instance", "old_role", "new_role", "started", "seconds", "reason", "error")
