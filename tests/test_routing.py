@@ -45,6 +45,23 @@ def test_a_cached_prefix_counts_as_prefill_work_saved():
     assert router.pick_prefill([a, b], prompt(0, 200), 210) == (b, 200)
 
 
+def test_with_a_prefix_tier_a_prefix_sent_anywhere_counts_on_every_instance():
+    router = Router(BLOCK)
+    router.use_tier(capacity_blocks=12)
+    a, b = instance("a"), instance("b")
+    assert router.pick_prefill([a, b], prompt(0, 160), 170) == (a, 160)
+    a.prefill_tokens = 160
+    # Without the tier a would take it (40 to compute against 200); b reads the 10 blocks from the tier.
+    assert router.pick_prefill([a, b], prompt(0, 200), 210) == (b, 40)
+    # What a decode instance's answer filled is in the tier too.
+    router.remember(instance("decode"), prompt(1000, 64))
+    assert router.pick_prefill([a, b], prompt(1000, 80), 90) == (b, 16)
+    # The tier holds 12 blocks: the first prompt's leading ones have gone; a's own cache still holds it.
+    c = instance("c")
+    assert router.pick_prefill([c], prompt(0, 160), 170) == (c, 160)
+    assert router.pick_prefill([a], prompt(0, 160), 170) == (a, 1)
+
+
 def test_an_instance_without_room_for_the_request_gets_it_only_when_none_has_room():
     full = instance("full", load_tokens=1500)  # 1600 tokens of KV
     busy = instance("busy", load_tokens=200, prefill_tokens=800)
