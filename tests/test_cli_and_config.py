@@ -128,7 +128,8 @@ def test_dummy_weights_have_the_real_shape_and_serve():
 
 def test_kv_cache_sizing():
     from distserve.core.config import CacheConfig
-    from distserve.model_executor.kv_cache import CPU_KV_CACHE_LIMIT_BYTES, KVCacheShape, determine_num_blocks
+    from distserve.kv_transfer.plan import KVCacheShape
+    from distserve.model_executor.kv_cache import CPU_KV_CACHE_LIMIT_BYTES, determine_num_blocks
 
     shape = KVCacheShape(num_layers=32, num_kv_heads=32, head_dim=128, block_size=16, dtype=torch.float16)
     cpu = torch.device("cpu")

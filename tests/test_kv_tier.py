@@ -106,11 +106,11 @@ def _engines(names, block_size=8):
 
 
 def _geometry(block_size=8):
-    from distserve.kv_tier.store import TierGeometry
+    from distserve.kv_transfer.plan import KVCacheShape
     from distserve.model_executor.model_loader import resolve_model
 
     shape = resolve_model(EngineConfig.from_flat(model="tiny-llama").model).shape
-    return TierGeometry(shape.num_layers, shape.num_kv_heads, shape.head_dim, block_size, torch.float32)
+    return KVCacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, block_size, torch.float32)
 
 
 def _greedy(engine, prompt, max_tokens):
@@ -130,7 +130,8 @@ def _stores_idle(ray, stores):
 def test_blocks_one_engine_saves_another_reads_greedy_equal(ray_cluster, reference_model):
     """Engine a computes a prompt and saves its blocks (and the one its decoding fills) to the
     store; engine b, whose own cache is empty, prefills a longer prompt from them; both outputs are
-    transformers' greedy tokens, and neither engine nor the store holds anything afterwards."""
+    transformers' greedy tokens, and neither engine nor the store holds anything afterwards. When
+    the store dies, b serves on without it."""
     from distserve.kv_tier.client import TierClient
     from distserve.kv_tier.store import start_tier_stores
 
@@ -151,6 +152,11 @@ def test_blocks_one_engine_saves_another_reads_greedy_equal(ray_cluster, referen
         for engine in engines.values():
             assert_engine_idle(engine)
         assert _stores_idle(ray_cluster, stores.values())
+        ray_cluster.kill(store)  # a cache: the engines go on without it
+        third = random_prompts([30], 1024, seed=3)[0]
+        assert _greedy(engines["b"], third, 5) == reference_greedy(llama, third, 5)
+        assert engines["b"].tier.broken
+        assert_engine_idle(engines["b"])
     finally:
         for store in stores.values():
             ray_cluster.kill(store)

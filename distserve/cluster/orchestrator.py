@@ -50,7 +50,8 @@ from distserve.core.slo import RequestSLO
 from distserve.engine.executor import cluster_device
 from distserve.engine.input_processor import InputProcessor
 from distserve.engine.node_groups import check_nodes_hold
-from distserve.kv_tier.store import TierGeometry, TierInfo, start_tier_stores, tier_blocks
+from distserve.kv_tier.store import TierInfo, start_tier_stores, tier_blocks
+from distserve.kv_transfer.plan import KVCacheShape
 from distserve.model_executor.model_loader import (
     ResolvedModel,
     eos_token_ids,
@@ -135,7 +136,7 @@ class Orchestrator:
         engine = configs[0]
         shape = resolved.shape
         dtype = resolve_dtype(engine.model.dtype, resolved.hf_config, torch.device(cluster_device(engine)))
-        geometry = TierGeometry(shape.num_layers, shape.num_kv_heads, shape.head_dim, engine.cache.block_size, dtype)
+        geometry = KVCacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, engine.cache.block_size, dtype)
         blocks = tier_blocks(space, geometry)
         if blocks < 1:
             raise ValueError(f"kv_tier_space {space} GiB holds no block of {geometry.bytes_per_block} bytes")

@@ -19,7 +19,7 @@ from distserve.model_executor.model_runner import BatchInput
 from distserve.model_executor.worker import ModelOutput, Worker
 
 if TYPE_CHECKING:
-    from distserve.kv_tier.store import TierGeometry
+    from distserve.kv_transfer.plan import KVCacheShape
     from distserve.kv_transfer.shared_memory import SharedFile
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ class Executor(Protocol):
 
     def kv_endpoints(self, instance: Any) -> list[KVEndpoint]: ...
 
-    def attach_tier(self, geometry: TierGeometry, shared: SharedFile) -> None:
+    def attach_tier(self, geometry: KVCacheShape, shared: SharedFile) -> None:
         """Every rank maps the node's prefix tier pool; raises where one cannot (the instance goes on)."""
 
     def call_kv(self, method: str, *args) -> list:
@@ -99,7 +99,7 @@ class UniprocExecutor:
     def call_kv(self, method: str, *args) -> list:
         return [self.worker.kv(method, *args)]
 
-    def attach_tier(self, geometry: TierGeometry, shared: SharedFile) -> None:
+    def attach_tier(self, geometry: KVCacheShape, shared: SharedFile) -> None:
         self.worker.attach_tier(geometry, shared)
 
     def call_kv_on(self, calls: list[tuple[int, str, tuple]]) -> list:
@@ -215,7 +215,7 @@ class RayExecutor:
     def call_kv(self, method: str, *args) -> list:
         return self._call_all("kv", method, *args)
 
-    def attach_tier(self, geometry: TierGeometry, shared: SharedFile) -> None:
+    def attach_tier(self, geometry: KVCacheShape, shared: SharedFile) -> None:
         import ray
 
         ray.get([w.attach_tier.remote(geometry, shared) for w in self.workers])

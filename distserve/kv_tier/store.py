@@ -23,30 +23,12 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from distserve.kv_tier.index import Key, TierIndex
+from distserve.kv_transfer.plan import KVCacheShape
 from distserve.kv_transfer.shared_memory import SharedFile, shared_zeros
 
 logger = logging.getLogger(__name__)
 
 STORE_CONCURRENCY = 8  # lookups of several instances, and other nodes' exports, at once
-
-
-@dataclass(frozen=True)
-class TierGeometry:
-    """The KV of one block of the whole model."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element
-
-    def pool_dims(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
 
 
 @dataclass
@@ -67,15 +49,15 @@ class TierInfo:
 
 
 class KVTierStore:
-    def __init__(self, geometry: TierGeometry, num_blocks: int) -> None:
+    def __init__(self, geometry: KVCacheShape, num_blocks: int) -> None:
         self.geometry = geometry
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.pool, self.shared = shared_zeros(geometry.pool_dims(num_blocks), geometry.dtype)
+        self.pool, self.shared = shared_zeros(geometry.dims(num_blocks), geometry.dtype)
         self.index = TierIndex(num_blocks)
         self._lock = threading.Lock()
         self._peers: list[Any] = []
 
-    def describe(self) -> tuple[TierGeometry, SharedFile, int]:
+    def describe(self) -> tuple[KVCacheShape, SharedFile, int]:
         """What a rank on this node needs to map the pool, and how many blocks it holds."""
         return self.geometry, self.shared, self.index.capacity
 
@@ -129,7 +111,7 @@ class KVTierStore:
         geometry = self.geometry
         count = len(best) // geometry.bytes_per_block
         # A copy: the object store's buffer is read-only, which torch does not take without a warning.
-        data = torch.from_numpy(best.copy()).view(geometry.dtype).view(geometry.pool_dims(count))
+        data = torch.from_numpy(best.copy()).view(geometry.dtype).view(geometry.dims(count))
         fetcher = f"fetch:{holder}"
         with self._lock:
             slots = self.index.lease(fetcher, count)
@@ -164,12 +146,12 @@ class KVTierStore:
         )
 
 
-def tier_blocks(space_gib: float, geometry: TierGeometry) -> int:
+def tier_blocks(space_gib: float, geometry: KVCacheShape) -> int:
     """Blocks of ``space_gib`` GiB."""
     return int(space_gib * 2**30) // geometry.bytes_per_block
 
 
-def start_tier_stores(prefix: str, geometry: TierGeometry, num_blocks: int) -> dict[str, Any]:
+def start_tier_stores(prefix: str, geometry: KVCacheShape, num_blocks: int) -> dict[str, Any]:
     """A store on every alive Ray node, each knowing the others; by node id."""
     nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
     stores = {

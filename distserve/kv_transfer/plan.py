@@ -11,7 +11,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from distserve.parallel.ranks import ParallelRank, stage_layers
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    """The KV blocks of some layers and KV heads: a rank's cache, or a whole model's (the prefix tier's)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element
+
+    def dims(self, num_blocks: int) -> tuple[int, ...]:
+        """A cache tensor's: ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]``."""
+        return (self.num_layers, 2, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
 
 
 @dataclass(frozen=True)

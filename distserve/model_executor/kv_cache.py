@@ -4,32 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
 from distserve.core.config import CacheConfig
 from distserve.kv_transfer.channel import message_tokens, staging_bytes
+from distserve.kv_transfer.plan import KVCacheShape
 from distserve.kv_transfer.shared_memory import SharedFile, shared_zeros
 
 logger = logging.getLogger(__name__)
 
 # On CPU the "free memory" is the whole machine's, shared with everything else: cap the default.
 CPU_KV_CACHE_LIMIT_BYTES = 4 * 2**30
-
-
-@dataclass(frozen=True)
-class KVCacheShape:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element
 
 
 class KVCache:
@@ -53,7 +39,7 @@ class KVCache:
             raise ValueError(f"{len(layer_ids)} layer ids for a cache of {shape.num_layers} layers")
         self.shape = shape
         self.num_blocks = num_blocks
-        dims = (shape.num_layers, 2, num_blocks * shape.block_size, shape.num_kv_heads, shape.head_dim)
+        dims = shape.dims(num_blocks)
         # ``shared``: on CPU in shared memory where the system allows, so that a rank on the same
         # machine pulls KV straight out of it (``self.shared`` says how it maps it).
         self.tensor, self.shared = _allocate(dims, shape.dtype, device, shared)

@@ -20,11 +20,11 @@ from distserve.core.cpu_cores import bind_process
 from distserve.core.outputs import TokenLogprobs
 from distserve.core.step_metrics import StepTimer
 from distserve.kv_transfer.channel import KVTransfer
-from distserve.kv_transfer.plan import rank_layout
+from distserve.kv_transfer.plan import KVCacheShape, rank_layout
 from distserve.model_executor.attention import resolve_attention_backend
 from distserve.model_executor.cpu_linear import can_pack, pack_linears
 from distserve.model_executor.cuda_graph import DecodeGraphs
-from distserve.model_executor.kv_cache import KVCache, KVCacheShape, determine_num_blocks
+from distserve.model_executor.kv_cache import KVCache, determine_num_blocks
 from distserve.model_executor.logprobs import split_prompt_rows
 from distserve.model_executor.model_loader import load_model, resolve_device, resolve_dtype, resolve_model
 from distserve.model_executor.model_runner import BatchInput, ModelRunner
@@ -34,7 +34,6 @@ from distserve.parallel.ranks import ParallelRank
 from distserve.parallel.tensor_parallel import local_kv_heads
 
 if TYPE_CHECKING:
-    from distserve.kv_tier.store import TierGeometry
     from distserve.kv_transfer.shared_memory import SharedFile
 
 
@@ -167,7 +166,7 @@ class Worker:
             )
             self.decode_graphs.capture()
 
-    def attach_tier(self, geometry: TierGeometry, shared: SharedFile) -> None:
+    def attach_tier(self, geometry: KVCacheShape, shared: SharedFile) -> None:
         """Map the node's prefix tier pool, this rank's layers and heads of it. OSError where it
         cannot be mapped (not this machine's), ValueError where its blocks are not this model's."""
         mine = (self.kv_shape.block_size, self.kv_shape.head_dim, self.kv_shape.dtype)

@@ -27,7 +27,8 @@ from distserve.core.config import EngineConfig
 from distserve.core.sampling_params import SamplingParams
 from distserve.engine.llm_engine import LLMEngine
 from distserve.kv_tier.client import TierClient
-from distserve.kv_tier.store import TierGeometry, start_tier_stores, tier_blocks
+from distserve.kv_tier.store import start_tier_stores, tier_blocks
+from distserve.kv_transfer.plan import KVCacheShape
 from distserve.model_executor.model_loader import resolve_model
 from distserve.model_executor.tiny_models import BENCH_LLAMA_SHAPE, write_llama_shape
 
@@ -76,7 +77,7 @@ def main() -> None:
     config = EngineConfig.from_flat(model=model, load_format="dummy", block_size=16, num_kv_blocks=2048,
                                     cpu_threads=args.threads)  # fmt: skip
     shape = resolve_model(config.model).shape
-    geometry = TierGeometry(shape.num_layers, shape.num_kv_heads, shape.head_dim, 16, torch.float32)
+    geometry = KVCacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, 16, torch.float32)
     store = next(iter(start_tier_stores("bench", geometry, tier_blocks(args.tier_space, geometry)).values()))
     engines = {name: LLMEngine(config, max_step_records=100_000, name=name) for name in ("tier", "no tier", "reader")}
     for name in ("tier", "reader"):
