@@ -22,6 +22,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from distserve.core.local_prefill import LOCAL_PREFILL_MODES, LocalPrefillConfig
@@ -164,20 +165,33 @@ def headline(summary: dict, args: argparse.Namespace) -> str:
             f"goodput at {args.target:.0%}: {goodputs}")  # fmt: skip
 
 
-def report(summary: dict, args: argparse.Namespace) -> str:
-    lines = [headline(summary, args), "",
-             "| rate | mode | both SLOs | TTFT met | TPOT met | local prefills | TTFT p90 short / long (ms) "
-             "| TPOT p90 (ms) | prefill steps held back |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    short, long = args.short_class, args.long_class
+def rate_table(summary: dict, args: argparse.Namespace, columns: list[str], cells: Callable[[dict], list]) -> str:
+    """A report: the headline, then a row per rate and mode of ``columns``, ``cells(summary of the probe)``."""
+    lines = [headline(summary, args), "", "| " + " | ".join(["rate", "mode", *columns]) + " |",
+             "|" + "---|" * (len(columns) + 2)]  # fmt: skip
     for rate in args.rates:
-        for mode in args.modes:
-            s = summary["results"][mode][rate]
-            lines.append(
-                f"| {rate:g} | {mode} | {s['attainment']:.1%} | {s['ttft_met']:.1%} | {s['tpot_met']:.1%} "
-                f"| {s['local_prefills']}/{s['requests']} | {s[f'ttft_p90_{short}'] * 1e3:.0f} / "
-                f"{s[f'ttft_p90_{long}'] * 1e3:.0f} | {s['tpot_p90'] * 1e3:.1f} | {s['throttled_steps']} |"
-            )
+        for mode, by_rate in summary["results"].items():
+            lines.append("| " + " | ".join([f"{rate:g}", mode, *map(str, cells(by_rate[rate]))]) + " |")
     return "\n".join(lines)
+
+
+def report(summary: dict, args: argparse.Namespace) -> str:
+    short, long = args.short_class, args.long_class
+    columns = ["both SLOs", "TTFT met", "TPOT met", "local prefills", "TTFT p90 short / long (ms)", "TPOT p90 (ms)",
+               "prefill steps held back"]  # fmt: skip
+
+    def cells(s: dict) -> list:
+        return [
+            f"{s['attainment']:.1%}",
+            f"{s['ttft_met']:.1%}",
+            f"{s['tpot_met']:.1%}",
+            f"{s['local_prefills']}/{s['requests']}",
+            f"{s[f'ttft_p90_{short}'] * 1e3:.0f} / {s[f'ttft_p90_{long}'] * 1e3:.0f}",
+            f"{s['tpot_p90'] * 1e3:.1f}",
+            s["throttled_steps"],
+        ]
+
+    return rate_table(summary, args, columns, cells)
 
 
 def add_run_args(p: argparse.ArgumentParser, calibration: int, out: str) -> None:

@@ -28,7 +28,7 @@ import statistics
 import time
 from pathlib import Path
 
-from exp_local_prefill import add_run_args, goodput, headline, percentile, run_and_report
+from exp_local_prefill import add_run_args, goodput, percentile, rate_table, run_and_report
 from exp_swap import settles_idle
 
 from distserve.core.slo import RequestSLO
@@ -148,18 +148,21 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def report(summary: dict, args: argparse.Namespace) -> str:
-    lines = [headline(summary, args), "",
-             "| rate | cluster | both SLOs | TTFT p50 (ms) | TTFT p90 (ms) | TPOT p90 (ms) | prompt tokens computed "
-             "/ sent | from the tier | nothing in use after |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for rate in args.rates:
-        for mode in summary["results"]:
-            s = summary["results"][mode][rate]
-            lines.append(
-                f"| {rate:g} | {mode} | {s['attainment']:.1%} | {s['ttft_p50'] * 1e3:.0f} | {s['ttft_p90'] * 1e3:.0f} "
-                f"| {s['tpot_p90'] * 1e3:.1f} | {s['computed']} / {s['prompt_tokens']} | {s['tier_hits']} "
-                f"| {'yes' if s['idle'] else 'no'} |"
-            )
-    return "\n".join(lines)
+    columns = ["both SLOs", "TTFT p50 (ms)", "TTFT p90 (ms)", "TPOT p90 (ms)", "prompt tokens computed / sent",
+               "from the tier", "nothing in use after"]  # fmt: skip
+
+    def cells(s: dict) -> list:
+        return [
+            f"{s['attainment']:.1%}",
+            f"{s['ttft_p50'] * 1e3:.0f}",
+            f"{s['ttft_p90'] * 1e3:.0f}",
+            f"{s['tpot_p90'] * 1e3:.1f}",
+            f"{s['computed']} / {s['prompt_tokens']}",
+            s["tier_hits"],
+            "yes" if s["idle"] else "no",
+        ]
+
+    return rate_table(summary, args, columns, cells)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import statistics
 import time
 from pathlib import Path
 
-from exp_local_prefill import add_run_args, goodput, headline, parse_classes, probe, run_and_report, summarize
+from exp_local_prefill import add_run_args, goodput, parse_classes, probe, rate_table, run_and_report, summarize
 
 from distserve.core.slo import RequestSLO
 
@@ -99,18 +99,22 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def report(summary: dict, args: argparse.Namespace) -> str:
-    lines = [headline(summary, args), "",
-             "| rate | mode | both SLOs | TTFT met | TPOT met | TPOT p90 (ms) | preemptions | swapped out / in "
-             "| swap copies s | nothing in use after |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for rate in args.rates:
-        for mode in MODES:
-            s = summary["results"][mode][rate]
-            lines.append(
-                f"| {rate:g} | {mode} | {s['attainment']:.1%} | {s['ttft_met']:.1%} | {s['tpot_met']:.1%} "
-                f"| {s['tpot_p90'] * 1e3:.1f} | {s['preemptions']} | {s['swap_outs']} / {s['swap_ins']} "
-                f"| {s['swap_seconds']:.3f} | {'yes' if s['idle'] else 'no'} |"
-            )
-    return "\n".join(lines)
+    columns = ["both SLOs", "TTFT met", "TPOT met", "TPOT p90 (ms)", "preemptions", "swapped out / in",
+               "swap copies s", "nothing in use after"]  # fmt: skip
+
+    def cells(s: dict) -> list:
+        return [
+            f"{s['attainment']:.1%}",
+            f"{s['ttft_met']:.1%}",
+            f"{s['tpot_met']:.1%}",
+            f"{s['tpot_p90'] * 1e3:.1f}",
+            s["preemptions"],
+            f"{s['swap_outs']} / {s['swap_ins']}",
+            f"{s['swap_seconds']:.3f}",
+            "yes" if s["idle"] else "no",
+        ]
+
+    return rate_table(summary, args, columns, cells)
 
 
 def main() -> None:
