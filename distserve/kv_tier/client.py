@@ -49,7 +49,7 @@ class TierClient:
         self, loads: list[tuple[Key, int, int]], saves: list[tuple[Key, int]]
     ) -> tuple[list[tuple[int, int]], list[tuple[int, int, Key]]]:
         """A step's copies in from the tier, (block, slot) each, and out to it, (block, slot, key)
-        each: into leased slots, as many as there are, with no call to the store on the way."""
+        each, into leased slots (a block finds none only where the tier has no slot to lease)."""
         self._take_refill()
         if len(saves) > len(self._slots):
             self._slots += self._call("lease", len(saves) - len(self._slots)) or []
