@@ -222,6 +222,40 @@ def test_a_conversation_turn_reads_its_history_from_the_tier(ray_cluster, refere
     asyncio.run(scenario())
 
 
+def test_a_replaced_prefill_instance_starts_warm_from_the_tier(ray_cluster, reference_model):
+    """1P+1D with a tier: the prefill instance is killed after a conversation's first turn; its
+    replacement, whose own cache is empty, prefills the second turn from the blocks the dead
+    instance and the decode instance saved. Greedy-equal; no pin is left in the store."""
+    import ray
+
+    llama = reference_model("tiny-llama")
+    first = random_prompts([48], 1024, seed=6)[0]
+
+    async def scenario():
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=128, kv_tier_space=0.01)
+        try:
+            turn1 = await _final(cluster, first, 20)
+            prefill = next(s for s in cluster.orchestrator.instances if s.role == "prefill")
+            ray.kill(prefill.handle)
+            deadline = asyncio.get_running_loop().time() + 60
+            while not any(s.name.endswith("prefill-r1") for s in cluster.orchestrator.instances):
+                assert asyncio.get_running_loop().time() < deadline, "no replacement"
+                await asyncio.sleep(0.05)
+            second = first + turn1.output_token_ids + random_prompts([5], 1024, seed=7)[0]
+            turn2 = await _final(cluster, second, 20)
+            assert turn2.output_token_ids == reference_greedy(llama, second, 20)
+            replacement = next(i for i in await cluster.info() if i.name.endswith("prefill-r1"))
+            # The prompt's blocks and the answer's full ones: all of it but its last token has KV.
+            computed = len(first) + len(turn1.output_token_ids) - 1
+            assert turn2.num_cached_tokens == replacement.tier_hit_tokens == computed // 8 * 8 > len(first)
+            await wait_nothing_in_use_async(cluster)
+            assert all(store.num_pinned == 0 for store in await cluster.tier_info())
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_a_block_saved_on_one_node_is_read_on_another(ray_nodes, reference_model):
     """Two engines attached to the stores of two different nodes: b's store misses, copies the run
     from a's store through Ray's object store, and b's output is greedy-equal. (Last in this
