@@ -96,9 +96,7 @@ class KVTierStore:
             slots = self.index.lookup("", keys, pin=False, count=False)
             if not slots:
                 return None
-            size = self.geometry.block_size
-            ids = (torch.tensor(slots)[:, None] * size + torch.arange(size)).flatten()
-            data = self.pool.index_select(2, ids)
+            data = self.pool.index_select(2, self.geometry.block_slots(slots))
         return data.view(-1).view(torch.uint8).numpy()
 
     def _fetch(self, holder: str, keys: list[Key]) -> list[int]:
@@ -118,9 +116,7 @@ class KVTierStore:
             if len(slots) < count:  # no room
                 self.index.forget(fetcher)
                 return []
-            size = geometry.block_size
-            ids = (torch.tensor(slots)[:, None] * size + torch.arange(size)).flatten()
-            self.pool.index_copy_(2, ids, data)
+            self.pool.index_copy_(2, geometry.block_slots(slots), data)
             self.index.commit(fetcher, list(zip(slots, keys)))
             self.index.stats.remote_hits += count
             found = self.index.lookup(holder, keys[:count], count=False)

@@ -35,6 +35,11 @@ class KVCacheShape:
         """A cache tensor's: ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]``."""
         return (self.num_layers, 2, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
 
+    def block_slots(self, blocks: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+        """The slots of ``blocks`` on a cache tensor's slot axis, in order."""
+        ids = torch.tensor(blocks, dtype=torch.long, device=device)
+        return (ids[:, None] * self.block_size + torch.arange(self.block_size, device=device)).flatten()
+
 
 @dataclass(frozen=True)
 class KVLayout:

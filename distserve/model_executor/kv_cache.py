@@ -52,7 +52,7 @@ class KVCache:
         """Copy the K/V of each (source, destination) block pair, every layer at once."""
         if not copies:
             return
-        src, dst = (self._slots([pair[i] for pair in copies], self.tensor.device) for i in (0, 1))
+        src, dst = (self.shape.block_slots([pair[i] for pair in copies], self.tensor.device) for i in (0, 1))
         self.tensor.index_copy_(2, dst, self.tensor.index_select(2, src))
 
     def swap(self, out: bool, pairs: list[tuple[int, int]]) -> None:
@@ -78,12 +78,6 @@ class KVCache:
                 pool.copy_(cache)
             else:
                 cache.copy_(pool)
-
-    def _slots(self, blocks: list[int], device: torch.device) -> torch.Tensor:
-        """The slots of ``blocks``, in order."""
-        size = self.shape.block_size
-        ids = torch.tensor(blocks, dtype=torch.long, device=device)
-        return (ids[:, None] * size + torch.arange(size, device=device)).flatten()
 
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
