@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks in one go: the Triton kernels against their references, the GPU tests (float32
-# exactness against transformers, bfloat16 serving, decode graphs, KV over CUDA IPC), then the GPU
-# benchmarks, the device memory of loading every kernel at start and role changes under both
-# loadings. Each step has a time limit and a log of its own in OUTDIR, and a failing step does not
-# stop the next.
+# exactness against transformers, swap, bfloat16 serving, decode graphs, KV over CUDA IPC), then
+# the GPU benchmarks (decoding, KV over IPC, swap copies), the device memory of loading every
+# kernel at start and role changes under both loadings. Each step has a time limit and a log of
+# its own in OUTDIR, and a failing step does not stop the next.
 #
 #   bash scripts/gpu_checks.sh [OUTDIR]
 set -u
@@ -35,6 +35,7 @@ step tests "${TESTS_LIMIT:-300}" $python -m pytest -m gpu -p no:cacheprovider -q
 # shellcheck disable=SC2086
 step bench_gpu "${BENCH_LIMIT:-240}" $python scripts/benchmarks/bench_gpu.py --json "$out/bench_gpu.json" ${BENCH_ARGS:-}
 step bench_kv_ipc "${IPC_LIMIT:-90}" $python scripts/benchmarks/bench_kv_ipc.py --json "$out/bench_kv_ipc.json"
+step bench_swap "${SWAP_LIMIT:-90}" $python scripts/benchmarks/bench_swap.py --json "$out/bench_swap.json"
 # What loading every kernel at start (instances' default) costs in device memory, against CUDA's
 # lazy default: a process that has run a matrix product and SDPA, each way.
 for mode in LAZY EAGER; do

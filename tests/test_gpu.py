@@ -66,6 +66,19 @@ def test_chunked_prefill_with_the_triton_decode_on_cuda(reference_model):
     check_greedy_on_cuda("tiny-llama", reference_model, **options)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "triton"], ids=["sdpa", "triton-graphs"])
+def test_swapped_kv_comes_back_exact_on_cuda(reference_model, backend):
+    """60 blocks for the 8 prompts: preempted sequences are swapped out to pinned host memory and
+    back on the cache's swap stream, the forward passes ordered after the copies; greedy-equal,
+    the copies timed on the device, nothing in use on the device or the host afterwards."""
+    llm = check_greedy_on_cuda("tiny-llama", reference_model, swap_space=0.01, attention_backend=backend)
+    swap = llm.engine.scheduler.swap
+    assert swap.num_swap_outs > 0 and swap.num_swap_ins == swap.num_swap_outs
+    assert swap.copy_seconds > 0 and swap.num_free_blocks == swap.num_blocks
+    cache = llm.engine.executor.worker.kv_cache
+    assert cache.host.is_pinned() and cache.swap_seconds() == 0.0
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bfloat16_serves_and_frees_every_block(family):
     llm = LLM(family, device="cuda")  # auto: bfloat16, the Triton kernel, decode graphs

@@ -204,6 +204,10 @@ class Worker:
         if self.device.type == "cuda" and out is not None and self.rank.is_driver:
             torch.cuda.synchronize(self.device)  # so the forward's time is not booked to sampling
         timer.lap("forward")
+        if batch.swaps and self.device.type == "cuda":  # the copies ran on the device before the forward pass
+            copies = self.kv_cache.swap_seconds()
+            timer.seconds["swap"] += copies
+            timer.seconds["forward"] = max(0.0, timer.seconds["forward"] - copies)
         if batch.tier_saves:  # every rank's part, before the step's answer says they are there
             self.kv_cache.copy_host(self.tier_pool, True, batch.tier_saves)
             timer.lap("tier")
