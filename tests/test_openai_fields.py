@@ -672,6 +672,7 @@ def test_continuous_usage_is_on_every_chunk(tokenizer, path, body):
             "prompt_tokens": num_prompt,
             "completion_tokens": done[choice["index"]],
             "total_tokens": num_prompt + done[choice["index"]],
+            "prompt_tokens_details": {"cached_tokens": 0},
         }
     _, status, events = _post(tokenizer, path, {**body, "stream": True, "stream_options": {"include_usage": True}})
     assert not any("usage" in e for e in events[:-1]) and "usage" in events[-1]

@@ -74,18 +74,27 @@ async def _run_choices(
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _usage(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    """OpenAI's usage: ``cached`` is the prompt tokens whose KV was found (prefix cache or tier)."""
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
-def _call_usage(call: Call, finals: dict[int, RequestOutput]) -> dict[str, int]:
+def _call_usage(call: Call, finals: dict[int, RequestOutput]) -> dict[str, Any]:
     # A prompt is counted once however many samples it has.
-    prompt = sum(len(out.prompt_token_ids) for i, out in finals.items() if i % call.n == 0)
-    return _usage(prompt, sum(len(out.output_token_ids) for out in finals.values()))
+    prompts = [out for i, out in finals.items() if i % call.n == 0]
+    completion = sum(len(out.output_token_ids) for out in finals.values())
+    return _usage(
+        sum(len(out.prompt_token_ids) for out in prompts), completion, sum(out.num_cached_tokens for out in prompts)
+    )
 
 
-def _choice_usage(output: RequestOutput) -> dict[str, int]:
-    return _usage(len(output.prompt_token_ids), len(output.output_token_ids))
+def _choice_usage(output: RequestOutput) -> dict[str, Any]:
+    return _usage(len(output.prompt_token_ids), len(output.output_token_ids), output.num_cached_tokens)
 
 
 class _Formatter:

@@ -11,6 +11,7 @@ Servers (``--servers a,b,...``, in that order):
     colocated      distserve launch --colocated-instances 1 --cpu-threads 2
     colocated-1t   the same with --cpu-threads 1: the instance on a core of its own, the servers on the other
     disaggregated  distserve launch --prefill-instances 1 --decode-instances 1 (a core each)
+    disaggregated-tier  the same with --kv-tier-space 0.5: a shared prefix tier of 0.5 GiB
     NAME-unbound   a distserve server above with --cpu-cores none: threads left where the OS puts them
 
 The model is the 58M dummy Llama (``llama-58m``: hidden 512, 8 layers, vocab 32,000, float32,
@@ -40,6 +41,7 @@ DISTSERVE_SERVERS = {
     "colocated": ("colocated", ["--cpu-threads", "2"]),
     "colocated-1t": ("colocated", ["--cpu-threads", "1"]),
     "disaggregated": ("disaggregated", []),
+    "disaggregated-tier": ("disaggregated", ["--kv-tier-space", "0.5"]),
 }
 DISTSERVE_SERVERS |= {
     f"{name}-unbound": (deployment, [*flags, "--cpu-cores", "none"])
@@ -65,13 +67,16 @@ class VllmServer(ServerProcess):
         super().__init__(command, f"http://127.0.0.1:{port}", log, env)
 
 
-def start_server(name: str, args: argparse.Namespace, out: Path, env: dict[str, str]) -> ServerProcess:
+def start_server(
+    name: str, args: argparse.Namespace, out: Path, env: dict[str, str], vllm_flags: tuple[str, ...] = ()
+) -> ServerProcess:
+    """``name`` started; ``vllm_flags`` go to a vLLM server besides its own."""
     out.mkdir(parents=True, exist_ok=True)
     if name in VLLM_SERVERS:
         vllm = executable(args.venvs, "vllm", "vllm")
         if vllm is None:
             raise SystemExit(f"vllm is not installed in {args.venvs / 'vllm'} (see docs/experiments/peer-clients.md)")
-        return VllmServer(vllm, args.tokenizer, VLLM_SERVERS[name], out / "server.log", env)
+        return VllmServer(vllm, args.tokenizer, [*VLLM_SERVERS[name], *vllm_flags], out / "server.log", env)
     deployment, extra = DISTSERVE_SERVERS[name]
     return LaunchedServer(deployment, MODEL, extra, out, None)
 
