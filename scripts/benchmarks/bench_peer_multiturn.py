@@ -26,13 +26,11 @@ import asyncio
 import json
 import random
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
-from bench_peer_serving import DISTSERVE_SERVERS, MODEL, PLACEMENT_LINES, VLLM_SERVERS, start_server
-from peer_clients import client_env, model_files
+from bench_peer_serving import MODEL, prepare_run, server_parser, serving
 
 VOCAB = range(10, 30_000)
 
@@ -109,13 +107,8 @@ def summarize(server: str, rate: float, records: list[dict], args: argparse.Name
 
 
 def run_server(name: str, args: argparse.Namespace, out: Path, env: dict[str, str]) -> list[dict]:
-    server = start_server(name, args, out, env, vllm_flags=("--enable-prompt-tokens-details",))
     rows = []
-    try:
-        server.wait_ready(args.launch_timeout)
-        print(f"{name}: serving after {server.startup_s:.1f} s", flush=True)
-        for line in PLACEMENT_LINES.findall(server.log.read_text()):
-            print(f"  {line.strip()}", flush=True)
+    with serving(name, args, out, env, vllm_flags=("--enable-prompt-tokens-details",)) as server:
         for place, rate in enumerate(args.rates):
             try:
                 records = asyncio.run(probe(server.url, rate, args.seed + place, args))
@@ -124,8 +117,6 @@ def run_server(name: str, args: argparse.Namespace, out: Path, env: dict[str, st
             else:
                 rows.append(summarize(name, rate, records, args))
             print(format_row(rows[-1]), flush=True)
-    finally:
-        server.stop()
     return rows
 
 
@@ -146,9 +137,8 @@ def format_row(row: dict) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--servers", default="vllm,colocated,disaggregated,disaggregated-tier")
-    parser.add_argument("--rates", default="0.5,1", help="conversations a second, comma-separated")
+    servers = "vllm,vllm-block-16,colocated,disaggregated,disaggregated-tier"
+    parser = server_parser(__doc__, servers, "1,2,3", "conversations a second")
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-len", type=int, default=256)
@@ -156,23 +146,9 @@ def main() -> int:
     parser.add_argument("--answer-len", type=int, default=48)
     parser.add_argument("--think", type=float, default=1.0, help="mean think time, s")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slo-ttft", type=float, default=1000, help="ms")
-    parser.add_argument("--slo-tpot", type=float, default=50, help="ms")
-    parser.add_argument("--launch-timeout", type=float, default=900)
-    parser.add_argument("--client-timeout", type=float, default=600, help="s, a probe's")
-    parser.add_argument("--venvs", type=Path, default=Path.home() / "venvs")
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    servers = [s.strip() for s in args.servers.split(",") if s.strip()]
-    known = [*VLLM_SERVERS, *DISTSERVE_SERVERS]
-    if unknown := [s for s in servers if s not in known]:
-        parser.error(f"unknown servers {unknown}: choose from {', '.join(known)}")
-    args.rates = [float(r) for r in args.rates.split(",")]
+    servers, out, env = prepare_run(parser, args)
     args.user_len = tuple(int(n) for n in args.user_len.split(","))
-    out = args.out or Path(tempfile.mkdtemp(prefix="peer-multiturn-"))
-    out.mkdir(parents=True, exist_ok=True)
-    args.tokenizer, args.api_key = model_files(MODEL, out)[0], None
-    env = client_env(args)
     rows = []
     for name in servers:
         rows += run_server(name, args, out / name, env)

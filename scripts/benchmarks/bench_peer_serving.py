@@ -8,6 +8,7 @@ Servers (``--servers a,b,...``, in that order):
 
     vllm           vllm serve, its defaults (on 2 cores: engine on one, the other reserved for its API server)
     vllm-eager     the same with --enforce-eager
+    vllm-block-16  the same with --block-size 16 (distserve's default; vLLM's CPU default is 128)
     colocated      distserve launch --colocated-instances 1 --cpu-threads 2
     colocated-1t   the same with --cpu-threads 1: the instance on a core of its own, the servers on the other
     disaggregated  distserve launch --prefill-instances 1 --decode-instances 1 (a core each)
@@ -30,9 +31,11 @@ install commands).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from peer_clients import LaunchedServer, ServerProcess, client_env, executable, free_port, model_files, run_client
@@ -49,7 +52,8 @@ DISTSERVE_SERVERS |= {
 }
 # Where each server says it put its threads, in its log.
 PLACEMENT_LINES = re.compile(r"cores: .*|reserved_cpus=.*|Reducing Torch threads.*|OMP threads bound.*")
-VLLM_SERVERS = {"vllm": [], "vllm-eager": ["--enforce-eager"]}
+# vLLM's CPU backend makes blocks of 128 tokens unless told: ``vllm-block-16`` has distserve's size.
+VLLM_SERVERS = {"vllm": [], "vllm-eager": ["--enforce-eager"], "vllm-block-16": ["--block-size", "16"]}
 MODEL = "llama-58m"
 
 
@@ -93,16 +97,28 @@ def bench_command(vllm: str, url: str, args: argparse.Namespace, rate: float, se
     ]  # fmt: skip
 
 
-def run_server(name: str, args: argparse.Namespace, out: Path, env: dict[str, str]) -> list[dict]:
-    """One row per rate: the client's figures, or an ``error``."""
-    vllm = executable(args.venvs, "vllm", "vllm")
-    server = start_server(name, args, out, env)
-    rows = []
+@contextlib.contextmanager
+def serving(
+    name: str, args: argparse.Namespace, out: Path, env: dict[str, str], vllm_flags: tuple[str, ...] = ()
+) -> Iterator[ServerProcess]:
+    """Server ``name`` started and ready (its start-up time and where it put its threads printed),
+    stopped on leaving."""
+    server = start_server(name, args, out, env, vllm_flags)
     try:
         server.wait_ready(args.launch_timeout)
         print(f"{name}: serving after {server.startup_s:.1f} s", flush=True)
         for line in PLACEMENT_LINES.findall(server.log.read_text()):
             print(f"  {line.strip()}", flush=True)
+        yield server
+    finally:
+        server.stop()
+
+
+def run_server(name: str, args: argparse.Namespace, out: Path, env: dict[str, str]) -> list[dict]:
+    """One row per rate: the client's figures, or an ``error``."""
+    vllm = executable(args.venvs, "vllm", "vllm")
+    rows = []
+    with serving(name, args, out, env) as server:
         for seed, rate in enumerate(args.rates):  # new prompts at each rate: none in the prefix cache
             command = bench_command(vllm, server.url, args, rate, seed, out)
             rc = run_client(command, out / f"rate-{rate:g}.log", env, args.client_timeout)
@@ -114,8 +130,6 @@ def run_server(name: str, args: argparse.Namespace, out: Path, env: dict[str, st
                 row.update(json.loads(result.read_text()))
             rows.append(row)
             print(format_row(row), flush=True)
-    finally:
-        server.stop()
     return rows
 
 
@@ -136,33 +150,43 @@ def format_row(row: dict) -> str:
     )
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--servers", default="vllm,colocated,disaggregated")
-    parser.add_argument("--rates", default="1,2,3", help="request rates, comma-separated")
-    parser.add_argument("--num-prompts", type=int, default=60)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
+def server_parser(description: str, servers: str, rates: str, rate_help: str) -> argparse.ArgumentParser:
+    """The options every run against these servers has; ``servers`` and ``rates`` their defaults."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--servers", default=servers)
+    parser.add_argument("--rates", default=rates, help=f"{rate_help}, comma-separated")
     parser.add_argument("--slo-ttft", type=float, default=1000, help="ms")
     parser.add_argument("--slo-tpot", type=float, default=50, help="ms")
     parser.add_argument("--launch-timeout", type=float, default=900)
     parser.add_argument("--client-timeout", type=float, default=600)
     parser.add_argument("--venvs", type=Path, default=Path.home() / "venvs")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def prepare_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[str], Path, dict[str, str]]:
+    """The servers asked for (refused in one sentence if unknown, or if vLLM is missing), the
+    output folder with the model written to it, and the clients' environment."""
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     known = [*VLLM_SERVERS, *DISTSERVE_SERVERS]
     if unknown := [s for s in servers if s not in known]:
         parser.error(f"unknown servers {unknown}: choose from {', '.join(known)}")
     args.rates = [float(r) for r in args.rates.split(",")]
     if executable(args.venvs, "vllm", "vllm") is None:
-        parser.error(
-            f"vllm bench serve is needed: no vllm in {args.venvs / 'vllm'} (see docs/experiments/peer-clients.md)"
-        )
-    out = args.out or Path(tempfile.mkdtemp(prefix="peer-serving-"))
+        parser.error(f"vLLM is needed: no vllm in {args.venvs / 'vllm'} (see docs/experiments/peer-clients.md)")
+    out = args.out or Path(tempfile.mkdtemp(prefix="peer-"))
     out.mkdir(parents=True, exist_ok=True)
     args.tokenizer, args.api_key = model_files(MODEL, out)[0], None
-    env = client_env(args)
+    return servers, out, client_env(args)
+
+
+def main() -> int:
+    parser = server_parser(__doc__, "vllm,colocated,disaggregated", "1,2,3", "request rates")
+    parser.add_argument("--num-prompts", type=int, default=60)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    args = parser.parse_args()
+    servers, out, env = prepare_run(parser, args)
     rows = []
     for name in servers:
         rows += run_server(name, args, out / name, env)
