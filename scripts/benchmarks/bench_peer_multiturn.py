@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from bench_peer_serving import MODEL, prepare_run, server_parser, serving
+from bench_peer_serving import MODEL, prepare_run, run_each, server_parser, serving
 
 VOCAB = range(10, 30_000)
 
@@ -137,7 +137,7 @@ def format_row(row: dict) -> str:
 
 
 def main() -> int:
-    servers = "vllm,vllm-block-16,colocated,disaggregated,disaggregated-tier"
+    servers = "vllm,vllm-block-32,colocated,disaggregated,disaggregated-tier"
     parser = server_parser(__doc__, servers, "1,2,3", "conversations a second")
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=4)
@@ -149,9 +149,7 @@ def main() -> int:
     args = parser.parse_args()
     servers, out, env = prepare_run(parser, args)
     args.user_len = tuple(int(n) for n in args.user_len.split(","))
-    rows = []
-    for name in servers:
-        rows += run_server(name, args, out / name, env)
+    rows = run_each(servers, run_server, args, out, env)
     low, high = args.user_len
     print(f"\n{args.conversations} conversations of {args.turns} turns per rate (system prompt {args.system_len}, "
           f"user messages {low}-{high}, answers {args.answer_len} tokens, think {args.think:g} s); "

@@ -8,7 +8,7 @@ Servers (``--servers a,b,...``, in that order):
 
     vllm           vllm serve, its defaults (on 2 cores: engine on one, the other reserved for its API server)
     vllm-eager     the same with --enforce-eager
-    vllm-block-16  the same with --block-size 16 (distserve's default; vLLM's CPU default is 128)
+    vllm-block-32  the same with --block-size 32 (its CPU default is 128, and it takes multiples of 32 only)
     colocated      distserve launch --colocated-instances 1 --cpu-threads 2
     colocated-1t   the same with --cpu-threads 1: the instance on a core of its own, the servers on the other
     disaggregated  distserve launch --prefill-instances 1 --decode-instances 1 (a core each)
@@ -19,8 +19,10 @@ The model is the 58M dummy Llama (``llama-58m``: hidden 512, 8 layers, vocab 32,
 dummy weights, the built-in tokenizer), written once and served by every server. For each server
 and rate, `vllm bench serve` sends ``--num-prompts`` requests of the random data set
 (``--input-len`` prompt and ``--output-len`` output tokens, EOS ignored, Poisson arrivals; the
-same prompts for every server, and new ones at each rate, so that none is in a prefix cache), with
-goodput counted under TTFT ``--slo-ttft`` ms and TPOT ``--slo-tpot`` ms. The table printed at the
+same prompts for every server, and new ones at each rate, so that none is in a prefix cache); with
+``--prefixes N`` of its prefix repetition data set instead: N prefixes of ``--prefix-len`` tokens,
+each shared by an N-th of the requests, ahead of ``--input-len`` tokens of their own. Goodput is
+counted under TTFT ``--slo-ttft`` ms and TPOT ``--slo-tpot`` ms. The table printed at the
 end has TTFT and TPOT p50 / p90, goodput and each server's start-up time; ``--out DIR`` keeps each
 server's log and the client's JSON results.
 
@@ -35,7 +37,7 @@ import contextlib
 import json
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from peer_clients import LaunchedServer, ServerProcess, client_env, executable, free_port, model_files, run_client
@@ -52,8 +54,8 @@ DISTSERVE_SERVERS |= {
 }
 # Where each server says it put its threads, in its log.
 PLACEMENT_LINES = re.compile(r"cores: .*|reserved_cpus=.*|Reducing Torch threads.*|OMP threads bound.*")
-# vLLM's CPU backend makes blocks of 128 tokens unless told: ``vllm-block-16`` has distserve's size.
-VLLM_SERVERS = {"vllm": [], "vllm-eager": ["--enforce-eager"], "vllm-block-16": ["--block-size", "16"]}
+# vLLM's CPU backend makes blocks of 128 tokens unless told, and takes multiples of 32 only.
+VLLM_SERVERS = {"vllm": [], "vllm-eager": ["--enforce-eager"], "vllm-block-32": ["--block-size", "32"]}
 MODEL = "llama-58m"
 
 
@@ -86,10 +88,18 @@ def start_server(
 
 
 def bench_command(vllm: str, url: str, args: argparse.Namespace, rate: float, seed: int, out: Path) -> list[str]:
+    if args.prefixes:
+        dataset = [
+            "prefix_repetition", "--prefix-repetition-num-prefixes", str(args.prefixes),
+            "--prefix-repetition-prefix-len", str(args.prefix_len),
+            "--prefix-repetition-suffix-len", str(args.input_len),
+            "--prefix-repetition-output-len", str(args.output_len),
+        ]  # fmt: skip
+    else:
+        dataset = ["random", "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len)]
     return [
         vllm, "bench", "serve", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
-        "--model", MODEL, "--tokenizer", args.tokenizer, "--dataset-name", "random",
-        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--model", MODEL, "--tokenizer", args.tokenizer, "--dataset-name", *dataset,
         "--num-prompts", str(args.num_prompts), "--request-rate", str(rate), "--seed", str(seed), "--ignore-eos",
         "--disable-tqdm", "--goodput", f"ttft:{args.slo_ttft:g}", f"tpot:{args.slo_tpot:g}",
         "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90,99",
@@ -180,17 +190,33 @@ def prepare_run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tu
     return servers, out, client_env(args)
 
 
+def run_each(
+    servers: list[str], run: Callable[..., list[dict]], args: argparse.Namespace, out: Path, env: dict[str, str]
+) -> list[dict]:
+    """``run(name, args, out / name, env)`` of every server in turn; one that does not start gets
+    an error row per rate, and the run goes on."""
+    rows = []
+    for name in servers:
+        try:
+            rows += run(name, args, out / name, env)
+        except SystemExit as e:
+            print(f"{name}: {e}", flush=True)
+            rows += [{"server": name, "rate": rate, "error": str(e)} for rate in args.rates]
+    return rows
+
+
 def main() -> int:
     parser = server_parser(__doc__, "vllm,colocated,disaggregated", "1,2,3", "request rates")
     parser.add_argument("--num-prompts", type=int, default=60)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--prefixes", type=int, default=0, help="prompts share this many prefixes (0: none)")
+    parser.add_argument("--prefix-len", type=int, default=512, help="tokens of a shared prefix")
     args = parser.parse_args()
     servers, out, env = prepare_run(parser, args)
-    rows = []
-    for name in servers:
-        rows += run_server(name, args, out / name, env)
-    print(f"\n{args.num_prompts} requests of {args.input_len}/{args.output_len} tokens per rate; goodput under "
+    rows = run_each(servers, run_server, args, out, env)
+    shared = f" after one of {args.prefixes} prefixes of {args.prefix_len}" if args.prefixes else ""
+    print(f"\n{args.num_prompts} requests of {args.input_len}/{args.output_len} tokens{shared} per rate; goodput under "
           f"TTFT {args.slo_ttft:g} ms and TPOT {args.slo_tpot:g} ms; results in {out}\n")  # fmt: skip
     print(HEADER)
     for row in rows:
