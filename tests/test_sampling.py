@@ -63,7 +63,7 @@ def test_top_k_and_top_p_keep_only_the_allowed_tokens():
     assert probs[0] < 0.8 < probs[:2].sum()
     top_p = sampler(logits, [SamplingParams(temperature=1.0, top_p=0.8)] * 400, list(range(400)))
     assert set(top_p) == {0, 1}
-    tiny_p = sampler(logits, [SamplingParams(temperature=1.0, top_p=0.01)] * 50, list(range(50)))
+    tiny_p = sampler(logits[:50], [SamplingParams(temperature=1.0, top_p=0.01)] * 50, list(range(50)))
     assert set(tiny_p) == {0}
     full = sampler(logits, [SamplingParams(temperature=1.0)] * 400, list(range(400)))
     assert set(full) == {0, 1, 2, 3, 4}
@@ -75,6 +75,16 @@ def test_sampling_follows_the_distribution():
     picks = torch.tensor(sampler(logits, [SamplingParams(temperature=1.0)] * 4000, [0] * 4000))
     freq = torch.bincount(picks, minlength=3).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_tokens_without_probability_are_never_drawn():
+    """A draw is placed in the rows' cumulative probabilities: tokens of probability 0 (masked to
+    -inf) on either side of the allowed ones, or between them, never come out."""
+    sampler = Sampler(seed=0)
+    inf = float("inf")
+    logits = torch.tensor([[-inf, 0.0, -inf, 0.0, -inf, -inf]]).repeat(3000, 1)
+    picks = sampler(logits, [SamplingParams(temperature=1.0)] * 3000, list(range(3000)))
+    assert set(picks) == {1, 3}
 
 
 def test_stop_token_ids_and_max_tokens(llm, prompts):

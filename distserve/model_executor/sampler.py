@@ -75,8 +75,10 @@ class Sampler:
         return SamplerOutput(tokens.tolist(), logprobs)
 
     def _select(self, logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> torch.Tensor:
-        tokens = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if len(random_rows) == len(params):  # no argmax, and no copy of the rows, to throw away
+            return self._sample(logits, params, steps)
+        tokens = logits.argmax(dim=-1)
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
             sampled = self._sample(logits[rows], [params[i] for i in random_rows], [steps[i] for i in random_rows])
@@ -95,11 +97,17 @@ class Sampler:
             # Tokens less likely than min_p times the likeliest go (after temperature, as vLLM).
             min_p = torch.tensor([p.min_p for p in params], device=device, dtype=probs.dtype)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
-        noise = torch.empty_like(probs)
+        # Inverse transform: one uniform draw per row, found in the row's cumulative probabilities.
+        # A draw per vocabulary entry (the exponential race, argmax(p / E)) took 10 ms for 16 rows
+        # of 32,000 on one CPU thread, a fifth of a served decode step; this takes 0.5 ms.
+        cumulative = probs.cumsum(dim=-1)
+        total = cumulative[:, -1:]
+        uniform = torch.empty_like(total)
         for i, (p, step) in enumerate(zip(params, steps)):
-            noise[i].exponential_(generator=self._generator(p, step, device))
-        choice = (probs / noise).argmax(dim=-1)
+            uniform[i].uniform_(generator=self._generator(p, step, device))
+        # Below the total, so that the first entry past it is a token of nonzero probability.
+        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+        choice = torch.searchsorted(cumulative, target, right=True).squeeze(1)
         return choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
 
     @staticmethod
