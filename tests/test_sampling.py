@@ -6,6 +6,7 @@ from conftest import assert_engine_idle, random_prompts
 
 from distserve import LLM, SamplingParams
 from distserve.core.outputs import OutputBuilder
+from distserve.model_executor import sampler as sampler_module
 from distserve.model_executor.sampler import Sampler
 
 
@@ -75,6 +76,35 @@ def test_sampling_follows_the_distribution():
     picks = torch.tensor(sampler(logits, [SamplingParams(temperature=1.0)] * 4000, [0] * 4000))
     freq = torch.bincount(picks, minlength=3).float() / 4000
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"top_p": 0.9}, {"top_k": 50}, {"top_k": 50, "top_p": 0.5}, {"top_k": 3000, "top_p": 0.8}, {"top_k": 3000}],
+    ids=["top-p", "top-k", "both", "wide-k-top-p", "wide-k"],
+)
+@pytest.mark.parametrize("scale", [1.0, 6.0], ids=["flat", "peaked"])
+def test_filters_keep_the_same_tokens_from_the_likeliest_candidates_as_from_a_full_sort(monkeypatch, options, scale):
+    """Top-k and top-p look among the likeliest tokens first (a partial sort) and over the whole
+    vocabulary only where those cannot hold what a row keeps: the tokens kept and their
+    probabilities are those of a full sort either way."""
+    logits = torch.randn(8, 8000, generator=torch.Generator().manual_seed(1)) * scale
+    params = [SamplingParams(temperature=1.0, **options)] * 8
+
+    def kept() -> list[dict[int, float]]:
+        probs, ids = Sampler._filtered(logits, params)
+        return [{int(t): float(p) for t, p in zip(row_ids, row) if p > 0} for row, row_ids in zip(probs, ids)]
+
+    partial = kept()
+    width = Sampler._filtered(logits, params)[0].shape[-1]
+    # Among the candidates where the row's top-k is within them, or its top-p mass is (peaked).
+    small_k = options.get("top_k", 8000) <= sampler_module.TOP_CANDIDATES
+    assert (width == sampler_module.TOP_CANDIDATES) == (small_k or (scale > 1 and "top_p" in options))
+    monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", logits.shape[-1])
+    full = kept()
+    assert [row.keys() for row in partial] == [row.keys() for row in full]
+    for a, b in zip(partial, full):
+        assert torch.allclose(torch.tensor(list(a.values())), torch.tensor([b[t] for t in a]), atol=1e-6)
 
 
 def test_tokens_without_probability_are_never_drawn():
