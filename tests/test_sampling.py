@@ -83,7 +83,7 @@ def test_sampling_follows_the_distribution():
     [{"top_p": 0.9}, {"top_k": 50}, {"top_k": 50, "top_p": 0.5}, {"top_k": 3000, "top_p": 0.8}, {"top_k": 3000}],
     ids=["top-p", "top-k", "both", "wide-k-top-p", "wide-k"],
 )
-@pytest.mark.parametrize("scale", [1.0, 6.0], ids=["flat", "peaked"])
+@pytest.mark.parametrize("scale", [1.0, 3.0, 6.0], ids=["flat", "mostly-peaked", "peaked"])
 def test_filters_keep_the_same_tokens_from_the_likeliest_candidates_as_from_a_full_sort(monkeypatch, options, scale):
     """Top-k and top-p look among the likeliest tokens first (a partial sort) and over the whole
     vocabulary only where those cannot hold what a row keeps: the tokens kept and their
@@ -97,9 +97,11 @@ def test_filters_keep_the_same_tokens_from_the_likeliest_candidates_as_from_a_fu
 
     partial = kept()
     width = Sampler._filtered(logits, params)[0].shape[-1]
-    # Among the candidates where the row's top-k is within them, or its top-p mass is (peaked).
+    # Among the candidates where the row's top-k is within them, or, without a top-k, its top-p
+    # mass is (peaked); a top-k past them but short of the vocabulary orders the vocabulary.
     small_k = options.get("top_k", 8000) <= sampler_module.TOP_CANDIDATES
-    assert (width == sampler_module.TOP_CANDIDATES) == (small_k or (scale > 1 and "top_p" in options))
+    top_p_only = "top_k" not in options
+    assert (width == sampler_module.TOP_CANDIDATES) == (small_k or (scale > 1 and top_p_only))
     monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", logits.shape[-1])
     full = kept()
     assert [row.keys() for row in partial] == [row.keys() for row in full]

@@ -113,14 +113,22 @@ class Sampler:
     @staticmethod
     def _filtered(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's probabilities after top-k and top-p, in descending order, and their token ids."""
-        device = logits.device
-        sorted_logits, sorted_ids = _candidates(logits, params)
+        device, vocab = logits.device, logits.shape[-1]
+        ks = [min(p.top_k or vocab, vocab) for p in params]
+        # Rows whose top-k keeps every token take top-p of the whole distribution, also where only
+        # the likeliest tokens are ordered: their normalizer is the whole row's.
+        whole = [k == vocab for k in ks]
+        log_total = logits.logsumexp(dim=-1) if any(whole) else None
+        sorted_logits, sorted_ids = _ordered(logits, params, ks, log_total)
         # One order serves both filters: top-k cuts by rank, top-p by cumulative probability.
-        top_k = torch.tensor([p.top_k or logits.shape[-1] for p in params], device=device)
         ranks = torch.arange(sorted_logits.shape[-1], device=device)[None, :]
-        drop = ranks >= top_k[:, None]
+        drop = ranks >= torch.tensor(ks, device=device)[:, None]
+        kept = sorted_logits.masked_fill(drop, float("-inf"))
+        log_norm = kept.logsumexp(dim=-1)
+        if log_total is not None:
+            log_norm = torch.where(torch.tensor(whole, device=device), log_total, log_norm)
+        probs = (kept - log_norm[:, None]).exp()
         top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
         cumulative = probs.cumsum(dim=-1)
         drop |= (cumulative - probs) >= top_p[:, None]  # keep the smallest prefix reaching top_p
         return sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1), sorted_ids
@@ -138,21 +146,22 @@ class Sampler:
 TOP_CANDIDATES = 1024
 
 
-def _candidates(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's logits in descending order with their token ids: the ``TOP_CANDIDATES`` likeliest
-    where they hold every token each row's filters can keep (its top-k within them, or its top-p
-    mass reached among them), else the whole vocabulary."""
+def _ordered(
+    logits: torch.Tensor, params: list[SamplingParams], ks: list[int], log_total: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's logits in descending order with their token ids: only the ``TOP_CANDIDATES``
+    likeliest where they hold every token each row's filters can keep (its top-k ``ks`` within
+    them, or, with a top-k of the whole vocabulary, its top-p mass of the whole row, whose
+    logsumexp ``log_total`` is), else the whole vocabulary."""
     vocab = logits.shape[-1]
-    if vocab > TOP_CANDIDATES:
+    if vocab > TOP_CANDIDATES and all(k <= TOP_CANDIDATES or k == vocab for k in ks):
         top_logits, top_ids = logits.topk(TOP_CANDIDATES, dim=-1)
-        wide = [i for i, p in enumerate(params) if (p.top_k or vocab) > TOP_CANDIDATES]
+        wide = [i for i, k in enumerate(ks) if k == vocab]
         if not wide:
             return top_logits, top_ids
         rows = torch.tensor(wide, device=logits.device)
-        mass = (top_logits[rows].logsumexp(dim=-1) - logits[rows].logsumexp(dim=-1)).exp().tolist()
-        # Keeping the top-p prefix of a row's top-k tokens never reaches past the candidates when
-        # they hold top_p of the whole distribution (a top-k renormalized over more tokens only
-        # gives them more).
+        assert log_total is not None
+        mass = (top_logits[rows].logsumexp(dim=-1) - log_total[rows]).exp().tolist()
         if all(m >= params[i].top_p for i, m in zip(wide, mass)):
             return top_logits, top_ids
     return logits.sort(dim=-1, descending=True)
