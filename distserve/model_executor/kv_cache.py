@@ -66,9 +66,8 @@ class KVCache:
         (and any later copy into the blocks it frees) runs after them while this thread goes on
         preparing the step. ``swap_seconds`` reads their time on the device afterwards."""
         if self.host is None:
-            dims = (*self.tensor.shape[:2], self.num_host_blocks * self.shape.block_size, *self.tensor.shape[3:])
             pinned = self.tensor.device.type == "cuda"
-            self.host = torch.zeros(dims, dtype=self.tensor.dtype, pin_memory=pinned)
+            self.host = torch.zeros(self.shape.dims(self.num_host_blocks), dtype=self.shape.dtype, pin_memory=pinned)
         if self.tensor.device.type != "cuda":
             self.copy_host(self.host, out, pairs)
             return
