@@ -109,6 +109,17 @@ def test_filters_keep_the_same_tokens_from_the_likeliest_candidates_as_from_a_fu
         assert torch.allclose(torch.tensor(list(a.values())), torch.tensor([b[t] for t in a]), atol=1e-6)
 
 
+def test_a_vanishing_temperature_samples_greedily():
+    """A temperature that would overflow the scaled logits (inf / inf = NaN) is greedy, and NaN
+    logits never make a token outside the vocabulary."""
+    sampler = Sampler(seed=0)
+    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(2)) * 10
+    tiny = sampler(logits, [SamplingParams(temperature=3.9e-105)] * 4, [0] * 4)
+    assert tiny == logits.argmax(dim=-1).tolist()
+    nan = sampler(torch.full((4, 1000), float("nan")), [SamplingParams(temperature=1.0)] * 4, [0] * 4)
+    assert all(0 <= t < 1000 for t in nan)
+
+
 def test_tokens_without_probability_are_never_drawn():
     """A draw is placed in the rows' cumulative probabilities: tokens of probability 0 (masked to
     -inf) on either side of the allowed ones, or between them, never come out."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from distserve.core.errors import RequestError
 
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token, as OpenAI allows
+GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily
 
 
 @dataclass
@@ -213,7 +214,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # A temperature this small is greedy in effect, and dividing logits by it can overflow to
+        # inf and NaN probabilities (vLLM draws the line at the same value).
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def penalized(self) -> bool:

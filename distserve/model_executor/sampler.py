@@ -107,7 +107,8 @@ class Sampler:
             uniform[i].uniform_(generator=self._generator(p, step, device))
         # Below the total, so that the first entry past it is a token of nonzero probability.
         target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-        choice = torch.searchsorted(cumulative, target, right=True).squeeze(1)
+        # Clamped: NaN probabilities (NaN logits from a model) must not index past the vocabulary.
+        choice = torch.searchsorted(cumulative, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
         return choice if ids is None else ids.gather(1, choice[:, None]).squeeze(1)
 
     @staticmethod
