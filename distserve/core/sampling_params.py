@@ -66,7 +66,7 @@ class SamplingParams:
     """
 
     max_tokens: int = field(default=16, metadata={"help": "most tokens to generate"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; 0 is greedy"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; below 1e-5 is greedy"})
     top_k: int = field(default=0, metadata={"help": "sample from the k likeliest tokens; 0 disables it"})
     top_p: float = field(
         default=1.0, metadata={"help": "sample from the smallest set of this probability; 1 disables it"}

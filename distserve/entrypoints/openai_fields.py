@@ -191,7 +191,7 @@ FIELDS: tuple[Field, ...] = (
         request(_INT),
         "accepted when equal to `n`: no extra samples are drawn to rank; any other value is refused",
     ),
-    _field("temperature", sets(_NUMBER), "default 1; 0 is greedy"),
+    _field("temperature", sets(_NUMBER), "default 1; 0 (anything below 1e-5, as vLLM) is greedy"),
     _field("top_p", sets(_NUMBER), "in (0, 1]; 1 disables it"),
     _field("seed", sets(_INT), "makes the samples reproducible; sample `i` of a prompt uses `seed + i`"),
     _field("stop", sets(_STOP), "a string or a list: the text ends before the first one generated"),
