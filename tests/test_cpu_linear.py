@@ -12,14 +12,29 @@ from distserve.model_executor.cpu_linear import PackedLinear, can_pack, pack_lin
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
 
 
+BFLOAT16 = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.bfloat16), reason="no AVX-512 BF16 or AMX"),
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BFLOAT16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("rows", [1, 3, 64, 300])
-def test_packed_linear_equals_torch_linear(bias, rows):
+def test_packed_linear_equals_torch_linear(dtype, bias, rows):
+    """In bfloat16 against float32 products of the same bfloat16 values: sums in float32, so only
+    the output's rounding to bfloat16 (2^-8 of a value at most) parts them."""
     torch.manual_seed(rows)
-    linear = nn.Linear(96, 200, bias=bias)
-    x = torch.randn(2, rows, 96)
+    linear = nn.Linear(96, 200, bias=bias).to(dtype)
+    x = torch.randn(2, rows, 96).to(dtype)
     with torch.inference_mode():
-        torch.testing.assert_close(PackedLinear(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
+        out = PackedLinear(linear)(x)
+        expected = nn.functional.linear(
+            x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float()
+        )
+    assert out.dtype == dtype
+    rtol = 2**-8 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), expected, rtol=rtol, atol=1e-5)
 
 
 def test_only_plain_linears_of_real_weights_are_packed():
@@ -36,7 +51,7 @@ def test_only_plain_linears_of_real_weights_are_packed():
 def test_a_model_with_packed_linears_generates_transformers_greedy_tokens(reference_model):
     llama = reference_model("tiny-llama")
     prompts = random_prompts([5, 40, 17], llama.config.vocab_size, seed=21)
-    llm = LLM("tiny-llama", cpu_packed_linear=True)
+    llm = LLM("tiny-llama", dtype="float32", cpu_packed_linear=True)
     try:
         layers = llm.engine.executor.worker.model.model.layers
         assert isinstance(layers[0].mlp.down_proj, PackedLinear)

@@ -1,8 +1,10 @@
 """The in-place paged attention kernels (C++ and compiled) against SDPA over each sequence's K/V
 copied out of its blocks: decode, and (C++) prompt chunks after a cached prefix; grouped query
 heads, sliding windows (leaving whole blocks out), contexts from one token to many blocks, blocks
-anywhere; how ``auto`` chooses, and what happens without a compiler; and the one compiled kernel
-an engine builds at start-up."""
+anywhere; the C++ kernel in float32 and in bfloat16 (float32 SDPA over the same bfloat16 values is
+the reference: the kernel computes in float32, so only the output's rounding to bfloat16 may
+differ); how ``auto`` chooses, and what happens without a compiler; and the one compiled kernel an
+engine builds at start-up."""
 
 import pytest
 import torch
@@ -43,11 +45,26 @@ def _cpp(q, k_cache, v_cache, tables, positions, window, scale):
                                window)  # fmt: skip
 
 
-def _cache(kv_heads: int, dim: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def _cache(
+    kv_heads: int, dim: int, gen: torch.Generator, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """A random K and V cache, and its blocks in random order."""
-    k_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen)
-    v_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen)
+    k_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(NUM_BLOCKS * BLOCK_SIZE, kv_heads, dim, generator=gen).to(dtype)
     return k_cache, v_cache, torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+
+
+def _assert_close_to_float32(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """``out`` equal to float32 ``expected`` up to float32 summation order, and, in bfloat16, up to
+    rounding to the nearest bfloat16 (half a unit in the last place: 2^-8 of the value at most)."""
+    rtol = 2**-8 if out.dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=rtol)
+
+
+def _queries(tokens: int, heads: int, dim: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """``[tokens, heads, dim]`` as the model hands them over: a transposed view of ``[heads, tokens,
+    dim]``, read by the kernel through its strides."""
+    return torch.randn(heads, tokens, dim, generator=gen).to(dtype).transpose(0, 1)
 
 
 def _gathered(cache: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
@@ -55,35 +72,43 @@ def _gathered(cache: torch.Tensor, table: list[int], length: int) -> torch.Tenso
     return cache.view(-1, BLOCK_SIZE, *cache.shape[1:])[table].flatten(0, 1)[:length].transpose(0, 1)
 
 
-@pytest.mark.parametrize("kernel", [_cpp, _compiled], ids=["cpp", "compiled"])
+@pytest.mark.parametrize(
+    "kernel,dtype",
+    [(_cpp, torch.float32), (_cpp, torch.bfloat16), (_compiled, torch.float32)],
+    ids=["cpp", "cpp-bfloat16", "compiled"],
+)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, DIM), (8, 2, DIM), (4, 2, 64), (2, 1, 128)])
 @pytest.mark.parametrize("window", [None, 40])
-def test_paged_decode_equals_sdpa_over_gathered_blocks(kernel, heads, kv_heads, dim, window):
+def test_paged_decode_equals_sdpa_over_gathered_blocks(kernel, dtype, heads, kv_heads, dim, window):
     gen = torch.Generator().manual_seed(0)
-    k_cache, v_cache, free = _cache(kv_heads, dim, gen)
+    k_cache, v_cache, free = _cache(kv_heads, dim, gen, dtype)
     tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in LENGTHS]
     positions = torch.tensor(LENGTHS) - 1
-    q = torch.randn(len(LENGTHS), heads, dim, generator=gen)
+    q = _queries(len(LENGTHS), heads, dim, gen, dtype)
+    if kernel is _compiled:
+        q = q.contiguous()
     scale = dim**-0.5
     out = kernel(q, k_cache, v_cache, tables, positions, window, scale)
+    assert out.dtype == dtype
     for i, (n, table) in enumerate(zip(LENGTHS, tables)):
         first = 0 if window is None else max(0, n - window)
-        k, v = (_gathered(cache, table, n)[:, first:] for cache in (k_cache, v_cache))
-        expected = F.scaled_dot_product_attention(q[i][:, None], k, v, scale=scale, enable_gqa=True)
-        torch.testing.assert_close(out[i], expected[:, 0], atol=1e-5, rtol=1e-5)
+        k, v = (_gathered(cache, table, n)[:, first:].float() for cache in (k_cache, v_cache))
+        expected = F.scaled_dot_product_attention(q[i][:, None].float(), k, v, scale=scale, enable_gqa=True)
+        _assert_close_to_float32(out[i], expected[:, 0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, DIM), (8, 2, 64)])
 @pytest.mark.parametrize("window", [None, 24])
-def test_cpp_prompt_chunks_after_a_cached_prefix_equal_causal_sdpa(heads, kv_heads, dim, window):
+def test_cpp_prompt_chunks_after_a_cached_prefix_equal_causal_sdpa(dtype, heads, kv_heads, dim, window):
     """Sequences of several query tokens (more than a tile of 16, fewer, one; a whole prompt, and
     chunks after cached ones), each the last of its context, packed with a decode token."""
     gen = torch.Generator().manual_seed(1)
-    k_cache, v_cache, free = _cache(kv_heads, dim, gen)
+    k_cache, v_cache, free = _cache(kv_heads, dim, gen, dtype)
     chunks = [(1, 1), (1, 70), (5, 100), (16, 16), (40, 250), (17, 33)]  # (query tokens, context length)
     tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for _, n in chunks]
     starts = [sum(c for c, _ in chunks[:i]) for i in range(len(chunks))]
-    q = torch.randn(sum(c for c, _ in chunks), heads, dim, generator=gen)
+    q = _queries(sum(c for c, _ in chunks), heads, dim, gen, dtype)
     scale = dim**-0.5
     lens, contexts = (torch.tensor(column) for column in zip(*chunks))
     out = paged_attention_cpu(q, k_cache, v_cache, _padded(tables), torch.tensor(starts), lens, contexts, BLOCK_SIZE,
@@ -92,20 +117,21 @@ def test_cpp_prompt_chunks_after_a_cached_prefix_equal_causal_sdpa(heads, kv_hea
         query = torch.arange(n - count, n)[:, None]
         key = torch.arange(n)[None, :]
         mask = (key <= query) & (key > query - (window or NO_WINDOW))
-        k, v = (_gathered(cache, table, n) for cache in (k_cache, v_cache))
-        qs = q[start : start + count].transpose(0, 1)
+        k, v = (_gathered(cache, table, n).float() for cache in (k_cache, v_cache))
+        qs = q[start : start + count].transpose(0, 1).float()
         expected = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        torch.testing.assert_close(out[start : start + count], expected.transpose(0, 1), atol=1e-5, rtol=1e-5)
+        _assert_close_to_float32(out[start : start + count], expected.transpose(0, 1))
 
 
-def test_auto_backend_is_cpp_for_float32_on_cpu_compiled_for_other_dtypes_and_triton_on_cuda():
+def test_auto_backend_is_cpp_for_float32_and_bfloat16_on_cpu_compiled_for_float16_and_triton_on_cuda():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_attention_backend("auto", cpu, torch.float32) == "cpp"
-    assert resolve_attention_backend("auto", cpu, torch.bfloat16) == "compiled"
+    assert resolve_attention_backend("auto", cpu, torch.bfloat16) == "cpp"
+    assert resolve_attention_backend("auto", cpu, torch.float16) == "compiled"
     assert resolve_attention_backend("auto", cuda, torch.float32) == ("triton" if triton_available() else "sdpa")
     assert resolve_attention_backend("sdpa", cpu, torch.float32) == "sdpa"
-    with pytest.raises(ValueError, match="'cpp' runs on CPU in float32"):
-        resolve_attention_backend("cpp", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="'cpp' runs on CPU in float32 or bfloat16"):
+        resolve_attention_backend("cpp", cpu, torch.float16)
     with pytest.raises(ValueError, match="'triton' runs on CUDA"):
         resolve_attention_backend("triton", cpu, torch.float32)
 
@@ -118,6 +144,20 @@ def fresh_kernel_build(tmp_path, monkeypatch):
     cpu_kernel._warn_once.cache_clear()
     yield tmp_path
     cpu_kernel.load_kernel.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "target",
+    [("-mno-avx512bf16",), ("-mno-avx512f",)],
+    ids=["avx512-without-bf16", "without-avx512"],
+)
+def test_the_kernel_built_for_cpus_without_avx512_bf16_attends_alike(fresh_kernel_build, monkeypatch, target):
+    """The kernel as a CPU without AVX-512 BF16 (bfloat16 widened to float32, then multiplied) or
+    without AVX-512 at all (the loops the compiler vectorises) builds it: equal to SDPA as above."""
+    monkeypatch.setattr(cpu_kernel, "COMPILE_FLAGS", (*cpu_kernel.COMPILE_FLAGS, *target))
+    for dtype in (torch.float32, torch.bfloat16):
+        test_paged_decode_equals_sdpa_over_gathered_blocks(_cpp, dtype, 8, 2, 64, None)
+        test_cpp_prompt_chunks_after_a_cached_prefix_equal_causal_sdpa(dtype, 8, 2, 64, 24)
 
 
 def test_the_kernel_is_built_once_into_the_cache(fresh_kernel_build):
@@ -163,7 +203,7 @@ def test_a_failed_build_says_why(fresh_kernel_build, monkeypatch):
 
 def test_one_kernel_built_at_start_up_serves_every_batch_shape():
     """Built by the engine's warm-up step; one sequence or many, one block or many, no rebuild."""
-    llm = LLM("tiny-llama", attention_backend="compiled", enable_prefix_caching=False)
+    llm = LLM("tiny-llama", dtype="float32", attention_backend="compiled", enable_prefix_caching=False)
     graphs = counters["stats"]["unique_graphs"]
     for batch, prompt_len in [(1, 3), (1, 40), (5, 20), (2, 70), (1, 1)]:
         prompts = [[5 + i] * (prompt_len + i) for i in range(batch)]

@@ -39,7 +39,8 @@ class ModelConfig:
     load_format: str = option("auto", "'auto' loads safetensors weights, 'dummy' random weights", LOAD_FORMATS)
     dtype: str = option(
         "auto",
-        "weight and KV dtype ('auto': float32 on CPU; on CUDA the config's float16 or bfloat16, else bfloat16)",
+        "weight and KV dtype ('auto': on CPU bfloat16 where it has AVX-512 BF16 or AMX, else float32; on CUDA "
+        "the checkpoint's float16 or bfloat16, else bfloat16); logits and sampling are float32 in any",
         DTYPES,
     )
     device: str = option("auto", "'auto' picks cuda when available", DEVICES)
@@ -48,11 +49,11 @@ class ModelConfig:
     attention_backend: str = option(
         "auto",
         "paged attention: 'cpp' reads K/V in place in the blocks, for decode and prompts (a C++ kernel "
-        "for CPU and float32, built once per machine in about a second), 'compiled' for decode "
+        "for CPU, float32 or bfloat16, built once per machine in about a second), 'compiled' for decode "
         "(torch.compile, built in 1-5 s at start-up), 'triton' for decode on CUDA (a Triton kernel "
         "that CUDA graphs can capture), 'sdpa' runs SDPA over K/V copied out of them; 'auto' is cpp "
-        "on CPU in float32 when a C++ compiler is found, compiled on CPU in other dtypes, triton on "
-        "CUDA when Triton is installed, else sdpa",
+        "on CPU in float32 or bfloat16 when a C++ compiler is found, compiled on CPU in float16, triton "
+        "on CUDA when Triton is installed, else sdpa",
         ATTENTION_BACKENDS,
     )
     enforce_eager: bool = option(
@@ -60,8 +61,8 @@ class ModelConfig:
     )
     cpu_packed_linear: bool = option(
         True,
-        "on CPU in float32, run linear layers through oneDNN on weights packed once at load (1.4-2.2x "
-        "faster at decode batch sizes); off: torch's linear",
+        "on CPU, in float32 or (where the CPU has AVX-512 BF16 or AMX) bfloat16, run linear layers through "
+        "oneDNN on weights packed once at load (1.4-2.2x faster at decode batch sizes); off: torch's linear",
     )
 
     def __post_init__(self) -> None:

@@ -7,6 +7,7 @@ within seconds, rather than a Ray traceback after the instances have loaded.
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,12 +18,14 @@ from distserve.cluster.config import ClusterConfig
 from distserve.core.config import EngineConfig
 from distserve.entrypoints.server_config import ServerConfig
 
+logger = logging.getLogger(__name__)
+
 # torch and transformers are imported where the model is checked, not here: they take seconds to
 # import, and a busy port is refused before that.
 if TYPE_CHECKING:
     import torch
 
-    from distserve.model_executor.model_loader import ResolvedModel
+    from distserve.model_executor.model_loader import DtypeChoice, ResolvedModel
 
 _PORT_FLAGS = {"gRPC": "--grpc-port", "HTTP": "--port"}
 GIB = 2**30
@@ -120,11 +123,12 @@ def check_instances(config: ClusterConfig, local: bool) -> None:
     machine's own) also the GPUs and host memory its instances need."""
     import torch
 
-    from distserve.model_executor.model_loader import resolve_device, resolve_dtype
+    from distserve.model_executor.model_loader import choose_dtype, resolve_device
     from distserve.parallel.ranks import check_parallel_config
 
     loaded_tokenizers: set[Path] = set()
     gpus = memory = 0
+    dtypes: set[DtypeChoice] = set()
     for pool in config.pools:
         engine = config.engine_config(pool)
         resolved = _resolve(engine, loaded_tokenizers)
@@ -132,11 +136,14 @@ def check_instances(config: ClusterConfig, local: bool) -> None:
         if not local:
             continue
         device = resolve_device(engine.model.device)
+        choice = choose_dtype(engine.model.dtype, resolved.hf_config, device)
+        dtypes.add(choice)
         if device.type == "cuda":
             gpus += pool.instances * engine.parallel.world_size  # one GPU per rank
         else:
-            dtype = resolve_dtype(engine.model.dtype, resolved.hf_config, device)
-            memory += pool.instances * _bytes_needed(engine, resolved, dtype)
+            memory += pool.instances * _bytes_needed(engine, resolved, choice.dtype)
+    for choice in dtypes:
+        (logger.warning if choice.slow else logger.info)("dtype: %s", choice)
     if gpus > torch.cuda.device_count():
         raise ValueError(
             f"the instances have {gpus} ranks, one GPU each, but this machine has {torch.cuda.device_count()} "

@@ -7,7 +7,7 @@ the attention function with the model's own arguments only.
 
 Four implementations, chosen by ``attention_backend``:
 
-- ``cpp`` (the default on CPU in float32): a hand-written C++ kernel (``cpu_kernel.py``) reads
+- ``cpp`` (the default on CPU, float32 or bfloat16): a hand-written C++ kernel (``cpu_kernel.py``) reads
   K/V where they sit through the block tables, for every query row of the batch (decode tokens,
   prompts, prompt chunks after a cached prefix) in one call per layer.
 - ``compiled``: decode reads K/V in place in a kernel ``torch.compile`` builds once per model when
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from distserve.model_executor.cpu_kernel import kernel_available, load_kernel, paged_attention_cpu
+from distserve.model_executor.cpu_kernel import KERNEL_DTYPES, kernel_available, load_kernel, paged_attention_cpu
 
 ATTN_IMPLEMENTATION = "distserve_paged"
 NO_WINDOW = 1 << 30  # a sliding window wider than any context
@@ -327,8 +327,8 @@ _compiled_paged_decode = torch.compile(paged_decode)
 
 
 def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> str:
-    """``auto``: on CPU the C++ kernel for float32 (1.5x the compiled kernel's speed alone, and
-    no compile at start-up) when it builds, else the compiled kernel when inductor finds the C++
+    """``auto``: on CPU the C++ kernel for float32 and bfloat16 (1.5x the compiled kernel's speed
+    alone in float32, and no compile at start-up) when it builds, else the compiled kernel when inductor finds the C++
     compiler it needs; on CUDA the Triton kernel when Triton is installed and the head size is a
     power of two; SDPA elsewhere. ``cpp`` or ``triton`` where it cannot run is an error."""
     if backend == "triton":
@@ -340,8 +340,10 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
             raise ValueError(f"attention_backend 'triton' needs a power-of-two head size, not {head_dim}")
         return backend
     if backend == "cpp":
-        if device.type != "cpu" or dtype != torch.float32:
-            raise ValueError(f"attention_backend 'cpp' runs on CPU in float32, not {device.type} in {dtype}")
+        if device.type != "cpu" or dtype not in KERNEL_DTYPES:
+            raise ValueError(
+                f"attention_backend 'cpp' runs on CPU in float32 or bfloat16, not {device.type} in {dtype}"
+            )
         load_kernel()  # raises KernelUnavailable with the compiler's message
         return backend
     if backend != "auto":
@@ -352,7 +354,7 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
         return "triton" if triton_available() and supports_head_dim(head_dim) else "sdpa"
     if device.type != "cpu":
         return "sdpa"
-    if dtype == torch.float32 and kernel_available():
+    if dtype in KERNEL_DTYPES and kernel_available():
         return "cpp"
     from torch._inductor import cpp_builder, exc  # imported here: 0.7 s that other backends need not pay
 

@@ -14,13 +14,14 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
+
+from distserve.core.cpu_features import cpu_info
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +44,6 @@ def compiler() -> str | None:
     return None
 
 
-def _cpu_signature() -> str:
-    """What ``-march=native`` compiles for: the CPU's model and flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return "".join(line for line in info.splitlines(keepends=True) if line.startswith(("model name", "flags")))[:4096]
-
-
 def _cache_dir() -> Path:
     base = os.environ.get("DISTSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "distserve")
     return Path(base) / "kernels"
@@ -64,15 +56,15 @@ def load_kernel() -> ctypes.CDLL:
     if cxx is None:
         raise KernelUnavailable("no C++ compiler found (set CXX, or install g++)")
     source = SOURCE.read_text()
-    key = hashlib.sha256("\n".join([source, cxx, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_signature()]).encode())
+    key = hashlib.sha256("\n".join([source, cxx, *COMPILE_FLAGS, *LINK_FLAGS, cpu_info()[:4096]]).encode())
     key = key.hexdigest()[:20]
     library = _cache_dir() / f"paged_attention-{key}.so"
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         _build(cxx, library)
     kernel = ctypes.CDLL(str(library))
-    kernel.paged_attention_f32.restype = ctypes.c_int
-    kernel.paged_attention_f32.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7
+    kernel.paged_attention.restype = ctypes.c_int
+    kernel.paged_attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int]
     return kernel
 
 
@@ -106,6 +98,9 @@ def _warn_once(reason: str) -> None:
     logger.warning("the C++ paged attention kernel is not available, another backend runs instead: %s", reason)
 
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def paged_attention_cpu(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -118,24 +113,28 @@ def paged_attention_cpu(
     scale: float,
     window: int,
 ) -> torch.Tensor:
-    """Causal attention of q ``[tokens, heads, dim]`` over a paged cache read in place. Sequence
-    ``s`` owns the query rows ``query_starts[s]`` .. ``+ query_lens[s]``, the last positions of its
-    ``context_lens[s]``, whose K/V (its new tokens' included) sit in the blocks of its row of
-    ``block_tables`` ``[seqs, max_blocks]``; each row attends to the last ``window`` positions up to
-    its own. K/V ``[slots, kv_heads, dim]``, float32 on CPU. Returns ``[tokens, heads, dim]``."""
-    q_scaled = torch.empty(q.shape, dtype=q.dtype)  # contiguous, whatever the strides of q: one pass
-    torch.mul(q, scale, out=q_scaled)
-    out = torch.empty_like(q_scaled)
+    """Causal attention of q ``[tokens, heads, dim]`` (any strides, its last dimension contiguous)
+    over a paged cache read in place. Sequence ``s`` owns the query rows ``query_starts[s]`` ..
+    ``+ query_lens[s]``, the last positions of its ``context_lens[s]``, whose K/V (its new tokens'
+    included) sit in the blocks of its row of ``block_tables`` ``[seqs, max_blocks]``; each row
+    attends to the last ``window`` positions up to its own. K/V ``[slots, kv_heads, dim]`` on CPU,
+    float32 or bfloat16, q of the same dtype; products and sums in float32. Returns ``[tokens,
+    heads, dim]`` in that dtype."""
     tokens, heads, dim = q.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous")
+    if k_cache.dtype not in KERNEL_DTYPES or not q.dtype == v_cache.dtype == k_cache.dtype:
+        raise ValueError(f"the kernel takes float32 or bfloat16, not q {q.dtype} over a {k_cache.dtype} cache")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    out = torch.empty((tokens, heads, dim), dtype=q.dtype)
     tables, starts, lens, contexts = (
         t.to(torch.long).contiguous() for t in (block_tables, query_starts, query_lens, context_lens)
     )
-    status = load_kernel().paged_attention_f32(
-        q_scaled.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(),
-        lens.data_ptr(), contexts.data_ptr(), out.data_ptr(), len(starts), heads, k_cache.shape[1], dim, block_size,
-        tables.shape[1], window,
+    status = load_kernel().paged_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
+        contexts.data_ptr(), out.data_ptr(), len(starts), heads, k_cache.shape[1], dim, block_size, tables.shape[1],
+        window, q.stride(0), q.stride(1), scale, k_cache.dtype == torch.bfloat16,
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"paged attention kernel: block size {block_size} or window {window} under 1, or {heads} "

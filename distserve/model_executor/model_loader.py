@@ -19,6 +19,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from distserve.core.config import ModelConfig
+from distserve.core.cpu_features import has_bf16_instructions
 from distserve.core.model_presets import MODEL_PRESETS, ModelShape, find_model_preset, model_shape
 from distserve.model_executor.attention import ATTN_IMPLEMENTATION
 from distserve.model_executor.tiny_models import TINY_MODELS, ensure_tiny_model
@@ -116,16 +117,44 @@ def _resolve_tokenizer_dir(config: ModelConfig, model_dir: Path | None) -> Path:
     return tokenizer_dir
 
 
-def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype a model serves in, and why."""
+
+    dtype: torch.dtype
+    reason: str
+    slow: bool = False  # bfloat16 asked for on a CPU that does not multiply it in hardware
+
+    def __str__(self) -> str:
+        name = str(self.dtype).removeprefix("torch.")
+        slow = "; slower than float32 on this CPU, which has no AVX-512 BF16 or AMX" if self.slow else ""
+        return f"{name} ({self.reason}{slow})"
+
+
+def choose_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> DtypeChoice:
+    """``name`` unless it is ``auto``. ``auto`` serves a float32 checkpoint in bfloat16 too, as vLLM
+    does (half the bytes per weight and KV value, and decode reads every one of them each step): on
+    CUDA the checkpoint's float16 or bfloat16, else bfloat16; on CPU bfloat16 where the CPU
+    multiplies it in hardware (``cpu_features``), float32 elsewhere."""
     if name != "auto":
-        return getattr(torch, name)
+        dtype = getattr(torch, name)
+        slow = device.type == "cpu" and dtype == torch.bfloat16 and not has_bf16_instructions()
+        return DtypeChoice(dtype, "asked for", slow)
     if device.type == "cpu":
-        return torch.float32
+        if has_bf16_instructions():
+            return DtypeChoice(torch.bfloat16, "auto: the CPU has AVX-512 BF16 or AMX")
+        return DtypeChoice(torch.float32, "auto: the CPU has no AVX-512 BF16 or AMX")
     config_dtype = getattr(hf_config, "dtype", None)
     if isinstance(config_dtype, str):
         config_dtype = getattr(torch, config_dtype, None)
-    # A float32 checkpoint serves in bfloat16 too, as in vLLM: half the memory and bandwidth.
-    return config_dtype if config_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if config_dtype in (torch.float16, torch.bfloat16):
+        return DtypeChoice(config_dtype, "auto: the checkpoint's")
+    return DtypeChoice(torch.bfloat16, "auto: a float32 checkpoint, served in bfloat16 on CUDA")
+
+
+def resolve_dtype(name: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """``choose_dtype``'s dtype."""
+    return choose_dtype(name, hf_config, device).dtype
 
 
 def load_tokenizer(resolved: ResolvedModel):

@@ -8,6 +8,7 @@ stages) and only the driver rank, TP rank 0 of the last stage, samples and answe
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ from distserve.model_executor.cpu_linear import can_pack, pack_linears
 from distserve.model_executor.cuda_graph import DecodeGraphs
 from distserve.model_executor.kv_cache import KVCache, determine_num_blocks
 from distserve.model_executor.logprobs import split_prompt_rows
-from distserve.model_executor.model_loader import load_model, resolve_device, resolve_dtype, resolve_model
+from distserve.model_executor.model_loader import choose_dtype, load_model, resolve_device, resolve_model
 from distserve.model_executor.model_runner import BatchInput, ModelRunner
 from distserve.model_executor.sampler import Sampler, fan_out_samples
 from distserve.parallel.process_group import create_store, init_process_group
@@ -35,6 +36,8 @@ from distserve.parallel.tensor_parallel import local_kv_heads
 
 if TYPE_CHECKING:
     from distserve.kv_transfer.shared_memory import SharedFile
+
+logger = logging.getLogger(__name__)
 
 
 def keep_freed_memory() -> None:
@@ -91,7 +94,9 @@ class Worker:
         if self.rank.world_size > 1:
             tp_group = init_process_group(self.rank, self.device, host, port, self._store)
         resolved = resolve_model(self.config.model)
-        self.dtype = resolve_dtype(self.config.model.dtype, resolved.hf_config, self.device)
+        choice = choose_dtype(self.config.model.dtype, resolved.hf_config, self.device)
+        (logger.warning if choice.slow else logger.info)("dtype: %s", choice)
+        self.dtype = choice.dtype
         model, stage = load_model(
             resolved,
             self.device,
