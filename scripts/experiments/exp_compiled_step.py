@@ -2,14 +2,15 @@
 eager forward against the same model under ``torch.compile`` (inductor, dynamic shapes), in one
 process, on the same requests.
 
-    python scripts/experiments/exp_compiled_step.py [--threads 2] [--batch 4] [--rounds 3]
+    python scripts/experiments/exp_compiled_step.py [--threads 2] [--batch 4] [--rounds 3] [--dtype auto]
 
 The 58M dummy Llama, ``--batch`` prompts of 64 random tokens, 64 greedy output tokens each (EOS
 ignored), timed as a whole ``LLM.generate`` divided by its 64 steps (the prefill step included),
 eager and compiled in alternation. Compiled, the paged-attention kernel and the packed linear
 layers are custom ops (inductor cannot lower a packed oneDNN weight that is not a frozen
 constant), so inductor fuses what lies between them: norms, rotary embedding, SiLU and the
-residual adds. The compile time of the first two batch shapes is printed too.
+residual adds. The compile time of the first two batch shapes is printed too. ``--dtype`` as the
+engine's (``auto``: bfloat16 on a CPU with AVX-512 BF16 or AMX); the dtype run is printed.
 """
 
 from __future__ import annotations
@@ -67,14 +68,16 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 32000) for _ in range(64)] for _ in range(args.batch)]
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     with tempfile.TemporaryDirectory() as scratch:
         model = str(write_llama_shape(scratch, **BENCH_LLAMA_SHAPE))
-        eager = LLM(model=model, load_format="dummy", cpu_threads=args.threads)
-        compiled = LLM(model=model, load_format="dummy", cpu_threads=args.threads)
+        options = {"load_format": "dummy", "cpu_threads": args.threads, "dtype": args.dtype}
+        eager, compiled = LLM(model=model, **options), LLM(model=model, **options)
+        dtype = str(eager.engine.executor.worker.dtype).removeprefix("torch.")
         runner = compiled.engine.executor.worker.model_runner
         for module in runner.model.modules():
             if isinstance(module, cpu_linear.PackedLinear):
@@ -93,7 +96,7 @@ def main() -> None:
         same = [o.output_token_ids for o in eager.generate(prompts, params)] == [
             o.output_token_ids for o in compiled.generate(prompts, params)
         ]
-    print(f"batch {args.batch}, {args.threads} threads, ms per step (the prefill step included):")
+    print(f"batch {args.batch}, {args.threads} threads, {dtype}, ms per step (the prefill step included):")
     for name, values in times.items():
         print(f"  {name:<9} median {statistics.median(values):5.1f}  runs {', '.join(f'{v:.1f}' for v in values)}")
     ratio = statistics.median(times["eager"]) / statistics.median(times["compiled"])
