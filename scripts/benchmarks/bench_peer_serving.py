@@ -4,6 +4,8 @@ at a time, in one run, on the same model directory, requests and cores.
     python scripts/benchmarks/bench_peer_serving.py                                   # the table in docs/benchmarks.md
     python scripts/benchmarks/bench_peer_serving.py --servers vllm,colocated --rates 2 --num-prompts 30
     python scripts/benchmarks/bench_peer_serving.py --servers vllm-2cores,colocated --dtype float32
+    python scripts/benchmarks/bench_peer_serving.py --rates inf --max-concurrency 32 --num-prompts 64 \
+        --input-len 32 --output-len 256                                              # throughput, 32 at once
 
 Servers (``--servers a,b,...``, in that order):
 
@@ -152,6 +154,7 @@ def bench_command(vllm: str, url: str, args: argparse.Namespace, rate: float, se
         vllm, "bench", "serve", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
         "--model", MODEL, "--tokenizer", args.tokenizer, "--dataset-name", *dataset,
         "--num-prompts", str(args.num_prompts), "--request-rate", str(rate), "--seed", str(seed), "--ignore-eos",
+        *(["--max-concurrency", str(args.max_concurrency)] if args.max_concurrency else []),
         "--disable-tqdm", "--goodput", f"ttft:{args.slo_ttft:g}", f"tpot:{args.slo_tpot:g}",
         "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90,99",
         "--save-result", "--result-dir", str(out), "--result-filename", f"rate-{rate:g}.json",
@@ -195,8 +198,8 @@ def run_server(name: str, args: argparse.Namespace, out: Path, env: dict[str, st
 
 
 HEADER = (
-    "| server | dtype | req/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | goodput req/s | done | start-up s |\n"
-    "|---|---|---|---|---|---|---|---|"
+    "| server | dtype | req/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | goodput req/s | output tok/s | done "
+    "| start-up s |\n|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -204,11 +207,11 @@ def format_row(row: dict) -> str:
     start = f"{row['startup_s']:.0f}" if row.get("startup_s") else "-"
     server = f"| {row['server']} | {row.get('dtype', '-')} | {row['rate']:g}"
     if "error" in row:
-        return f"{server} | {row['error']} | | | | {start} |"
+        return f"{server} | {row['error']} | | | | | {start} |"
     return (
         f"{server} | {row['p50_ttft_ms']:.0f} / {row['p90_ttft_ms']:.0f} "
         f"| {row['p50_tpot_ms']:.1f} / {row['p90_tpot_ms']:.1f} | {row['request_goodput']:.2f} "
-        f"| {row['completed']}/{row['num_prompts']} | {start} |"
+        f"| {row['output_throughput']:.0f} | {row['completed']}/{row['num_prompts']} | {start} |"
     )
 
 
@@ -272,18 +275,22 @@ def print_ran_as(rows: list[dict]) -> None:
 
 
 def main() -> int:
-    parser = server_parser(__doc__, "vllm,colocated,disaggregated", "1,2,3", "request rates")
+    parser = server_parser(__doc__, "vllm,colocated,disaggregated", "1,2,3", "request rates ('inf': all at once)")
     parser.add_argument("--num-prompts", type=int, default=60)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--prefixes", type=int, default=0, help="prompts share this many prefixes (0: none)")
     parser.add_argument("--prefix-len", type=int, default=512, help="tokens of a shared prefix")
+    parser.add_argument(
+        "--max-concurrency", type=int, default=0, help="at most this many requests in flight (0: no limit)"
+    )
     args = parser.parse_args()
     servers, out, env = prepare_run(parser, args)
     rows = run_each(servers, run_server, args, out, env)
     shared = f" after one of {args.prefixes} prefixes of {args.prefix_len}" if args.prefixes else ""
-    print(f"\n{args.num_prompts} requests of {args.input_len}/{args.output_len} tokens{shared} per rate; goodput under "
-          f"TTFT {args.slo_ttft:g} ms and TPOT {args.slo_tpot:g} ms; results in {out}")  # fmt: skip
+    at_once = f", at most {args.max_concurrency} at once" if args.max_concurrency else ""
+    print(f"\n{args.num_prompts} requests of {args.input_len}/{args.output_len} tokens{shared} per rate{at_once}; "
+          f"goodput under TTFT {args.slo_ttft:g} ms and TPOT {args.slo_tpot:g} ms; results in {out}")  # fmt: skip
     print(f"{dtype_mode(args)}\n")
     print(HEADER)
     for row in rows:
