@@ -21,15 +21,15 @@ def _model_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_model():
-    """transformers' own model (its default attention) for a tiny family, loaded once."""
+    """transformers' own model (its default attention) for a tiny family, loaded once per dtype."""
     from transformers import AutoModelForCausalLM
 
     models = {}
 
-    def get(name: str):
-        if name not in models:
-            models[name] = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(name)).eval()
-        return models[name]
+    def get(name: str, dtype: torch.dtype = torch.float32):
+        if (name, dtype) not in models:
+            models[name, dtype] = AutoModelForCausalLM.from_pretrained(ensure_tiny_model(name), dtype=dtype).eval()
+        return models[name, dtype]
 
     return get
 

@@ -28,7 +28,9 @@ def _check(llm, model, prompts, max_tokens=MAX_TOKENS):
 @pytest.mark.parametrize("budget", [16, 61, 512])
 def test_chunked_prefill_equals_transformers(family, budget, reference_model):
     model = reference_model(family)
-    llm = LLM(family, enable_chunked_prefill=True, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    llm = LLM(
+        family, enable_chunked_prefill=True, max_num_batched_tokens=budget, enable_prefix_caching=False, dtype="float32"
+    )
     llm.engine.stats.records = deque(maxlen=10_000)  # every step, to check what they mixed
     _check(llm, model, random_prompts(LENGTHS, model.config.vocab_size))
     records = llm.engine.stats.records
@@ -44,7 +46,7 @@ def test_prompts_split_across_steps_share_cached_prefixes(reference_model):
     vocab = model.config.vocab_size
     prefix = random_prompts([96], vocab, seed=1)[0]
     prompts = [prefix + suffix for suffix in random_prompts([3, 20, 41, 7, 64, 1, 30, 12], vocab, seed=2)]
-    llm = LLM("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=8)
+    llm = LLM("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=8, dtype="float32")
     _check(llm, model, prompts)
     hits = llm.engine.block_manager.prefix_cache_hit_tokens
     _check(llm, model, prompts)  # again: now every prompt finds its full blocks cached
@@ -59,7 +61,14 @@ def test_a_preempted_half_computed_prompt_leaves_no_uncomputed_block_in_the_pref
     vocab = model.config.vocab_size
     prefix = random_prompts([64], vocab, seed=1)[0]
     prompts = [prefix + suffix for suffix in random_prompts([3, 20, 41, 7, 64, 1, 30, 12], vocab, seed=2)]
-    llm = LLM("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=8, num_kv_blocks=24)
+    llm = LLM(
+        "tiny-llama",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        block_size=8,
+        num_kv_blocks=24,
+        dtype="float32",
+    )
     _check(llm, model, prompts, [40, 30, 35, 40, 17, 25, 30, 33])
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.block_manager.prefix_cache_hit_tokens > 0
 
@@ -67,7 +76,9 @@ def test_a_preempted_half_computed_prompt_leaves_no_uncomputed_block_in_the_pref
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-opt"])
 def test_small_kv_pool_preempts_chunked_prompts_and_recomputes(family, reference_model):
     model = reference_model(family)
-    llm = LLM(family, enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=8, num_kv_blocks=30)
+    llm = LLM(
+        family, enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=8, num_kv_blocks=30, dtype="float32"
+    )
     _check(llm, model, random_prompts(LENGTHS, model.config.vocab_size, seed=3))
     assert llm.engine.scheduler.num_preemptions > 0
 
@@ -75,13 +86,17 @@ def test_small_kv_pool_preempts_chunked_prompts_and_recomputes(family, reference
 def test_seeded_sampling_is_the_same_chunked_or_not():
     prompts = random_prompts([5, 80, 33, 140], 1000, seed=5)
     params = [SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=i) for i in range(len(prompts))]
-    whole = LLM("tiny-qwen2").generate(prompts, params)
-    chunked = LLM("tiny-qwen2", enable_chunked_prefill=True, max_num_batched_tokens=24).generate(prompts, params)
+    whole = LLM("tiny-qwen2", dtype="float32").generate(prompts, params)
+    chunked = LLM("tiny-qwen2", enable_chunked_prefill=True, max_num_batched_tokens=24, dtype="float32").generate(
+        prompts, params
+    )
     assert [o.output_token_ids for o in chunked] == [o.output_token_ids for o in whole]
 
 
 def test_chunked_prefill_applies_while_an_instance_is_colocated():
-    engine = LLMEngine(EngineConfig.from_flat(model="tiny-llama", role="prefill", enable_chunked_prefill=True))
+    engine = LLMEngine(
+        EngineConfig.from_flat(model="tiny-llama", role="prefill", enable_chunked_prefill=True, dtype="float32")
+    )
     assert engine.scheduler.mode is StepMode.PREFILL_ONLY
     assert engine.change_role("colocated") == []
     assert engine.scheduler.mode is StepMode.CHUNKED
@@ -131,7 +146,7 @@ def test_prompt_chunks_beside_a_request_with_a_tight_tpot_slo_are_cut_to_a_block
     model = reference_model("tiny-llama")
     config = EngineConfig.from_flat(
         model="tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=256, block_size=8,
-        tpot_aware_chunking=aware,
+        tpot_aware_chunking=aware, dtype="float32",
     )  # fmt: skip
     engine = LLMEngine(config, max_step_records=10_000)
     decoding, prompt = random_prompts([100, 600], model.config.vocab_size, seed=7)
@@ -165,7 +180,7 @@ def test_prompt_chunks_beside_a_request_with_a_tight_tpot_slo_are_cut_to_a_block
 
 
 def test_a_handed_over_request_keeps_its_tpot_slo():
-    engine = LLMEngine(EngineConfig.from_flat(model="tiny-llama", role="prefill", block_size=8))
+    engine = LLMEngine(EngineConfig.from_flat(model="tiny-llama", role="prefill", block_size=8, dtype="float32"))
     params = SamplingParams(max_tokens=8, temperature=0.0)
     engine.add_sequence(engine.make_sequence(list(range(3, 40)), params, "r", tpot_slo=0.05))
     (delta,) = engine.step()

@@ -56,7 +56,7 @@ def test_make_model_writes_a_hugging_face_directory(tmp_path, capsys):
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert model.config.model_type == "llama" and len(tokenizer) == model.config.vocab_size
     # Deterministic: the same recipe gives the same weights as the cached copy (as loaded: unpacked).
-    cached = LLM("tiny-llama", cpu_packed_linear=False).engine.executor.worker.model
+    cached = LLM("tiny-llama", dtype="float32", cpu_packed_linear=False).engine.executor.worker.model
     assert torch.equal(model.lm_head.weight, cached.lm_head.weight)
 
 

@@ -53,12 +53,18 @@ def _check(cluster: Cluster, reference, seed: int, transport: str = "shm") -> No
         metrics = out.metrics
         assert len(metrics.token_times) == len(out.output_token_ids)
         assert metrics.arrival_time <= metrics.prefill_start <= metrics.prefill_end <= metrics.token_times[0]
+    _check_pulls(cluster, prompts, outputs, transport)
+
+
+def _check_pulls(cluster: Cluster, prompts, outputs, transport: str, bytes_per_token: int = KV_BYTES_PER_TOKEN) -> None:
+    """Each request's KV went to decode in one pull of its prompt's tokens, over ``transport``;
+    then nothing is in use."""
     migrations = _migrations(cluster)
     for prompt, out in zip(prompts, outputs):
         if len(out.output_token_ids) > 1:  # a request that ends with its first token never migrates
             record = migrations[out.request_id]
             assert record.num_tokens == len(prompt)
-            assert record.num_bytes == KV_BYTES_PER_TOKEN * len(prompt)
+            assert record.num_bytes == bytes_per_token * len(prompt)
             assert record.transport == transport
             assert out.metrics.prefill_end <= out.metrics.migration_start <= out.metrics.migration_end
     wait_nothing_in_use(cluster.info)
@@ -79,14 +85,14 @@ def llama(reference_model):
     ids=["2P-tp2+1D-tp1-other-block-size-gloo", "1P-pp2+2D-tp2-shm"],
 )
 def test_disaggregated_greedy_equals_transformers(ray_cluster, llama, prefill, decode, transport):
-    with Cluster(model="tiny-llama", block_size=8, prefill=prefill, decode=decode) as cluster:
+    with Cluster(model="tiny-llama", block_size=8, prefill=prefill, decode=decode, dtype="float32") as cluster:
         _check(cluster, llama, seed=1, transport=transport)
 
 
 def test_kv_pulled_over_shared_memory_on_one_node_is_reported_so(ray_cluster, llama):
     """1 prefill + 1 decode on CPU on one Ray node: the decode instance reads the prefill
     instance's cache in place, and says so in its pull totals and in /metrics."""
-    with Cluster(model="tiny-llama", block_size=8, prefill={}, decode={}) as cluster:
+    with Cluster(model="tiny-llama", block_size=8, prefill={}, decode={}, dtype="float32") as cluster:
         _check(cluster, llama, seed=3)
         prefill, decode = cluster.info()
         totals = decode.kv_pulls_from[prefill.name]
@@ -97,6 +103,27 @@ def test_kv_pulled_over_shared_memory_on_one_node_is_reported_so(ray_cluster, ll
         assert f"{pulls} {float(totals.pulls)}" in metrics.render().decode()
 
 
+@pytest.mark.parametrize("kv_transport, transport", [("auto", "shm"), ("group", "gloo")])
+def test_bfloat16_kv_reaches_decode_bit_for_bit(ray_cluster, kv_transport, transport):
+    """1 prefill + 1 decode in bfloat16, its KV read in place or sent over gloo, against a colocated
+    bfloat16 engine on the same weights. A request run alone is the same computation in both, split
+    at the hand-over: equal tokens and bit-equal logprobs, the first token's (prefill) and the
+    others' (decode over the pulled KV); a value changed by one unit in the last place would move
+    them by about 0.02. The pulls carry 2 bytes a value."""
+    prompts = random_prompts([7, 33, 64, 150], 1024, seed=21)
+    params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=0)
+    colocated = LLM("tiny-llama", dtype="bfloat16", block_size=8)
+    options = {"dtype": "bfloat16", "block_size": 8, "prefill": {}, "decode": {"kv_transport": kv_transport}}
+    with Cluster(model="tiny-llama", **options) as cluster:
+        outputs = []
+        for prompt in prompts:
+            [out], [expected] = cluster.generate([prompt], params), colocated.generate([prompt], params)
+            assert out.output_token_ids == expected.output_token_ids
+            assert [lp.logprob for lp in out.logprobs] == [lp.logprob for lp in expected.logprobs]
+            outputs.append(out)
+        _check_pulls(cluster, prompts, outputs, transport, bytes_per_token=KV_BYTES_PER_TOKEN // 2)
+
+
 @pytest.fixture(scope="module")
 def small_cluster(ray_cluster):
     """1 prefill + 1 decode, decode KV for about two of the requests at once, prefill for about four."""
@@ -105,6 +132,7 @@ def small_cluster(ray_cluster):
         block_size=8,
         prefill={"num_kv_blocks": 120, "kv_hold_fraction": 0.5},
         decode={"num_kv_blocks": 60},
+        dtype="float32",
     ) as cluster:
         yield cluster
 
@@ -182,7 +210,7 @@ def test_cancellation_at_every_stage_frees_every_block(small_cluster):
 
 
 def test_colocated_cluster_is_the_same_api(ray_cluster, llama):
-    with Cluster(model="tiny-llama", block_size=8, colocated={"instances": 2}) as cluster:
+    with Cluster(model="tiny-llama", block_size=8, colocated={"instances": 2}, dtype="float32") as cluster:
         prompts = random_prompts(LENGTHS, 1024, seed=5)
         outputs = cluster.generate(prompts, [_greedy(n) for n in MAX_TOKENS])
         for prompt, n, out in zip(prompts, MAX_TOKENS, outputs):
@@ -201,7 +229,7 @@ def test_chunked_colocated_cluster_equals_transformers_and_frees_prompts_left_ha
     """Chunked prefill through the orchestrator: greedy output unchanged, a prompt's prefill spans
     steps, and requests cancelled while their prompts are half computed leave no block in use."""
     chunked = {"enable_chunked_prefill": True, "max_num_batched_tokens": 16}
-    with Cluster(model="tiny-llama", block_size=8, colocated={"instances": 2}, **chunked) as cluster:
+    with Cluster(model="tiny-llama", block_size=8, colocated={"instances": 2}, **chunked, dtype="float32") as cluster:
         prompts = random_prompts(LENGTHS, 1024, seed=7)
         outputs = cluster.generate(prompts, [_greedy(n) for n in MAX_TOKENS])
         for prompt, n, out in zip(prompts, MAX_TOKENS, outputs):
@@ -243,7 +271,7 @@ def test_chunked_colocated_cluster_equals_transformers_and_frees_prompts_left_ha
 
 def test_text_matches_the_offline_engine(small_cluster):
     prompts = ["The cache block", "Hello world, the server", "A"]
-    offline = LLM("tiny-llama").generate(prompts, _greedy(24))
+    offline = LLM("tiny-llama", dtype="float32").generate(prompts, _greedy(24))
     served = small_cluster.generate(prompts, _greedy(24))
     assert [o.text for o in served] == [o.text for o in offline]
     assert [o.output_token_ids for o in served] == [o.output_token_ids for o in offline]
@@ -258,7 +286,9 @@ def test_bad_requests_are_refused_before_any_instance(small_cluster):
 
 def test_async_cluster_streams(ray_cluster):
     async def main():
-        cluster = await AsyncCluster.start(model="tiny-llama", prefill={}, decode={}, stream_interval=0)
+        cluster = await AsyncCluster.start(
+            model="tiny-llama", prefill={}, decode={}, stream_interval=0, dtype="float32"
+        )
         try:
             chunks = [out async for out in cluster.generate("Hello", _greedy(6))]
             # The first token (the prefill instance's) comes alone; decode tokens come as the steps
@@ -280,7 +310,9 @@ def test_stream_interval_batches_decode_tokens_but_not_the_first_or_the_end(ray_
     prompt = random_prompts([20], 1024, seed=9)[0]
 
     async def main():
-        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, stream_interval=1.0, **pools)
+        cluster = await AsyncCluster.start(
+            model="tiny-llama", block_size=8, stream_interval=1.0, **pools, dtype="float32"
+        )
         try:
             for _ in range(2):  # the second run starts inside the interval begun by the first's end
                 start = time.time()
@@ -322,19 +354,19 @@ def test_coalesce_joins_a_runs_plain_steps_and_keeps_ends_hand_overs_and_failure
 @pytest.mark.parametrize("bad", [-0.1, 2, True, "5ms"])
 def test_stream_interval_is_checked(bad):
     with pytest.raises(ValueError, match="stream_interval must be between 0 and 1 second"):
-        make_cluster_config(model="tiny-llama", stream_interval=bad)
+        make_cluster_config(model="tiny-llama", stream_interval=bad, dtype="float32")
 
 
 @pytest.mark.parametrize("bad", [0, True, 1.5])
 def test_a_pool_s_instances_are_checked(bad):
     with pytest.raises(ValueError, match="the prefill pool needs at least one instance"):
-        make_cluster_config(model="tiny-llama", prefill={"instances": bad}, decode={})
+        make_cluster_config(model="tiny-llama", prefill={"instances": bad}, decode={}, dtype="float32")
 
 
 @pytest.mark.parametrize("bad", [0, True, 1.5])
 def test_max_request_attempts_is_checked(bad):
     with pytest.raises(ValueError, match="max_request_attempts must be a positive integer"):
-        make_cluster_config(model="tiny-llama", max_request_attempts=bad)
+        make_cluster_config(model="tiny-llama", max_request_attempts=bad, dtype="float32")
 
 
 def test_async_cluster_made_directly_serves_inside_async_with(ray_cluster):
@@ -342,7 +374,7 @@ def test_async_cluster_made_directly_serves_inside_async_with(ray_cluster):
     leaving it; used outside that span, it says so."""
 
     async def main():
-        cluster = AsyncCluster(model="tiny-llama", block_size=8, num_kv_blocks=64)
+        cluster = AsyncCluster(model="tiny-llama", block_size=8, num_kv_blocks=64, dtype="float32")
         with pytest.raises(RuntimeError, match="^this AsyncCluster is not started: use 'async with"):
             cluster.generate("Hello")
         async with cluster as running:
@@ -375,7 +407,7 @@ def test_a_pull_that_fails_ends_the_request_with_an_error(ray_cluster):
     from distserve.core.handover import Handover
 
     ray = ray_cluster
-    config = EngineConfig.from_flat(model="tiny-llama", role="decode", block_size=8, num_kv_blocks=16)
+    config = EngineConfig.from_flat(model="tiny-llama", role="decode", block_size=8, num_kv_blocks=16, dtype="float32")
     decode = launch_instance(config, "orphan-decode")
     try:
         handover = Handover("orphan", 0, "no-such-instance", None, [5] * 40, [6], _greedy(8), 0, [0] * 5, 8, 40, 0)
@@ -535,7 +567,7 @@ def test_the_orchestrator_gives_each_run_its_ttft_deadline(ray_cluster, llama, p
     async def main():
         cluster = await AsyncCluster.start(
             model="tiny-llama", block_size=8, num_kv_blocks=100, max_num_batched_tokens=256, policy=policy,
-            colocated={}, role_control={"slo_ttft": 30.0, "slo_tpot": 1.0}, stream_interval=0,
+            colocated={}, role_control={"slo_ttft": 30.0, "slo_tpot": 1.0}, stream_interval=0, dtype="float32",
         )  # fmt: skip
 
         async def run(prompt, n, slo=None, started=None):
@@ -585,6 +617,7 @@ def test_the_orchestrator_gives_each_run_its_tpot_slo(ray_cluster, llama, own, c
         cluster = await AsyncCluster.start(
             model="tiny-llama", block_size=8, max_num_batched_tokens=256, enable_chunked_prefill=True,
             tpot_aware_chunking=True, colocated={}, role_control={"slo_tpot": cluster_tpot}, stream_interval=0,
+            dtype="float32",
         )  # fmt: skip
         try:
             tokens = asyncio.Event()

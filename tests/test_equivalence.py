@@ -24,7 +24,7 @@ def _check(llm, model, prompts, max_tokens):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plain_batch(family, attention_backend, reference_model):
     model = reference_model(family)
-    llm = LLM(family, enable_prefix_caching=False, attention_backend=attention_backend)
+    llm = LLM(family, enable_prefix_caching=False, attention_backend=attention_backend, dtype="float32")
     _check(llm, model, random_prompts(LENGTHS, model.config.vocab_size), MAX_TOKENS)
     assert llm.engine.scheduler.num_preemptions == 0
 
@@ -36,7 +36,7 @@ def test_shared_prefixes_hit_the_prefix_cache(family, reference_model):
     prefix = random_prompts([48], vocab, seed=1)[0]
     suffixes = random_prompts([1, 5, 16, 20, 31, 40, 70, 100], vocab, seed=2)
     prompts = [prefix + s for s in suffixes]
-    llm = LLM(family, block_size=16)
+    llm = LLM(family, block_size=16, dtype="float32")
     _check(llm, model, prompts, MAX_TOKENS)
     bm = llm.engine.block_manager
     # All eight prompts share 3 full prefix blocks; the first computes them, the other seven hit.
@@ -50,7 +50,7 @@ def test_shared_prefixes_hit_the_prefix_cache(family, reference_model):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_small_kv_pool_preempts_and_recomputes(family, reference_model):
     model = reference_model(family)
-    llm = LLM(family, block_size=8, num_kv_blocks=30)  # the longest request needs 30
+    llm = LLM(family, block_size=8, num_kv_blocks=30, dtype="float32")  # the longest request needs 30
     _check(llm, model, random_prompts(LENGTHS, model.config.vocab_size, seed=3), MAX_TOKENS)
     assert llm.engine.scheduler.num_preemptions > 0
 
@@ -58,13 +58,13 @@ def test_small_kv_pool_preempts_and_recomputes(family, reference_model):
 @pytest.mark.parametrize("policy", ["sjf", "priority"])
 def test_policies_keep_outputs(policy, reference_model):
     model = reference_model("tiny-llama")
-    llm = LLM("tiny-llama", policy=policy, max_num_batched_tokens=128, num_kv_blocks=48, block_size=8)
+    llm = LLM("tiny-llama", policy=policy, max_num_batched_tokens=128, num_kv_blocks=48, block_size=8, dtype="float32")
     _check(llm, model, random_prompts(LENGTHS, model.config.vocab_size, seed=4), MAX_TOKENS)
 
 
 def test_text_prompts_and_detokenized_text(reference_model):
     model = reference_model("tiny-qwen2")
-    llm = LLM("tiny-qwen2")
+    llm = LLM("tiny-qwen2", dtype="float32")
     prompts = ["The cache block", "Hello world, the server is fast.", "a"]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
     for prompt, out in zip(prompts, outputs):

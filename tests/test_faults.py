@@ -96,7 +96,7 @@ async def _rerun_scenario(prompts, expected, role: str, stage, kill, **options) 
     """Requests in flight when ``kill`` takes down an instance of ``role``, as soon as the requests
     are at ``stage`` (a predicate over the orchestrator's request states), all end equal to their
     greedy output; the instance is replaced, nothing stays in use and the replacement serves."""
-    cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=400, **options)
+    cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=400, **options, dtype="float32")
     try:
         tasks = [asyncio.create_task(_collect(cluster, p, {}, i)) for i, p in enumerate(prompts)]
         states = lambda: list(cluster.orchestrator.requests.values())  # noqa: E731
@@ -155,7 +155,12 @@ def test_idle_instance_with_a_dead_worker_is_noticed_and_replaced(ray_cluster, l
 
     async def scenario():
         cluster = await AsyncCluster.start(
-            model="tiny-llama", block_size=8, num_kv_blocks=200, prefill={}, decode={"tensor_parallel_size": 2}
+            model="tiny-llama",
+            block_size=8,
+            num_kv_blocks=200,
+            prefill={},
+            decode={"tensor_parallel_size": 2},
+            dtype="float32",
         )
         try:
             entry = _healthy(cluster, "decode")
@@ -182,7 +187,7 @@ def test_without_reruns_a_lost_instance_fails_its_requests(ray_cluster, llama):
     async def scenario():
         cluster = await AsyncCluster.start(
             model="tiny-llama", block_size=8, num_kv_blocks=200, max_request_attempts=1,
-            replace_failed_instances=False,
+            replace_failed_instances=False, dtype="float32",
         )  # fmt: skip
         try:
             progress: dict[int, int] = {}
@@ -214,7 +219,7 @@ def test_replacement_that_cannot_start_fails_requests_with_a_reason(ray_cluster,
     prompts = random_prompts([50, 60, 70], 1024, seed=8)
 
     async def scenario():
-        cluster = await AsyncCluster.start(model=str(model_dir), block_size=8, num_kv_blocks=200)
+        cluster = await AsyncCluster.start(model=str(model_dir), block_size=8, num_kv_blocks=200, dtype="float32")
         try:
             progress: dict[int, int] = {}
             tasks = [asyncio.create_task(_collect(cluster, p, progress, i)) for i, p in enumerate(prompts)]
@@ -249,7 +254,12 @@ def test_a_stopped_instance_is_fenced_and_its_requests_finish_elsewhere(ray_clus
 
     async def scenario():
         cluster = await AsyncCluster.start(
-            model="tiny-llama", block_size=8, num_kv_blocks=400, liveness_timeout=liveness, max_request_attempts=3
+            model="tiny-llama",
+            block_size=8,
+            num_kv_blocks=400,
+            liveness_timeout=liveness,
+            max_request_attempts=3,
+            dtype="float32",
         )
         names = lambda: [s.name for s in cluster.orchestrator.instances]  # noqa: E731
         stages = {"decode": lambda progress: sum(n >= 3 for n in progress.values()) >= 2,
@@ -287,7 +297,7 @@ def test_a_stopped_worker_rank_is_fenced_though_its_instance_still_answers(ray_c
 
     async def scenario():
         cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=400, liveness_timeout=3.0,
-                                           decode={"tensor_parallel_size": 2})  # fmt: skip
+                                           decode={"tensor_parallel_size": 2}, dtype="float32")  # fmt: skip
         try:
             progress: dict[int, int] = {}
             tasks = [asyncio.create_task(_collect(cluster, p, progress, i)) for i, p in enumerate(prompts)]
@@ -314,7 +324,7 @@ def test_sampled_requests_rerun_to_the_same_tokens(ray_cluster):
     prompt = random_prompts([64], 1024, seed=3)[0]
 
     async def scenario():
-        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=200)
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=200, dtype="float32")
         try:
             seen: list[int] = []
             async for output in cluster.generate(prompt, params):
@@ -347,7 +357,7 @@ def test_overload_completes_every_request_and_leaks_nothing(ray_cluster, llama):
         return last.output_token_ids
 
     async def scenario():
-        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=84)
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=84, dtype="float32")
         try:
             results = await asyncio.wait_for(asyncio.gather(*(final(cluster, p) for p in prompts)), 600)
             assert results == expected
@@ -366,7 +376,7 @@ def test_kv_held_past_its_deadline_is_freed_and_a_late_pull_refused(ray_cluster)
     from distserve.cluster.instance import launch_instance
 
     config = EngineConfig.from_flat(
-        model="tiny-llama", role="prefill", block_size=8, num_kv_blocks=32, kv_hold_timeout=0.5
+        model="tiny-llama", role="prefill", block_size=8, num_kv_blocks=32, kv_hold_timeout=0.5, dtype="float32"
     )
     prefill = launch_instance(config, "hold-deadline-prefill")
     try:
@@ -420,7 +430,7 @@ def test_cancellation_at_every_stage_frees_blocks_within_a_second(ray_cluster):
         return "finished"  # its outputs came batched into fewer chunks than it waited for
 
     async def scenario():
-        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=600)
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=600, dtype="float32")
         try:
             chunks = [0, 1, 2, 10]
             left_at = await asyncio.gather(*(leave_after(cluster, i, p, chunks[i % 4]) for i, p in enumerate(prompts)))
@@ -442,7 +452,9 @@ def test_a_replacement_killed_in_turn_is_replaced_again(ray_cluster, llama):
     expected = [reference_greedy(llama, p, MAX_TOKENS) for p in prompts]
 
     async def scenario():
-        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=400, max_request_attempts=3)
+        cluster = await AsyncCluster.start(
+            model="tiny-llama", block_size=8, num_kv_blocks=400, max_request_attempts=3, dtype="float32"
+        )
         names = lambda: [s.name for s in cluster.orchestrator.instances]  # noqa: E731
         try:
             for kill, batch in enumerate((range(0, 4), range(4, 8)), start=1):
@@ -469,7 +481,9 @@ def test_repeated_kills_under_a_steady_load(ray_cluster, llama):
     expected = [reference_greedy(llama, p, MAX_TOKENS) for p in prompts]
 
     async def scenario():
-        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=400, max_request_attempts=5)
+        cluster = await AsyncCluster.start(
+            model="tiny-llama", block_size=8, num_kv_blocks=400, max_request_attempts=5, dtype="float32"
+        )
         try:
             progress: dict[int, int] = {}
 
@@ -514,7 +528,9 @@ def test_above_capacity_the_queue_refuses_at_once_and_memory_stays_bounded(ray_c
     num_prompts, max_tokens, num_blocks, streams, admitting, growth_mib = QUEUE_SCALES[scale]
     prompts = random_prompts([16 + (i * 7) % 48 for i in range(num_prompts)], 1024, seed=17)
     expected = [reference_greedy(llama, p, max_tokens) for p in prompts]
-    config = make_cluster_config(model="tiny-llama", block_size=8, num_kv_blocks=num_blocks, prefill={}, decode={})
+    config = make_cluster_config(
+        model="tiny-llama", block_size=8, num_kv_blocks=num_blocks, prefill={}, decode={}, dtype="float32"
+    )
 
     async def wave(address) -> tuple[int, int]:
         async def one(i):

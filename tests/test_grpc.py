@@ -40,7 +40,9 @@ NUM_KV_BLOCKS = 48  # per instance, of 16 tokens: 768 tokens, less than the mode
 
 @pytest.fixture(scope="module")
 def server(ray_cluster):
-    config = make_cluster_config(model="tiny-llama", num_kv_blocks=NUM_KV_BLOCKS, prefill={}, decode={})
+    config = make_cluster_config(
+        model="tiny-llama", num_kv_blocks=NUM_KV_BLOCKS, prefill={}, decode={}, dtype="float32"
+    )
     with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, api_key=API_KEY)) as server:
         yield server
 
@@ -108,7 +110,7 @@ def test_json_schema_output_validates_across_the_hand_over(client):
 
 def test_text_stream_equals_offline_engine(client):
     prompts = ["The cache block", "Hello there, how", "A"]
-    llm = LLM("tiny-llama")
+    llm = LLM("tiny-llama", dtype="float32")
     try:
         expected = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
     finally:
@@ -386,7 +388,7 @@ def test_tls_and_a_lost_decode_instance(ray_cluster, tmp_path):
     cert, key = make_tls_cert(tmp_path)
     config = make_cluster_config(
         model="tiny-llama", num_kv_blocks=48, prefill={}, decode={}, max_request_attempts=1,
-        replace_failed_instances=False,
+        replace_failed_instances=False, dtype="float32",
     )  # fmt: skip
     with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, tls_cert=cert, tls_key=key)) as server:
         with Client(server.grpc_address) as plaintext, pytest.raises(CallError) as error:

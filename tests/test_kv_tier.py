@@ -97,29 +97,35 @@ def test_the_block_manager_loads_what_the_tier_holds_and_saves_what_it_computes(
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def _engines(names, block_size=8):
+def _engines(names, block_size=8, dtype="float32"):
     """Engines of tiny-llama in this process, each with a tier client of the store it is given."""
     from distserve.engine.llm_engine import LLMEngine
 
-    config = EngineConfig.from_flat(model="tiny-llama", block_size=block_size, num_kv_blocks=64)
+    config = EngineConfig.from_flat(model="tiny-llama", block_size=block_size, num_kv_blocks=64, dtype=dtype)
     return {name: LLMEngine(config, name=name) for name in names}
 
 
-def _geometry(block_size=8):
+def _geometry(block_size=8, dtype=torch.float32):
     from distserve.kv_transfer.plan import KVCacheShape
     from distserve.model_executor.model_loader import resolve_model
 
     shape = resolve_model(EngineConfig.from_flat(model="tiny-llama").model).shape
-    return KVCacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, block_size, torch.float32)
+    return KVCacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, block_size, dtype)
 
 
-def _greedy(engine, prompt, max_tokens):
-    engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), request_id="r")
-    tokens = []
+def _greedy_with_logprobs(engine, prompt, max_tokens) -> tuple[list[int], list[float]]:
+    """One request's greedy tokens on ``engine``, and the logprob of each."""
+    engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0), request_id="r")
+    tokens, logprobs = [], []
     while engine.has_unfinished_requests():
         for delta in engine.step():
             tokens += delta.new_token_ids
-    return tokens
+            logprobs += [lp.logprob for lp in delta.logprobs]
+    return tokens, logprobs
+
+
+def _greedy(engine, prompt, max_tokens):
+    return _greedy_with_logprobs(engine, prompt, max_tokens)[0]
 
 
 def _stores_idle(ray, stores):
@@ -162,6 +168,36 @@ def test_blocks_one_engine_saves_another_reads_greedy_equal(ray_cluster, referen
             ray_cluster.kill(store)
 
 
+def test_a_bfloat16_prefix_from_the_tier_continues_as_from_an_engine_s_own_cache(ray_cluster):
+    """bfloat16 blocks through a bfloat16 store: engine a computes a prompt and saves its blocks,
+    engine b prefills a longer prompt from them; engine c, with no tier, computes the same prompt
+    as a did and prefills the longer one from its own prefix cache. b and c run the same
+    computation over what should be the same KV: equal tokens and bit-equal logprobs, which a block
+    that lost or changed a bit on its way through the store would not give."""
+    from distserve.kv_tier.client import TierClient
+    from distserve.kv_tier.store import start_tier_stores
+
+    stores = start_tier_stores("tier-bf16", _geometry(dtype=torch.bfloat16), num_blocks=32)
+    try:
+        store = next(iter(stores.values()))
+        engines = _engines(["a", "b", "c"], dtype="bfloat16")
+        for name in ("a", "b"):
+            engines[name].attach_tier(TierClient(store, name))
+        prompt = random_prompts([50], 1024, seed=1)[0]
+        first = _greedy(engines["a"], prompt, 10)
+        assert _greedy(engines["c"], prompt, 10) == first
+        second = prompt + first + random_prompts([5], 1024, seed=2)[0]
+        assert _greedy_with_logprobs(engines["b"], second, 10) == _greedy_with_logprobs(engines["c"], second, 10)
+        assert engines["b"].block_manager.tier_hit_tokens == 56 and engines["b"].tier.loaded_blocks == 7
+        assert engines["c"].block_manager.prefix_cache_hit_tokens == 56
+        for engine in engines.values():
+            assert_engine_idle(engine)
+        assert _stores_idle(ray_cluster, stores.values())
+    finally:
+        for store in stores.values():
+            ray_cluster.kill(store)
+
+
 async def _final(cluster, prompt, max_tokens):
     async for output in cluster.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0)):
         last = output
@@ -198,7 +234,7 @@ def test_a_conversation_turn_reads_its_history_from_the_tier(ray_cluster, refere
     async def scenario():
         cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=128,
                                            kv_tier_space=0.01 if tier else 0.0,
-                                           prefill={"instances": 2})  # fmt: skip
+                                           prefill={"instances": 2}, dtype="float32")  # fmt: skip
         try:
             turn1 = await _final(cluster, first, max_tokens)
             assert turn1.output_token_ids == reference_greedy(llama, first, max_tokens)
@@ -232,7 +268,9 @@ def test_a_replaced_prefill_instance_starts_warm_from_the_tier(ray_cluster, refe
     first = random_prompts([48], 1024, seed=6)[0]
 
     async def scenario():
-        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=128, kv_tier_space=0.01)
+        cluster = await AsyncCluster.start(
+            model="tiny-llama", block_size=8, num_kv_blocks=128, kv_tier_space=0.01, dtype="float32"
+        )
         try:
             turn1 = await _final(cluster, first, 20)
             prefill = next(s for s in cluster.orchestrator.instances if s.role == "prefill")

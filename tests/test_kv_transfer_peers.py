@@ -41,10 +41,11 @@ def _both(*calls: tuple) -> list:
     return results
 
 
-def _end(seed: int | None, chunk_tokens: int, shared: bool = False) -> KVTransfer:
+def _end(seed: int | None, chunk_tokens: int, shared: bool = False, dtype: torch.dtype = torch.float32) -> KVTransfer:
     """A rank's end: its cache zeros or drawn from ``seed``, in shared memory if ``shared``."""
     shape = (LAYERS, 2, SLOTS, HEADS, DIM)
-    tensor = torch.zeros(shape) if seed is None else torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    tensor = torch.zeros(shape, dtype=dtype) if seed is None else torch.randn(shape, generator=generator).to(dtype)
     file = None
     if shared:
         drawn, (tensor, file) = tensor, shared_zeros(shape, tensor.dtype)
@@ -96,13 +97,15 @@ def test_messages_send_long_runs_alone_and_pack_short_ones():
     assert message_spans([], [], 64) == []
 
 
-def test_a_source_in_shared_memory_is_read_in_place_in_its_own_process():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_source_in_shared_memory_is_read_in_place_in_its_own_process(dtype):
     """Source and destination in one process (as the local path of CUDA IPC): the destination
-    takes the source's tensor itself, with no staging buffers; a plain source is read over gloo."""
-    decode = _end(None, chunk_tokens=16)
+    takes the source's tensor itself, with no staging buffers; a plain source is read over gloo.
+    Every value arrives bit for bit, float32 or bfloat16."""
+    decode = _end(None, chunk_tokens=16, dtype=dtype)
     src_slots, dst_slots = [7, 8, 9, 30], [1, 2, 40, 41]  # a run of 2, then two runs of 1 packed
     for shared, transport in ((True, "shm"), (False, "gloo")):
-        prefill, channel = _end(3, chunk_tokens=16, shared=shared), f"prefill-{transport}.0>decode.0"
+        prefill, channel = _end(3, chunk_tokens=16, shared=shared, dtype=dtype), f"prefill-{transport}.0>decode.0"
         address = prefill.store_address()
         _both((prefill.connect, channel, True, address), (decode.connect, channel, False, address))
         assert prefill.transport(channel) == decode.transport(channel) == transport
@@ -111,7 +114,7 @@ def test_a_source_in_shared_memory_is_read_in_place_in_its_own_process():
             (decode.recv, channel, dst_slots, range(LAYERS), range(HEADS), src_slots),
         )
         assert torch.equal(decode.kv_tensor[:, :, dst_slots], prefill.kv_tensor[:, :, src_slots])
-        assert decode.peers()["staging_bytes"] == (0 if shared else staging_bytes(HEADS, DIM, torch.float32, 16))
+        assert decode.peers()["staging_bytes"] == (0 if shared else staging_bytes(HEADS, DIM, dtype, 16))
 
 
 def test_transfer_rounds_never_ask_a_rank_for_two_parts_at_once():

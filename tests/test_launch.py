@@ -17,6 +17,7 @@ import psutil
 import pytest
 import yaml
 
+from distserve.core.cpu_features import has_bf16_instructions
 from distserve.entrypoints.client import Client
 from distserve.entrypoints.launch import load_launch_config
 
@@ -106,6 +107,8 @@ def test_launch_serves_then_sigint_drains_and_leaves_no_process():
             assert any(p.cpu_affinity() == [cores[-1]] for p in children)  # the instance's process
         with urllib.request.urlopen(f"{server.http_url}/health", timeout=10) as response:
             assert response.status == 200
+        dtype = "bfloat16" if has_bf16_instructions() else "float32"  # what auto chooses on this CPU, and says
+        assert f"dtype: {dtype} (auto: the CPU has" in "".join(server.log)
         with Client(server.grpc_address) as client:
             assert client.complete("Hello", max_tokens=4, ignore_eos=True).usage.completion_tokens == 4
             stream = client.generate("A long answer", max_tokens=600, ignore_eos=True)  # a few seconds

@@ -103,7 +103,7 @@ def test_a_decode_instance_prefills_what_the_rule_keeps_local(ray_cluster, refer
 
     async def scenario():
         cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=128,
-                                           local_prefill={"mode": "on", "max_tokens": 24})  # fmt: skip
+                                           local_prefill={"mode": "on", "max_tokens": 24}, dtype="float32")  # fmt: skip
         try:
             prompts = short + long
             outputs = await asyncio.gather(*(_final(cluster, p, max_tokens) for p in prompts))

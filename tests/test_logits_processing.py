@@ -13,7 +13,7 @@ VOCAB = 1024
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny-llama")
+    return LLM("tiny-llama", dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_prompt_logprobs_whatever_the_chunks_and_the_prefix_cache(llm):
     params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1, logprobs=1)
     whole = llm.generate([prompt], params)[0]
     again = llm.generate([prompt], params)[0]  # its blocks are in the prefix cache now
-    chunked = LLM("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=8)
+    chunked = LLM("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=8, dtype="float32")
     pieces = chunked.generate([prompt], params)[0]
     for other in (again, pieces):
         assert other.output_token_ids == whole.output_token_ids

@@ -35,7 +35,9 @@ def test_instances_run_on_the_nodes_their_pools_name_and_survive_a_lost_node(ray
     pools = {"prefill": {"nodes": [[0]]}, "decode": {"instances": 2, "nodes": [[1], [2]]}}
 
     async def scenario():
-        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=200, **pools)
+        cluster = await AsyncCluster.start(
+            model="tiny-llama", block_size=8, num_kv_blocks=200, **pools, dtype="float32"
+        )
         try:
             names = _node_names()
             placed = {i.name.split("-", 2)[-1]: names[i.processes[0][0]] for i in await cluster.info()}

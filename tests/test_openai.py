@@ -34,7 +34,7 @@ LONG = 1000  # tokens of a request the tests cancel: about 3 s of decoding here,
 
 @pytest.fixture(scope="module")
 def server(ray_cluster):
-    config = make_cluster_config(model=MODEL, num_kv_blocks=NUM_KV_BLOCKS, prefill={}, decode={})
+    config = make_cluster_config(model=MODEL, num_kv_blocks=NUM_KV_BLOCKS, prefill={}, decode={}, dtype="float32")
     with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, api_key=KEY)) as server:
         yield server
 
@@ -47,7 +47,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def offline():
     """Greedy output of the offline engine for a prompt (text or token ids)."""
-    llm = LLM(MODEL, num_kv_blocks=NUM_KV_BLOCKS)
+    llm = LLM(MODEL, num_kv_blocks=NUM_KV_BLOCKS, dtype="float32")
 
     def greedy(prompt, max_tokens):
         return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))[0]

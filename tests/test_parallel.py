@@ -19,7 +19,9 @@ DEADLINE_S = 180
 
 
 def _launch(ray, family: str, tp: int, pp: int, name: str, **options):
-    config = EngineConfig.from_flat(model=family, tensor_parallel_size=tp, pipeline_parallel_size=pp, **options)
+    config = EngineConfig.from_flat(
+        model=family, tensor_parallel_size=tp, pipeline_parallel_size=pp, **options, dtype="float32"
+    )
     return launch_instance(config, name)
 
 
@@ -157,8 +159,8 @@ def test_offline_llm_with_dummy_weights_is_the_same_model_at_any_layout(ray_clus
     """Dummy weights are drawn per full tensor, so TP=2 serves exactly the TP=1 model."""
     prompts = random_prompts([5, 40, 90], 1024, seed=6)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    single = LLM("tiny-llama", load_format="dummy", seed=7).generate(prompts, params)
-    sharded_llm = LLM("tiny-llama", load_format="dummy", seed=7, tensor_parallel_size=2)
+    single = LLM("tiny-llama", load_format="dummy", seed=7, dtype="float32").generate(prompts, params)
+    sharded_llm = LLM("tiny-llama", load_format="dummy", seed=7, tensor_parallel_size=2, dtype="float32")
     try:
         sharded = sharded_llm.generate(prompts, params)
     finally:
@@ -238,7 +240,7 @@ def test_tied_embeddings_load_into_every_shard(ray_cluster, tied_llama, tp, pp):
 
 def _assert_greedy_at_layout(model_dir, reference, prompts, max_tokens: int, **layout) -> None:
     """The model served at ``layout`` (TP/PP sizes) gives transformers' greedy tokens."""
-    llm = LLM(str(model_dir), **layout)
+    llm = LLM(str(model_dir), **layout, dtype="float32")
     try:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     finally:

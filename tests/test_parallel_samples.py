@@ -21,7 +21,7 @@ def llama(reference_model):
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = LLM("tiny-llama", block_size=BLOCK)
+    llm = LLM("tiny-llama", block_size=BLOCK, dtype="float32")
     yield llm
     llm.shutdown()
 
@@ -75,7 +75,7 @@ def test_samples_preempted_for_blocks_are_recomputed_to_the_same_tokens(llm):
     # Ten blocks of 8 tokens for four samples of up to 45 tokens: they cannot all stay.
     (prompt,) = random_prompts([21], 1000, seed=11)
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=3, n=4, ignore_eos=True)
-    small = LLM("tiny-llama", block_size=BLOCK, num_kv_blocks=10)
+    small = LLM("tiny-llama", block_size=BLOCK, num_kv_blocks=10, dtype="float32")
     try:
         outputs = small.generate([prompt], params)
         assert small.engine.scheduler.num_preemptions > 0
@@ -94,7 +94,7 @@ def test_disaggregated_samples_cross_with_one_pull(ray_cluster):
     async def main():
         # No prefix cache: the probe's prompt is computed again, and counted.
         options = dict(block_size=BLOCK, enable_prefix_caching=False)
-        async with AsyncCluster(model="tiny-llama", prefill={}, decode={}, **options) as cluster:
+        async with AsyncCluster(model="tiny-llama", prefill={}, decode={}, **options, dtype="float32") as cluster:
             first = await _finals(cluster, prompt, SAMPLED, "probe")
             params = dataclasses.replace(SAMPLED, stop_token_ids=[first[0].output_token_ids[0]])
             prefill, decode = cluster.orchestrator.instances
@@ -123,7 +123,9 @@ def test_cancelling_a_request_of_n_samples_frees_every_block(ray_cluster):
     params = SamplingParams(max_tokens=200, temperature=0.8, seed=1, n=3, ignore_eos=True)
 
     async def main():
-        async with AsyncCluster(model="tiny-llama", block_size=BLOCK, prefill={}, decode={}) as cluster:
+        async with AsyncCluster(
+            model="tiny-llama", block_size=BLOCK, prefill={}, decode={}, dtype="float32"
+        ) as cluster:
             seen = set()
             async for output in cluster.generate(prompt, params):
                 seen.add(output.index)

@@ -78,7 +78,7 @@ def _small_gpu_hardware(path, model_dir) -> None:
 
 
 def _serve_with_cli(plan, prompts, reference) -> None:
-    server = Launched("--plan", str(plan), "--num-kv-blocks", "64")
+    server = Launched("--plan", str(plan), "--num-kv-blocks", "64", "--dtype", "float32")
     try:
         with Client(server.grpc_address) as client:
             info = client.cluster_info()
@@ -94,7 +94,7 @@ def _serve_with_cli(plan, prompts, reference) -> None:
 
 
 def _serve_in_process(plan, prompts, reference) -> None:
-    config, _ = load_launch_config(plan=str(plan), flags={"num_kv_blocks": 64})
+    config, _ = load_launch_config(plan=str(plan), flags={"num_kv_blocks": 64, "dtype": "float32"})
     with Cluster(config) as cluster:
         assert sorted(i.tensor_parallel_size for i in cluster.info()) == [3, 3]
         outputs = cluster.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0))

@@ -67,7 +67,13 @@ def check_roles_change_under_load(llama, **engine_options) -> None:
 
     async def main() -> tuple[list[list[list[int]]], list]:
         # Decode admits 2 requests at a time, so hand-overs wait there and prefill holds their KV.
-        options = dict(model="tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=48, **engine_options)
+        options = dict(
+            model="tiny-llama",
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=48,
+            **engine_options,
+            dtype="float32",
+        )
         async with AsyncCluster(prefill={}, decode={"max_num_seqs": 2}, **options) as cluster:
             names = [i.name for i in await cluster.info()]
             tasks, busy = [], []
@@ -110,7 +116,7 @@ def test_a_change_that_adds_an_instance_taking_prompts_spreads_the_queue_over_it
 
     async def main() -> tuple[list[str], list[int], list]:
         # One prompt at a time in chunks of 16 tokens: the others queue at prefill.
-        options = dict(model="tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=16)
+        options = dict(model="tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=16, dtype="float32")
         async with AsyncCluster(prefill={"max_num_seqs": 1}, decode={}, **options) as cluster:
             names = [i.name for i in await cluster.info()]
             tasks = [asyncio.create_task(run(cluster, p)) for p in prompts]
@@ -155,7 +161,9 @@ def test_the_adaptive_controller_colocates_a_cluster_whose_prefill_misses_ttft(r
         return outputs
 
     async def main() -> tuple[list[list[int]], list]:
-        async with AsyncCluster(model="tiny-llama", prefill={}, decode={}, role_control=control) as cluster:
+        async with AsyncCluster(
+            model="tiny-llama", prefill={}, decode={}, role_control=control, dtype="float32"
+        ) as cluster:
             names = [i.name for i in await cluster.info()]
             outputs = await waves(cluster, until_a_change=False)
             assert cluster.role_changes == [] and [i.role for i in await cluster.info()] == [P, D]
@@ -189,7 +197,9 @@ def test_arrivals_of_a_remembered_load_change_roles_without_waiting_for_a_tick(r
     prompts = random_prompts([30] * 6, llama.config.vocab_size, seed=11)
 
     async def main() -> tuple[list[list[int]], list, list[float]]:
-        async with AsyncCluster(model="tiny-llama", prefill={}, decode={}, role_control=control) as cluster:
+        async with AsyncCluster(
+            model="tiny-llama", prefill={}, decode={}, role_control=control, dtype="float32"
+        ) as cluster:
             controller = cluster.orchestrator.controller
             load, before = Load(tokens_ratio=5.0, rate=4.0), controller.last_change - 1.0  # 30 tokens in, 6 out
             controller.remember({"a": P, "b": D}, load, met=2, num_requests=20, now=before)
@@ -228,7 +238,7 @@ def _forecasting_cluster(**control) -> AsyncCluster:
     control = {"mode": "fixed", "slo_ttft": 100.0, "slo_tpot": 1e-4, "interval": 60.0, "min_requests": 50,
                "min_dwell": 0.0, **control}  # fmt: skip
     return AsyncCluster(model="tiny-llama", prefill={}, decode={}, enable_chunked_prefill=True,
-                        max_num_batched_tokens=256, role_control=control)  # fmt: skip
+                        max_num_batched_tokens=256, role_control=control, dtype="float32")  # fmt: skip
 
 
 async def _colocated_with_step_lines(cluster: AsyncCluster, warmup: list[list[int]]) -> tuple[list, list]:
@@ -325,7 +335,9 @@ def test_a_layout_an_operator_leaves_is_remembered_by_what_it_served(ray_cluster
     prompts = random_prompts([30] * 9, llama.config.vocab_size, seed=13)
 
     async def main() -> tuple[list[list[int]], list]:
-        async with AsyncCluster(model="tiny-llama", prefill={}, decode={}, role_control=control) as cluster:
+        async with AsyncCluster(
+            model="tiny-llama", prefill={}, decode={}, role_control=control, dtype="float32"
+        ) as cluster:
             controller, names = cluster.orchestrator.controller, [i.name for i in await cluster.info()]
             outputs = await asyncio.gather(*(_final(cluster, p, 6) for p in prompts[:6]))
             await cluster.set_roles({name: C for name in names})
@@ -344,7 +356,7 @@ def test_a_layout_an_operator_leaves_is_remembered_by_what_it_served(ray_cluster
 
 def test_role_changes_that_could_not_serve_are_refused_and_change_nothing(ray_cluster):
     async def main() -> None:
-        async with AsyncCluster(model="tiny-llama", prefill={}, decode={}) as cluster:
+        async with AsyncCluster(model="tiny-llama", prefill={}, decode={}, dtype="float32") as cluster:
             names = [i.name for i in await cluster.info()]
             refusals = [
                 ({names[0]: "decode"}, "no instance would take new prompts"),
@@ -364,7 +376,7 @@ def test_role_changes_that_could_not_serve_are_refused_and_change_nothing(ray_cl
 
 
 def test_set_roles_over_grpc_and_the_cli(ray_cluster, llama):
-    config = make_cluster_config(model="tiny-llama", prefill={}, decode={})
+    config = make_cluster_config(model="tiny-llama", prefill={}, decode={}, dtype="float32")
     with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0)) as server:
         with Client(server.grpc_address) as client:
             names = [i.name for i in client.cluster_info().instances]

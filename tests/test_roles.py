@@ -179,10 +179,14 @@ class InProcessPuller:
 def make_engines(**options) -> tuple[LLMEngine, LLMEngine, InProcessPuller]:
     """A prefill and a decode engine of tiny-llama with different block sizes, and the transfer between them."""
     prefill = LLMEngine(
-        EngineConfig.from_flat(model="tiny-llama", role="prefill", block_size=8, num_kv_blocks=64, **options)
+        EngineConfig.from_flat(
+            model="tiny-llama", role="prefill", block_size=8, num_kv_blocks=64, **options, dtype="float32"
+        )
     )
     decode = LLMEngine(
-        EngineConfig.from_flat(model="tiny-llama", role="decode", block_size=BLOCK, num_kv_blocks=128, **options),
+        EngineConfig.from_flat(
+            model="tiny-llama", role="decode", block_size=BLOCK, num_kv_blocks=128, **options, dtype="float32"
+        ),
         name="decode",
     )
     puller = InProcessPuller(prefill, decode)
@@ -360,7 +364,7 @@ def test_a_role_change_adopts_hands_on_and_gives_back_what_it_must(llama):
     for e in (engine, decode):
         assert_engine_idle(e)
 
-    other = LLMEngine(EngineConfig.from_flat(model="tiny-llama", block_size=8, num_kv_blocks=64))
+    other = LLMEngine(EngineConfig.from_flat(model="tiny-llama", block_size=8, num_kv_blocks=64, dtype="float32"))
     other.add_request(prompts[0], SamplingParams(max_tokens=16, temperature=0.0), "kept")
     kept = OutputBuilder("kept", None, prompts[0])
     (first,) = other.step()
@@ -378,7 +382,7 @@ def test_a_role_change_adopts_hands_on_and_gives_back_what_it_must(llama):
 def test_an_engine_gives_back_only_the_prompts_it_has_not_started(llama):
     """``give_back`` requeues a queued prompt of the named run; one begun (its first chunk ran)
     or of another run stays. What stays is served greedy-equal and nothing is left in use."""
-    engine = LLMEngine(EngineConfig.from_flat(model="tiny-llama", block_size=8, num_kv_blocks=64,
+    engine = LLMEngine(EngineConfig.from_flat(model="tiny-llama", block_size=8, num_kv_blocks=64, dtype="float32",
                                               enable_chunked_prefill=True, max_num_batched_tokens=16))  # fmt: skip
     prompts = random_prompts([40, 30, 20], llama.config.vocab_size, seed=13)
     builders = {}

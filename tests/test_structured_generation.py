@@ -24,7 +24,7 @@ def _params(kind: str, seed: int, **options) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny-llama")
+    return LLM("tiny-llama", dtype="float32")
 
 
 def test_every_kind_validates_in_one_mixed_batch(llm):
@@ -48,11 +48,11 @@ def test_outputs_survive_chunked_prompts_and_preemption():
     """A grammar's state is rebuilt from the tokens, so recomputing a preempted request (a small KV
     pool) or computing its prompt in chunks changes nothing: the same seeded outputs, all valid."""
     params = [_params("json", seed, max_tokens=150) for seed in range(4)]
-    roomy = [o.text for o in LLM("tiny-llama", block_size=4).generate(PROMPTS, params)]
-    tight = LLM("tiny-llama", block_size=4, num_kv_blocks=50)
+    roomy = [o.text for o in LLM("tiny-llama", block_size=4, dtype="float32").generate(PROMPTS, params)]
+    tight = LLM("tiny-llama", block_size=4, num_kv_blocks=50, dtype="float32")
     assert [o.text for o in tight.generate(PROMPTS, params)] == roomy
     assert tight.engine.scheduler.num_preemptions > 0
-    chunked = LLM("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=8)
+    chunked = LLM("tiny-llama", enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=8, dtype="float32")
     assert [o.text for o in chunked.generate(PROMPTS, params)] == roomy
     for text in roomy:
         check_structured("json", text)

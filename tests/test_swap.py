@@ -82,22 +82,50 @@ def test_recompute_is_chosen_where_it_costs_less_than_the_copies():
     assert not SwapSpace(num_blocks=2, block_manager=bm, step_time=None).should_swap(seq)  # no room
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["prefill-first", "chunked"])
-def test_swapped_kv_comes_back_exact(reference_model, chunked):
-    """A KV pool too small for the load: preempted sequences are swapped out and back, and every
-    output equals transformers' greedy output; nothing stays in use on the device or the host."""
-    model = reference_model("tiny-llama")
-    options = {"enable_chunked_prefill": True, "max_num_batched_tokens": 64} if chunked else {}
-    llm = LLM("tiny-llama", block_size=8, num_kv_blocks=30, swap_space=0.01, **options)
-    prompts = random_prompts(LENGTHS, model.config.vocab_size, seed=3)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    for prompt, out in zip(prompts, outputs):
-        assert out.output_token_ids == reference_greedy(model, prompt, MAX_TOKENS)
+def _llm(chunked: bool, **options) -> LLM:
+    """tiny-llama in blocks of 8, prefill first or chunked."""
+    chunking = {"enable_chunked_prefill": True, "max_num_batched_tokens": 64} if chunked else {}
+    return LLM("tiny-llama", block_size=8, **chunking, **options)
+
+
+def _check_swapped(llm: LLM) -> None:
+    """Sequences were swapped out and all came back; nothing stays in use on the device or the host."""
     swap = llm.engine.scheduler.swap
     assert swap.num_swap_outs > 0 and swap.num_swap_ins == swap.num_swap_outs
     assert llm.engine.scheduler.num_preemptions == swap.num_swap_outs + swap.num_recomputes
     assert swap.num_free_blocks == swap.num_blocks and swap.blocks_copied > 0
     assert_engine_idle(llm.engine)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["prefill-first", "chunked"])
+def test_swapped_kv_comes_back_exact(reference_model, chunked):
+    """A KV pool too small for the load: preempted sequences are swapped out and back, and every
+    output equals transformers' greedy output."""
+    model = reference_model("tiny-llama")
+    llm = _llm(chunked, dtype="float32", num_kv_blocks=30, swap_space=0.01)
+    prompts = random_prompts(LENGTHS, model.config.vocab_size, seed=3)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    for prompt, out in zip(prompts, outputs):
+        assert out.output_token_ids == reference_greedy(model, prompt, MAX_TOKENS)
+    _check_swapped(llm)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["prefill-first", "chunked"])
+def test_swapped_bfloat16_kv_comes_back_bit_for_bit(chunked):
+    """In bfloat16, where no run is token-exact against transformers: the same load swapped out and
+    back gives the tokens and the bit-equal logprobs of a pool with room for it all. The engine
+    computes each sequence's rows alike whatever the batch, so only KV changed on its way through
+    the host pool could tell them apart (one bfloat16 unit in the last place of one K value moves a
+    logprob by about 0.02)."""
+    prompts = random_prompts(LENGTHS, 1024, seed=3)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0)
+    swapping = _llm(chunked, dtype="bfloat16", num_kv_blocks=30, swap_space=0.01)
+    roomy = _llm(chunked, dtype="bfloat16", num_kv_blocks=300)
+    for out, expected in zip(swapping.generate(prompts, params), roomy.generate(prompts, params)):
+        assert out.output_token_ids == expected.output_token_ids
+        assert [lp.logprob for lp in out.logprobs] == [lp.logprob for lp in expected.logprobs]
+    assert roomy.engine.scheduler.num_preemptions == 0
+    _check_swapped(swapping)
 
 
 def test_swap_space_is_checked():

@@ -5,9 +5,12 @@ queries, in one process.
 Shapes: a decode step (one token for each of 64 sequences of 32-700 tokens), prompt chunks after
 a cached prefix (the chunks of chunked prefill, or a prompt whose prefix the cache held), and whole
 prompts with nothing cached (SDPA over their own fresh K/V, causal, as the reference runs them).
-Prints the mean time of each path, their ratio, and the largest difference between their outputs.
+Prints the mean time of each path, their ratio, and the largest difference between their outputs,
+for each of ``--dtypes`` (the cache, queries and outputs in that dtype), and the C++ kernel's time
+in each dtype against its time in the first.
 
     python scripts/benchmarks/bench_paged_attention.py [--threads 2] [--heads 8 --kv-heads 8 --head-dim 64]
+    python scripts/benchmarks/bench_paged_attention.py --threads 1 --dtypes float32,bfloat16
 """
 
 from __future__ import annotations
@@ -44,7 +47,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=30)
-    return p.parse_args()
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    args = p.parse_args()
+    args.dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
+    return args
 
 
 def mean_ms(fn: Callable[[], torch.Tensor], repeats: int) -> float:
@@ -59,14 +65,15 @@ def mean_ms(fn: Callable[[], torch.Tensor], repeats: int) -> float:
 class Layer:
     """A cache holding ``seqs`` (query tokens, context length) in blocks in random order, and queries."""
 
-    def __init__(self, seqs: list[tuple[int, int]], args: argparse.Namespace, gen: torch.Generator) -> None:
+    def __init__(self, seqs: list[tuple[int, int]], args: argparse.Namespace, dtype: torch.dtype, seed: int) -> None:
         self.seqs, self.scale = seqs, args.head_dim**-0.5
+        gen = torch.Generator().manual_seed(seed)
         num_blocks = sum(-(-n // BLOCK_SIZE) for _, n in seqs)
         shape = (num_blocks * BLOCK_SIZE, args.kv_heads, args.head_dim)
-        self.k_cache, self.v_cache = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        self.k_cache, self.v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
         free = torch.randperm(num_blocks, generator=gen).tolist()
         self.tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for _, n in seqs]
-        self.q = torch.randn(sum(count for count, _ in seqs), args.heads, args.head_dim, generator=gen)
+        self.q = torch.randn(sum(count for count, _ in seqs), args.heads, args.head_dim, generator=gen).to(dtype)
         self.starts = [sum(count for count, _ in seqs[:i]) for i in range(len(seqs))]
         self.buffers = GatherBuffers()
         # A prompt with nothing cached attends over the K/V its layer just computed: no gather.
@@ -120,13 +127,20 @@ def main() -> None:
     load_kernel()
     gen = torch.Generator().manual_seed(0)
     decode = [(1, n) for n in torch.randint(32, 700, (64,), generator=gen).tolist()]
+    first = str(args.dtypes[0]).removeprefix("torch.")
     print(f"{args.heads} query heads, {args.kv_heads} KV heads, head size {args.head_dim}, {args.threads} threads")
-    print(f"{'shape':<34} {'cpp ms':>8} {'sdpa ms':>8} {'sdpa/cpp':>9} {'max diff':>9}")
-    for label, seqs in SHAPES:
-        layer = Layer(seqs or decode, args, gen)
-        diff = (layer.cpp() - layer.sdpa()).abs().max().item()
-        cpp, sdpa = mean_ms(layer.cpp, args.repeats), mean_ms(layer.sdpa, args.repeats)
-        print(f"{label:<34} {cpp:>8.2f} {sdpa:>8.2f} {sdpa / cpp:>8.2f}x {diff:>9.1e}")
+    print(f"{'shape':<34} {'dtype':>9} {'cpp ms':>8} {'sdpa ms':>8} {'sdpa/cpp':>9} {'max diff':>9} "
+          f"{f'cpp {first}/this':>19}")  # fmt: skip
+    for seed, (label, seqs) in enumerate(SHAPES):
+        baseline = None
+        for dtype in args.dtypes:
+            layer = Layer(seqs or decode, args, dtype, seed)  # the same values, rounded to each dtype
+            diff = (layer.cpp().float() - layer.sdpa().float()).abs().max().item()
+            cpp, sdpa = mean_ms(layer.cpp, args.repeats), mean_ms(layer.sdpa, args.repeats)
+            baseline = baseline or cpp
+            name = str(dtype).removeprefix("torch.")
+            print(f"{label:<34} {name:>9} {cpp:>8.2f} {sdpa:>8.2f} {sdpa / cpp:>8.2f}x {diff:>9.1e} "
+                  f"{baseline / cpp:>18.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
