@@ -156,3 +156,27 @@ def test_the_bfloat16_bounds_fail_when_attention_misses_the_first_token(referenc
     bounds = BOUNDS["bfloat16"]
     assert found.max_diff > bounds.max_diff and found.mean_diff > bounds.mean_diff
     assert found.agreement < bounds.agreement
+
+
+def test_bfloat16_on_a_cpu_without_its_instructions_runs_and_says_it_is_slower(monkeypatch, caplog, reference_model):
+    """As on a CPU without AVX-512 BF16 or AMX: ``auto`` keeps float32 and says why; bfloat16 asked
+    for still serves (weights as loaded, not packed for oneDNN, whose bfloat16 products would be
+    emulated), with a warning that it is slower than float32 there."""
+    from distserve.model_executor import cpu_linear, model_loader
+    from distserve.model_executor.cpu_linear import PackedLinear
+
+    for module in (model_loader, cpu_linear):
+        monkeypatch.setattr(module, "has_bf16_instructions", lambda: False)
+    config = reference_model("tiny-llama").config
+    cpu = torch.device("cpu")
+    auto = model_loader.choose_dtype("auto", config, cpu)
+    assert auto.dtype == torch.float32 and not auto.slow and "no AVX-512 BF16 or AMX" in auto.reason
+    with caplog.at_level("WARNING"):
+        llm = LLM("tiny-llama", dtype="bfloat16")
+    assert "dtype: bfloat16 (asked for; slower than float32 on this CPU" in caplog.text
+    worker = llm.engine.executor.worker
+    assert worker.dtype == torch.bfloat16 and not any(isinstance(m, PackedLinear) for m in worker.model.modules())
+    prompts = random_prompts([20, 45], config.vocab_size, seed=3)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    assert [len(out.output_token_ids) for out in outputs] == [8, 8]
+    assert_engine_idle(llm.engine)
