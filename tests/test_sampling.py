@@ -130,6 +130,21 @@ def test_tokens_without_probability_are_never_drawn():
     assert set(picks) == {1, 3}
 
 
+def test_a_draw_across_chunks_follows_the_weights_and_never_takes_an_empty_entry():
+    """``draw`` finds the chunk, then the entry: weights on both sides of chunk boundaries (255,
+    256), in the last, padded chunk (999 of 1,000), none anywhere else, not normalized."""
+    weights = torch.zeros(20_000, 1000)
+    chosen = {0: 1.0, 255: 3.0, 256: 2.0, 511: 0.5, 999: 3.5}
+    for entry, weight in chosen.items():
+        weights[:, entry] = weight
+    uniform = torch.rand(20_000, 1, generator=torch.Generator().manual_seed(3))
+    picks = sampler_module.draw(weights, uniform)
+    freq = torch.bincount(picks, minlength=1000).float() / len(picks)
+    assert set(picks.tolist()) == set(chosen)
+    expected = torch.tensor([chosen[e] for e in sorted(chosen)]) / sum(chosen.values())
+    assert torch.allclose(freq[sorted(chosen)], expected, atol=0.015)
+
+
 def test_stop_token_ids_and_max_tokens(llm, prompts):
     greedy = _tokens(llm, prompts[:1], SamplingParams(max_tokens=20, temperature=0.0))[0]
     stop_at = greedy[6]
