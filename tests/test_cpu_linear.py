@@ -7,7 +7,7 @@ from conftest import random_prompts, reference_greedy
 from torch import nn
 
 from distserve import LLM, SamplingParams
-from distserve.model_executor.cpu_linear import PackedLinear, can_pack, pack_linears
+from distserve.model_executor.cpu_linear import MergedSlice, PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="torch without oneDNN")
 
@@ -48,13 +48,39 @@ def test_only_plain_linears_of_real_weights_are_packed():
     assert kinds == [PackedLinear, PackedLinear, Sharded, nn.Linear]
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_merged_projections_give_each_linear_its_own_output(bias):
+    """q, k and v of one module as one GEMM: the same values as each linear alone, whether they read
+    one input (the GEMM runs once) or, as no decoder layer does, each its own (it runs again)."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (nn.Linear(64, n, bias=bias) for n in (64, 16, 16))
+
+    torch.manual_seed(5)
+    module = Attention()
+    alone = [nn.Linear(64, n, bias=bias) for n in (64, 16, 16)]
+    for copy, linear in zip(alone, (module.q_proj, module.k_proj, module.v_proj)):
+        copy.load_state_dict(linear.state_dict())
+    assert pack_linears(module) == 3 and isinstance(module.k_proj, MergedSlice)
+    projections = (module.q_proj, module.k_proj, module.v_proj)
+    x, others = torch.randn(2, 5, 64), [torch.randn(3, 64) for _ in range(3)]
+    with torch.inference_mode():
+        for inputs in (others, [x, x, x]):
+            for projection, linear, given in zip(projections, alone, inputs):
+                torch.testing.assert_close(projection(given), linear(given), rtol=1e-5, atol=1e-5)
+    assert module.q_proj.merged._output is None  # nothing held once every member took its slice
+
+
 def test_a_model_with_packed_linears_generates_transformers_greedy_tokens(reference_model):
     llama = reference_model("tiny-llama")
     prompts = random_prompts([5, 40, 17], llama.config.vocab_size, seed=21)
     llm = LLM("tiny-llama", dtype="float32", cpu_packed_linear=True)
     try:
         layers = llm.engine.executor.worker.model.model.layers
-        assert isinstance(layers[0].mlp.down_proj, PackedLinear)
+        assert isinstance(layers[0].mlp.down_proj, PackedLinear) and isinstance(layers[0].mlp.up_proj, MergedSlice)
+        assert isinstance(layers[0].self_attn.v_proj, MergedSlice)
         outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
     finally:
         llm.shutdown()

@@ -21,19 +21,75 @@ from distserve.core.cpu_features import has_bf16_instructions
 PACKED_FOR_ROWS = 64  # the row count oneDNN lays the weights out for; see the module's docstring
 
 
+def _packed(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACKED_FOR_ROWS)
+
+
+def _packed_matmul(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int):
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed_weight, bias, "none", [], "")
+    return out.view(*x.shape[:-1], out_features)
+
+
 class PackedLinear(nn.Module):
     """An ``nn.Linear`` whose weight oneDNN holds packed."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_FOR_ROWS)
+        self.packed_weight = _packed(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
+        return _packed_matmul(x, self.packed_weight, self.bias, self.out_features)
+
+
+# Linears of one module that read the same input, as transformers' decoder layers call them: their
+# weights stacked are one GEMM. At a decode step's few rows the GEMMs stream their weights from
+# memory and each call pays a start; for the 58M Llama's step, one row, one thread, bfloat16:
+# 7.2 against 8.1 ms for its linears (q, k and v merged, gate and up merged), 4 rows 7.6 against
+# 8.3, 32 rows 20.8 against 21.7.
+MERGED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class MergedLinears:
+    """Linears that read the same input, as one packed GEMM: the first of them called on an input
+    computes every one's output; the others, called on the same tensor, take their slice of it.
+    Called on another input (a model that does not feed them alike), the GEMM runs again for it."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        self.packed_weight = _packed(torch.cat([linear.weight.detach() for linear in linears]))
+        biases = [linear.bias for linear in linears]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        ends = torch.tensor([linear.out_features for linear in linears]).cumsum(0).tolist()
+        self.bounds = list(zip([0, *ends[:-1]], ends))
+        self.out_features = ends[-1]
+        self._input: torch.Tensor | None = None
+        self._output: torch.Tensor | None = None
+        self._left: set[int] = set()  # members yet to take their slice of ``_output``
+
+    def output(self, x: torch.Tensor, member: int) -> torch.Tensor:
+        if x is not self._input or member not in self._left:
+            self._input, self._left = x, set(range(len(self.bounds)))
+            self._output = _packed_matmul(x, self.packed_weight, self.bias, self.out_features)
+        start, end = self.bounds[member]
+        out = self._output[..., start:end]
+        self._left.discard(member)
+        if not self._left:  # every member served: hold no activation past this layer
+            self._input = self._output = None
+        return out
+
+
+class MergedSlice(nn.Module):
+    """One member of ``MergedLinears``, in its linear's place."""
+
+    def __init__(self, merged: MergedLinears, member: int, linear: nn.Linear) -> None:
+        super().__init__()
+        self.merged, self.member = merged, member
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.merged.output(x, self.member)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -44,11 +100,32 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and has_bf16_instructions())
 
 
-def pack_linears(model: nn.Module) -> int:
+def _mergeable(linears: list) -> bool:
+    """Plain linears of real weights on CPU, alike in input size and in having a bias or not."""
+    first = linears[0]
+    return all(
+        type(linear) is nn.Linear
+        and linear.weight.device.type == "cpu"
+        and linear.in_features == first.in_features
+        and (linear.bias is None) == (first.bias is None)
+        for linear in linears
+    )
+
+
+def pack_linears(model: nn.Module, merge: bool = True) -> int:
     """Replace every plain ``nn.Linear`` of ``model`` holding real weights by a ``PackedLinear``
-    (tensor-parallel layers, which are not plain, keep theirs); the number replaced."""
+    (tensor-parallel layers, which are not plain, keep theirs), and with ``merge`` those of a
+    module named in ``MERGED_PROJECTIONS`` by ``MergedSlice``s of one GEMM; the number replaced."""
     replaced = 0
     for module in list(model.modules()):
+        for names in MERGED_PROJECTIONS if merge else ():
+            linears = [getattr(module, name, None) for name in names]
+            if None in linears or not _mergeable(linears):
+                continue
+            merged = MergedLinears(linears)
+            for member, (name, linear) in enumerate(zip(names, linears)):
+                setattr(module, name, MergedSlice(merged, member, linear))
+            replaced += len(names)
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and child.weight.device.type == "cpu":
                 setattr(module, name, PackedLinear(child))
