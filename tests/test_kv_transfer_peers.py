@@ -170,7 +170,7 @@ def test_live_instances_keep_only_live_peers_when_prefill_is_replaced_repeatedly
             await asyncio.sleep(0.05)
 
     async def scenario():
-        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=64)
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=64, dtype="float32")
         orchestrator = cluster.orchestrator
         try:
             for kill in range(1, 4):
