@@ -24,7 +24,7 @@ from distserve.core.config import FIELD_SECTION, SECTIONS, EngineConfig
 from distserve.core.local_prefill import LOCAL_PREFILL_MODES, LocalPrefillConfig
 from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.client import CallError
-from distserve.entrypoints.server_config import API_KEY_ENV, ServerConfig
+from distserve.entrypoints.server_config import ADMIN_KEY_ENV, API_KEY_ENV, ServerConfig
 from placement.cli_hints import refuse_unknown
 
 # Fields whose flag a command would refuse or ignore: kept out of its help. Each pool of a cluster
@@ -102,10 +102,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _generate_remote(args)
     from distserve.entrypoints.llm import LLM
 
-    # One seed: locally the engine's (dummy weights and every unseeded request), remotely the requests'.
-    params = SamplingParams(**_sampling_options(args))
     engine = LLM(config=_engine_config(args)).engine  # LLM refuses a one-phase role here
     try:
+        # One seed: locally the engine's (dummy weights and every unseeded request), remotely the
+        # requests'. Flags left out take the model's defaults, as they do on a server.
+        params = engine.input_processor.default_params(**_sampling_options(args))
         for i, prompt in enumerate(args.prompts):
             engine.add_request(prompt, params, request_id=str(i))
         stream = len(args.prompts) == 1
@@ -126,9 +127,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _client_options(args: argparse.Namespace) -> dict[str, typing.Any]:
-    """Client keyword options from --api-key and --tls-ca."""
+    """Client keyword options from --api-key, --tls-ca and (``distserve roles``) --admin-key."""
     root_certificates = Path(args.tls_ca).read_bytes() if args.tls_ca else None
-    return {"api_key": args.api_key, "root_certificates": root_certificates}
+    return {"api_key": args.api_key, "root_certificates": root_certificates, "admin_key": vars(args).get("admin_key")}
 
 
 def _client(args: argparse.Namespace):
@@ -170,6 +171,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"{info.model}: {state}, {info.num_pending_requests}/{info.max_pending_requests} requests in flight, "
         f"context {info.max_model_len} tokens"
     )
+    defaults = info.default_sampling_params.ListFields()
+    if defaults:
+        given = ", ".join(f"{field.name} {value:g}" for field, value in defaults)
+        print(f"sampling defaults (the model's generation_config.json): {given}")
     columns = ("instance", "role", "node", "TPxPP", "KV used", "waiting", "running", "held", "pending", "preempted",
                "swapped", "prompt cached", "state")  # fmt: skip
     rows = [columns]
@@ -412,6 +417,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(after them; the server needs its SLOs)",
     )
     _add_client_args(roles, required=True)
+    roles.add_argument(
+        "--admin-key",
+        default=os.environ.get(ADMIN_KEY_ENV),
+        help=f"the server's admin key, which role changes need (default: ${ADMIN_KEY_ENV})",
+    )
     roles.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the changes (default: 120)")
     roles.set_defaults(func=cmd_roles)
 

@@ -438,3 +438,34 @@ def test_chat_without_max_tokens_fits_a_kv_cache_smaller_than_the_context(server
     with urllib.request.urlopen(request, timeout=60) as response:
         usage = json.loads(response.read())["usage"]
     assert usage["prompt_tokens"] + usage["completion_tokens"] == NUM_KV_BLOCKS * 16
+
+
+def test_cached_prompt_tokens_are_not_reported_unless_the_server_is_started_to(server, client, llama):
+    """They would tell a client whether another's prompt began as its own (vLLM reports them only
+    with --enable-prompt-tokens-details); the prefix cache works all the same."""
+    (prompt,) = random_prompts([40], llama.config.vocab_size, seed=21)
+    cached_before = sum(i.cached_prompt_tokens for i in client.cluster_info().instances)
+    for _ in range(2):
+        assert client.complete(prompt, max_tokens=2, temperature=0).usage.cached_prompt_tokens == 0
+    assert sum(i.cached_prompt_tokens for i in client.cluster_info().instances) - cached_before == 32
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    request = urllib.request.Request(
+        f"{server.http_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        usage = json.loads(response.read())["usage"]
+    assert "prompt_tokens_details" not in usage and usage["prompt_tokens"] == 40
+    assert sum(i.cached_prompt_tokens for i in client.cluster_info().instances) - cached_before == 64
+
+
+def test_role_changes_are_refused_without_an_admin_key(server, client):
+    """This server has an API key and no admin key: no key changes roles (tests/test_tenants.py
+    has a server with one)."""
+    prefill = next(i.name for i in client.cluster_info().instances if i.role == pb.ROLE_PREFILL)
+    for options in ({"api_key": API_KEY}, {"api_key": API_KEY, "admin_key": "sk-guess"}):
+        with Client(server.grpc_address, **options) as caller, pytest.raises(CallError) as refusal:
+            caller.set_roles({prefill: "prefill"})
+        assert refusal.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "this server has none: start it with --admin-key" in refusal.value.details()

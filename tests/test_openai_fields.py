@@ -22,6 +22,7 @@ from distserve.entrypoints.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, 
 from distserve.entrypoints.openai_logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_json, token_text
 from distserve.entrypoints.openai_protocol import parse_chat, parse_completion
 from distserve.entrypoints.openai_server import build_app
+from distserve.entrypoints.server_config import ServerConfig
 from distserve.model_executor.tiny_models import ensure_tiny_model
 
 MODEL = "tiny-llama"
@@ -50,7 +51,11 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def frontend(tokenizer):
     return SimpleNamespace(
-        model_name=MODEL, tokenizer=tokenizer, max_model_len=MAX_MODEL_LEN, max_request_tokens=MAX_MODEL_LEN
+        model_name=MODEL,
+        tokenizer=tokenizer,
+        max_model_len=MAX_MODEL_LEN,
+        max_request_tokens=MAX_MODEL_LEN,
+        sampling_defaults={},
     )
 
 
@@ -153,6 +158,7 @@ ACCEPTED = {
     "guided_grammar": [('root ::= "a"', {"structured_outputs": _so(grammar='root ::= "a"')}, {})],
     "guided_decoding_backend": [("xgrammar", {}, {})],
     "priority": [(-5, {"call.priority": -5}, {})],
+    "cache_salt": [("tenant-a", {"cache_salt": "tenant-a"}, {}), ("x" * 128, {"cache_salt": "x" * 128}, {})],
     "request_id": [("abc", {"call.request_id": "abc"}, {})],
     "session_id": [("s1", {}, {})],
     "return_token_ids": [(True, {"call.return_token_ids": True}, {})],
@@ -276,7 +282,7 @@ REFUSED = {
     "return_mm_kwargs": [("x", None, {})],
     "stream_interval": [("x", None, {})],
     "routed_experts_prompt_start": [(3, None, {})],
-    "cache_salt": [("salt", None, {})],
+    "cache_salt": [("", None, {}), ("x" * 129, None, {}), ("a/b", None, {}), ("a@b", None, {}), (5, None, {})],
     "kv_transfer_params": [({"do_remote_decode": True}, None, {})],
     "ec_transfer_params": [({"a": 1}, None, {})],
     "vllm_xargs": [({"a": 1}, None, {})],
@@ -519,6 +525,8 @@ class ScriptedFrontend:
     model_name = MODEL
     max_model_len = max_request_tokens = MAX_MODEL_LEN
     draining = False
+    sampling_defaults: dict = {}
+    config = ServerConfig(enable_prompt_tokens_details=True)
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

@@ -377,8 +377,9 @@ def test_role_changes_that_could_not_serve_are_refused_and_change_nothing(ray_cl
 
 def test_set_roles_over_grpc_and_the_cli(ray_cluster, llama):
     config = make_cluster_config(model="tiny-llama", prefill={}, decode={}, dtype="float32")
-    with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0)) as server:
-        with Client(server.grpc_address) as client:
+    admin = "sk-roles-admin"  # role changes need it (tests/test_tenants.py has the refusals)
+    with BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0, admin_key=admin)) as server:
+        with Client(server.grpc_address, admin_key=admin) as client:
             names = [i.name for i in client.cluster_info().instances]
             with pytest.raises(CallError) as refusal:
                 client.set_roles({names[1]: "prefill"})
@@ -395,6 +396,7 @@ def test_set_roles_over_grpc_and_the_cli(ray_cluster, llama):
                 assert message in refusal.value.details()
             assert client.cluster_info().role_control == "fixed" and not client.cluster_info().role_changes
             cli = [sys.executable, "-m", "distserve.cli", "roles", "--server", server.grpc_address]
+            cli += ["--admin-key", admin]
             done = subprocess.run([*cli, f"{names[0]}=colocated", f"{names[1]}=colocated"],
                                   capture_output=True, text=True, timeout=60)  # fmt: skip
             assert done.returncode == 0, done.stderr

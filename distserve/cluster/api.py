@@ -98,9 +98,11 @@ class AsyncCluster:
         slo: RequestSLO | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; leaving the iteration early cancels it. ``slo``: its
-        own latency objectives, which adaptive role control judges it by."""
+        own latency objectives, which adaptive role control judges it by. No ``params``: the model's
+        sampling defaults (``generation_config``); params given are taken as they are, every field."""
         self._check_running()
-        return self.orchestrator.generate(prompt, params or SamplingParams(), request_id, priority, slo)
+        params = params or self.orchestrator.input_processor.default_params()
+        return self.orchestrator.generate(prompt, params, request_id, priority, slo)
 
     async def info(self) -> list[InstanceInfo]:
         self._check_running()
@@ -161,11 +163,11 @@ class Cluster:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts concurrently to completion; final outputs in prompt order, a request of
-        ``n`` samples' n in a row (by ``RequestOutput.index``)."""
+        ``n`` samples' n in a row (by ``RequestOutput.index``). No ``params``: the model's sampling
+        defaults."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = params or SamplingParams()
-        if isinstance(params, SamplingParams):
+        if params is None or isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")

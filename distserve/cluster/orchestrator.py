@@ -54,6 +54,7 @@ from distserve.kv_tier.store import TierInfo, start_tier_stores, tier_blocks
 from distserve.kv_transfer.plan import KVCacheShape
 from distserve.model_executor.model_loader import (
     ResolvedModel,
+    default_sampling_params,
     eos_token_ids,
     load_tokenizer,
     resolve_dtype,
@@ -92,6 +93,13 @@ class Orchestrator:
         """Launch every instance (in parallel) and start polling them."""
         resolved = resolve_model(self.config.engine.model)
         tokenizer = load_tokenizer(resolved)
+        sampling_defaults = default_sampling_params(resolved, self.config.engine.model.generation_config)
+        if sampling_defaults:  # as vLLM warns: a request's sampling changes with the model directory
+            logger.warning(
+                "requests that leave them out sample with the model's generation_config.json defaults %s "
+                "(--generation-config vllm ignores them)",
+                sampling_defaults,
+            )
         loop = asyncio.get_running_loop()
         # Cores are planned from this machine's: on a Ray cluster of several nodes, instances stay unbound.
         on_cpu = cluster_device(self.config.engine) == "cpu" and sum(n["Alive"] for n in ray.nodes()) == 1
@@ -125,6 +133,7 @@ class Orchestrator:
             smallest.info.num_blocks,
             smallest.info.block_size,
             eos_token_ids(resolved, tokenizer),
+            sampling_defaults,
         )
         self._pollers.append(asyncio.create_task(self.controller.run()))  # it decides while adaptive
 
@@ -263,7 +272,9 @@ class Orchestrator:
         pool = await self.instance_pool.healthy(self.instance_pool.entry_pool)
         local = None if state.move_to else self._local_prefill(state, pool)
         if local is None:
-            entry, to_prefill = self.router.pick_prefill(pool, state.prompt_token_ids, state.load, state.move_to)
+            entry, to_prefill = self.router.pick_prefill(
+                pool, state.prompt_token_ids, state.load, state.move_to, state.params.cache_salt
+            )
         else:
             entry, to_prefill = local
         state.routed(entry, to_prefill, local=local is not None)
@@ -282,7 +293,7 @@ class Orchestrator:
         prompt tokens it is expected to compute; None: a prefill instance does."""
         prefills = [s for s in entry_pool if s.role is Role.PREFILL]
         return self.router.pick_local_prefill(self.config.local_prefill, self.pool(Role.DECODE), prefills,
-                                              state.prompt_token_ids, state.load)  # fmt: skip
+                                              state.prompt_token_ids, state.load, state.params.cache_salt)  # fmt: skip
 
     def slo(self, state: RequestState) -> RequestSLO:
         """The request's SLOs: each its own, else the cluster's (``role_control``); None without either."""
@@ -427,20 +438,20 @@ class Orchestrator:
             state.finish(now)
             self._observe(state)
             # The KV of its tokens (but the last, never computed) stays in that instance's prefix cache.
-            self._remember(entry, [*state.prompt_token_ids, *run.output_token_ids, *delta.new_token_ids][:-1])
+            self._remember(entry, state, [*state.prompt_token_ids, *run.output_token_ids, *delta.new_token_ids][:-1])
         output = run.add(delta)
         if delta.handover is not None:
             self.spawn(self._hand_over(state, delta.handover, entry))
         state.queue.put_nowait(output)
 
-    def _remember(self, entry: InstanceState, token_ids: list[int]) -> None:
-        """Tell the router ``entry`` holds the KV of ``token_ids``, where routing reads it: a colocated
-        instance's prefixes pick where prompts go, a decode instance's only which it prefills itself,
-        and with a prefix tier every instance's are in the tier. Hashing every request's tokens on
-        this loop is not done for nothing."""
+    def _remember(self, entry: InstanceState, state: RequestState, token_ids: list[int]) -> None:
+        """Tell the router ``entry`` holds the KV of ``token_ids`` of ``state`` (under its cache salt),
+        where routing reads it: a colocated instance's prefixes pick where prompts go, a decode
+        instance's only which it prefills itself, and with a prefix tier every instance's are in the
+        tier. Hashing every request's tokens on this loop is not done for nothing."""
         local_prefill = entry.role is Role.DECODE and self.config.local_prefill.mode != "off"
         if entry.role is Role.COLOCATED or local_prefill or self.router.tier_index is not None:
-            self.router.remember(entry, token_ids)
+            self.router.remember(entry, token_ids, state.params.cache_salt)
 
     def _observe(self, state: RequestState) -> None:
         """A request's latencies, for the role controller."""
@@ -456,7 +467,7 @@ class Orchestrator:
         try:
             entry = self.router.pick_decode(await self.instance_pool.healthy(lambda: self._decoders(state.source)))
             state.handed_to(entry, time.time())
-            self._remember(entry, state.prompt_token_ids)  # its KV is pulled into that prefix cache
+            self._remember(entry, state, state.prompt_token_ids)  # its KV is pulled into that prefix cache
             await entry.handle.add_handover.remote(handover)
             if state.cancelled:  # cancelled while the hand-over was on its way
                 await entry.handle.abort_request.remote(state.request_id, handover.attempt)

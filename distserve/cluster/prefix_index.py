@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from distserve.scheduling.block_manager import chain_hash
+from distserve.scheduling.block_manager import chain_hash, prefix_root
 
 
 class PrefixIndex:
@@ -18,9 +18,9 @@ class PrefixIndex:
         self.capacity = capacity
         self._seen: OrderedDict[tuple[str, int], None] = OrderedDict()
 
-    def block_hashes(self, token_ids: list[int]) -> list[int]:
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
         """Keys of the prompt's full blocks, as the block manager computes them."""
-        hashes, parent = [], 0
+        hashes, parent = [], prefix_root(cache_salt)
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
             parent = chain_hash(parent, token_ids[start : start + self.block_size])
             hashes.append(parent)

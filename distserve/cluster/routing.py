@@ -68,13 +68,19 @@ class Router:
             self.tier_index.add("", hashes)
 
     def pick_prefill(
-        self, pool: list[InstanceState], prompt_token_ids: list[int], tokens: int, chosen: InstanceState | None = None
+        self,
+        pool: list[InstanceState],
+        prompt_token_ids: list[int],
+        tokens: int,
+        chosen: InstanceState | None = None,
+        cache_salt: str | None = None,
     ) -> tuple[InstanceState, int]:
         """``chosen`` when it is in ``pool``; else, of the instances with room for the request's
         ``tokens`` (all, when none has), the one with the fewest prompt tokens to prefill once this
-        prompt joins them (less the longest prefix of it sent there before), the least loaded of
-        those that tie. Returns the instance and the prompt tokens it is expected to compute."""
-        hashes = self.prefix_index.block_hashes(prompt_token_ids)
+        prompt joins them (less the longest prefix of it sent there before under the same
+        ``cache_salt``), the least loaded of those that tie. Returns the instance and the prompt
+        tokens it is expected to compute."""
+        hashes = self.prefix_index.block_hashes(prompt_token_ids, cache_salt)
         candidates = [chosen] if chosen in pool else _roomy(pool, tokens)
         to_prefill = self._to_compute(candidates, prompt_token_ids, hashes)
         entry = min(to_prefill, key=lambda s: (s.prefill_tokens + to_prefill[s], s.load))
@@ -88,6 +94,7 @@ class Router:
         prefills: list[InstanceState],
         prompt_token_ids: list[int],
         tokens: int,
+        cache_salt: str | None = None,
     ) -> tuple[InstanceState, int] | None:
         """Per-request disaggregation: the decode instance that prefills the request itself, and the
         prompt tokens it is expected to compute, or None when a prefill instance is to. The
@@ -96,7 +103,7 @@ class Router:
         and its queue against the prefill instance's the prompt would go to."""
         if config.mode == "off" or not decodes or not prefills:
             return None
-        hashes = self.prefix_index.block_hashes(prompt_token_ids)
+        hashes = self.prefix_index.block_hashes(prompt_token_ids, cache_salt)
         to_compute = self._to_compute(_roomy(decodes, tokens), prompt_token_ids, hashes)
         decode = min(to_compute, key=lambda s: (to_compute[s], s.load))
         remote = self._to_compute(_roomy(prefills, tokens), prompt_token_ids, hashes)
@@ -106,10 +113,10 @@ class Router:
         self._add(decode, hashes)
         return decode, to_compute[decode]
 
-    def remember(self, entry: InstanceState, token_ids: list[int]) -> None:
-        """``entry`` holds the KV of ``token_ids`` (in its prefix cache once the request is done, and
-        in the tier)."""
-        self._add(entry, self.prefix_index.block_hashes(token_ids))
+    def remember(self, entry: InstanceState, token_ids: list[int], cache_salt: str | None = None) -> None:
+        """``entry`` holds the KV of ``token_ids``, salted with ``cache_salt`` (in its prefix cache
+        once the request is done, and in the tier)."""
+        self._add(entry, self.prefix_index.block_hashes(token_ids, cache_salt))
 
     def _to_compute(
         self, candidates: list[InstanceState], prompt_token_ids: list[int], hashes: list[int]

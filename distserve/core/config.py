@@ -24,6 +24,7 @@ ATTENTION_BACKENDS = ("auto", "cpp", "compiled", "triton", "sdpa")
 POLICIES = ("fcfs", "sjf", "priority", "deadline", "deadline-feasible")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 KV_TRANSPORTS = ("auto", "group")
+GENERATION_CONFIGS = ("auto", "vllm")
 
 
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
@@ -64,12 +65,20 @@ class ModelConfig:
         "on CPU, in float32 or (where the CPU has AVX-512 BF16 or AMX) bfloat16, run linear layers through "
         "oneDNN on weights packed once at load (1.4-2.2x faster at decode batch sizes); off: torch's linear",
     )
+    generation_config: str = option(
+        "auto",
+        "as vLLM's: 'auto' takes the sampling defaults of a request that leaves temperature, top_p, top_k, "
+        "min_p, repetition_penalty, presence_penalty, frequency_penalty or max_tokens out from the model's "
+        "generation_config.json (max_new_tokens as max_tokens); 'vllm' ignores it (the server's own defaults)",
+        GENERATION_CONFIGS,
+    )
 
     def __post_init__(self) -> None:
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("device", self.device, DEVICES)
+        _check_choice("generation_config", self.generation_config, GENERATION_CONFIGS)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
 

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field, fields
 from distserve.core.errors import RequestError
 
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token, as OpenAI allows
+# vLLM's bounds on a cache salt (``validate_cache_salt``): a salt it refuses is refused here too.
+MAX_CACHE_SALT_CHARS = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\0")
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily
 
 
@@ -121,6 +124,13 @@ class SamplingParams:
         },
     )
     n: int = field(default=1, metadata={"help": "samples of the prompt"})
+    cache_salt: str | None = field(
+        default=None,
+        metadata={
+            "help": "share cached prompt prefixes only with requests of the same salt (vLLM's cache_salt): a "
+            "secret per tenant, so that no other can learn from cache hits what it sent"
+        },
+    )
     # Filled in by the engine that admits the request, from its tokenizer and model.
     all_stop_token_ids: tuple[int, ...] = field(default=(), repr=False, metadata={"internal": True})
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False, metadata={"internal": True})
@@ -180,6 +190,15 @@ class SamplingParams:
             raise RequestError("structured_outputs must be a StructuredOutputsParams")
         if not _int(self.n) or self.n < 1:
             raise RequestError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str)
+            or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
+            or not CACHE_SALT_FORBIDDEN.isdisjoint(self.cache_salt)
+        ):
+            raise RequestError(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters without "
+                "'@', '/', '\\' or NUL"
+            )
 
     @staticmethod
     def _checked_bias(bias: dict) -> dict[int, float]:

@@ -1,13 +1,15 @@
 """Turns a request into a validated ``Sequence``: tokenizes a text prompt and checks the ids, the
 context length and whether the request can ever fit the KV cache, and fills in what its sampling
 params need of the model (stop tokens, bad words as token ids). Engines and the orchestrator share
-it, so a request is refused with the same message wherever it arrives."""
+it, so a request is refused with the same message wherever it arrives. It holds the model's
+sampling defaults too (``sampling_defaults``), which the entry points apply to the fields a
+request leaves out, where they can tell."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from distserve.core.errors import RequestError
 from distserve.core.sampling_params import SamplingParams
@@ -26,6 +28,7 @@ class InputProcessor:
         num_kv_blocks: int,
         block_size: int,
         eos_token_ids: Iterable[int] = (),
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -33,6 +36,8 @@ class InputProcessor:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.eos_token_ids = frozenset(eos_token_ids)
+        # SamplingParams fields the model's generation config sets (``default_sampling_params``).
+        self.sampling_defaults = dict(sampling_defaults or {})
         self._grammars: GrammarCompiler | None = None
 
     @property
@@ -43,6 +48,10 @@ class InputProcessor:
 
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         return self._grammars
+
+    def default_params(self, **given: Any) -> SamplingParams:
+        """The sampling params of a request that sets only ``given``: the model's defaults for the rest."""
+        return SamplingParams(**{**self.sampling_defaults, **given})
 
     def process(
         self,

@@ -26,7 +26,7 @@ from distserve.engine.input_processor import InputProcessor
 from distserve.engine.kv_hold import KVHold
 from distserve.engine.prefill_role import PrefillRole
 from distserve.engine.role import ColocatedRole, InstanceRole, RoleContext
-from distserve.model_executor.model_loader import eos_token_ids, load_tokenizer, resolve_model
+from distserve.model_executor.model_loader import default_sampling_params, eos_token_ids, load_tokenizer, resolve_model
 from distserve.model_executor.model_runner import BatchInput, SeqInput
 from distserve.model_executor.token_bitmask import allocate_bitmask
 from distserve.model_executor.worker import ModelOutput
@@ -78,8 +78,9 @@ class LLMEngine:
         self.tier: TierClient | None = None  # the node's prefix tier, once attached
         self.detokenizer = Detokenizer(self.tokenizer)
         self.input_processor = InputProcessor(
-            self.tokenizer, self.vocab_size, self.max_model_len, num_blocks, config.cache.block_size, self.eos_token_ids
-        )
+            self.tokenizer, self.vocab_size, self.max_model_len, num_blocks, config.cache.block_size,
+            self.eos_token_ids, default_sampling_params(resolved, config.model.generation_config),
+        )  # fmt: skip
         # Every request this engine has, by id (one run each), and its samples here by index.
         self.requests: dict[str, dict[int, Sequence]] = {}
         self.stats = StepStats(max_step_records)

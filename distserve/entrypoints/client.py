@@ -9,8 +9,9 @@ step; the last one has finish_reason, usage and timings); ``complete`` joins the
 ``Completion``. Leaving the iteration early cancels the request on the server. A failed call
 raises ``CallError``: its ``code()`` is the gRPC status code and ``details()`` the server's message.
 
-The API key is ``api_key`` or else ``$DISTSERVE_API_KEY``; an address without a port means the
-default gRPC port, 50051.
+The API key is ``api_key`` or else ``$DISTSERVE_API_KEY``; role changes (``set_roles``) send the
+admin key instead, ``admin_key`` or else ``$DISTSERVE_ADMIN_KEY``. An address without a port means
+the default gRPC port, 50051.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from distserve.entrypoints.server_config import API_KEY_ENV, ServerConfig
+from distserve.entrypoints.server_config import ADMIN_KEY_ENV, API_KEY_ENV, ServerConfig
 from distserve.v1 import distserve_pb2 as pb
 from distserve.v1 import distserve_pb2_grpc as pb_grpc
 
@@ -170,14 +171,20 @@ class _Base:
         api_key: str | None = None,
         root_certificates: bytes | None = None,
         tls: bool | None = None,
+        admin_key: str | None = None,
     ) -> None:
         """``root_certificates`` (PEM) or ``tls=True`` (system roots) connect over TLS; ``api_key``
-        None reads ``$DISTSERVE_API_KEY``."""
+        None reads ``$DISTSERVE_API_KEY``, ``admin_key`` None ``$DISTSERVE_ADMIN_KEY``."""
         if api_key is None:
             api_key = os.environ.get(API_KEY_ENV) or None
+        if admin_key is None:
+            admin_key = os.environ.get(ADMIN_KEY_ENV) or None
         self.address = grpc_target(address)
-        self.options = {"api_key": api_key, "root_certificates": root_certificates, "tls": tls}
-        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.options = {"api_key": api_key, "root_certificates": root_certificates, "tls": tls, "admin_key": admin_key}
+        # The server takes the admin key for every call: an operator's client may hold it alone.
+        key = api_key or admin_key
+        self.metadata = (("authorization", f"Bearer {key}"),) if key else ()
+        self.admin_metadata = (("authorization", f"Bearer {admin_key}"),) if admin_key else self.metadata
         self.credentials = (
             grpc.ssl_channel_credentials(root_certificates) if tls or root_certificates is not None else None
         )
@@ -233,7 +240,7 @@ class Client(_Base):
         ``role_control``: "fixed" takes roles back from the controller, "adaptive" hands them to it."""
         with self._errors():
             request = _roles_request(roles, role_control)
-            return self.stub.SetRoles(request, metadata=self.metadata, timeout=timeout)
+            return self.stub.SetRoles(request, metadata=self.admin_metadata, timeout=timeout)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
@@ -297,7 +304,7 @@ class AsyncClient(_Base):
     ) -> pb.SetRolesResponse:
         with self._errors():
             request = _roles_request(roles, role_control)
-            return await self.stub.SetRoles(request, metadata=self.metadata, timeout=timeout)
+            return await self.stub.SetRoles(request, metadata=self.admin_metadata, timeout=timeout)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)

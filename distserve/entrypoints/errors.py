@@ -30,6 +30,12 @@ class Unauthenticated(ServingError):
     error_type = "authentication_error"
 
 
+class PermissionDenied(ServingError):
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+    http_status = 403
+    error_type = "permission_error"
+
+
 class Overloaded(ServingError):
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     http_status = 429

@@ -9,6 +9,7 @@ import hmac
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 from distserve.cluster.api import AsyncCluster
 from distserve.cluster.instance import InstanceInfo
@@ -20,6 +21,7 @@ from distserve.core.slo import RequestSLO
 from distserve.entrypoints.errors import (
     InvalidRequest,
     Overloaded,
+    PermissionDenied,
     ServingError,
     Unauthenticated,
     Unavailable,
@@ -54,6 +56,12 @@ class Frontend:
         return self.cluster.orchestrator.input_processor.vocab_size
 
     @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """What a request's sampling fields default to when it leaves them out (the model's
+        generation config; none under ``generation_config: vllm``)."""
+        return self.cluster.orchestrator.input_processor.sampling_defaults
+
+    @property
     def max_request_tokens(self) -> int:
         """The longest a request (prompt and output) may grow: the context, or less when the
         smallest instance's KV cache holds less."""
@@ -69,15 +77,32 @@ class Frontend:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def authenticate(self, authorization: str | None) -> None:
-        """Check an ``authorization: Bearer KEY`` value against the server's key, if it has one."""
+        """Check an ``authorization: Bearer KEY`` value against the server's key, if it has one; the
+        admin key is taken too (an operator may do what a client may)."""
         expected = self.config.api_key
         if expected is None:
             return
         if not authorization:
             raise Unauthenticated("this server needs an API key: send 'authorization: Bearer <key>'")
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), expected.encode()):
+        if not (_is_key(authorization, expected) or _is_key(authorization, self.config.admin_key)):
             raise Unauthenticated("the API key is wrong")
+
+    def authenticate_admin(self, authorization: str | None) -> None:
+        """Check the key of a call that changes the cluster (role changes): only the admin key
+        passes, and without one configured nothing does, whatever the network the call came from."""
+        admin_key = self.config.admin_key
+        if admin_key is None:
+            raise PermissionDenied(
+                "changing the cluster needs the server's admin key, and this server has none: start it with "
+                "--admin-key or $DISTSERVE_ADMIN_KEY"
+            )
+        if _is_key(authorization, admin_key):
+            return
+        if not authorization:
+            raise Unauthenticated("this call changes the cluster: send 'authorization: Bearer <admin key>'")
+        if self.config.api_key is not None and _is_key(authorization, self.config.api_key):
+            raise PermissionDenied("the API key does not allow changing the cluster: send the admin key")
+        raise Unauthenticated("the admin key is wrong")
 
     @contextmanager
     def admission(self, count: int = 1) -> Iterator[None]:
@@ -159,3 +184,11 @@ class Frontend:
             return True
         except asyncio.TimeoutError:
             return False
+
+
+def _is_key(authorization: str | None, key: str | None) -> bool:
+    """Whether an ``authorization`` value is ``Bearer <key>`` (compared in constant time)."""
+    if not authorization or key is None:
+        return False
+    scheme, _, given = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())

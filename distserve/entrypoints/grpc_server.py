@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -38,12 +39,16 @@ _ROLES = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE, Role.COLOC
 _OPTIONAL_PARAMS = (
     "max_tokens", "temperature", "top_k", "top_p", "seed", "skip_special_tokens", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "truncate_prompt_tokens", "n",
+    "cache_salt",
 )  # fmt: skip
 
 
-def sampling_params_from_proto(message: pb.SamplingParams) -> SamplingParams:
-    """Set fields override SamplingParams' defaults; its checks say what is wrong."""
+def sampling_params_from_proto(message: pb.SamplingParams, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """Set fields override ``defaults`` (the model's, ``InputProcessor.sampling_defaults``), which
+    override SamplingParams' own; its checks say what is wrong. Set is proto3's field presence: a
+    field sent at its zero value (temperature 0) is set."""
     options = {name: getattr(message, name) for name in _OPTIONAL_PARAMS if message.HasField(name)}
+    options = {**(defaults or {}), **options}
     if message.logit_bias:
         options["logit_bias"] = dict(message.logit_bias)
     if message.allowed_token_ids:
@@ -118,7 +123,10 @@ def timeline_to_proto(m: RequestMetrics) -> pb.Timeline:
     )
 
 
-def response_from_output(output: RequestOutput, timeline: bool = False) -> pb.GenerateResponse:
+def response_from_output(
+    output: RequestOutput, timeline: bool = False, cached_tokens: bool = False
+) -> pb.GenerateResponse:
+    """``cached_tokens``: whether its usage reports the prompt tokens found cached (else 0)."""
     response = pb.GenerateResponse(
         request_id=output.request_id, token_ids=output.new_token_ids, text=output.new_text, index=output.index
     )
@@ -135,7 +143,7 @@ def response_from_output(output: RequestOutput, timeline: bool = False) -> pb.Ge
             pb.Usage(
                 prompt_tokens=len(output.prompt_token_ids),
                 completion_tokens=len(output.output_token_ids),
-                cached_prompt_tokens=output.num_cached_tokens,
+                cached_prompt_tokens=output.num_cached_tokens if cached_tokens else 0,
             )
         )
         last = m.token_times[-1] if m.token_times else None
@@ -212,10 +220,12 @@ class DistServeServicer(pb_grpc.DistServeServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
 
-    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+    async def _authenticate(self, context: grpc.aio.ServicerContext, admin: bool = False) -> None:
+        """The call's key must be the API key, or with ``admin`` (a call that changes the cluster) the admin key."""
         metadata = dict(context.invocation_metadata() or ())
         try:
-            self.frontend.authenticate(metadata.get("authorization"))
+            check = self.frontend.authenticate_admin if admin else self.frontend.authenticate
+            check(metadata.get("authorization"))
         except ServingError as e:
             await context.abort(e.grpc_code, str(e))
 
@@ -223,17 +233,18 @@ class DistServeServicer(pb_grpc.DistServeServicer):
         await self._authenticate(context)
         try:
             prompt = _prompt_from_proto(request)
-            params = sampling_params_from_proto(request.sampling_params)
+            params = sampling_params_from_proto(request.sampling_params, self.frontend.sampling_defaults)
             slo = RequestSLO(*(getattr(request, f) if request.HasField(f) else None for f in ("slo_ttft", "slo_tpot")))
         except Exception as e:
             error = to_serving_error(e)
             await context.abort(error.grpc_code, str(error))
         outputs = self.frontend.generate(prompt, params, request.request_id or None, request.priority, slo=slo)
+        cached_tokens = self.frontend.config.enable_prompt_tokens_details
         # aclosing: a cancelled call closes the stream at once, which cancels the request.
         async with contextlib.aclosing(outputs):
             try:
                 async for output in outputs:
-                    yield response_from_output(output, request.timeline)
+                    yield response_from_output(output, request.timeline, cached_tokens)
             except ServingError as e:
                 await context.abort(e.grpc_code, str(e))
 
@@ -251,10 +262,11 @@ class DistServeServicer(pb_grpc.DistServeServicer):
             role_changes=[role_change_to_proto(r) for r in self.frontend.cluster.role_changes[-MAX_ROLE_CHANGES:]],
             role_control=self.frontend.role_control,
             kv_tiers=[tier_to_proto(tier) for tier in await self.frontend.cluster.tier_info()],
+            default_sampling_params=pb.SamplingParams(**self.frontend.sampling_defaults),
         )
 
     async def SetRoles(self, request: pb.SetRolesRequest, context: grpc.aio.ServicerContext):
-        await self._authenticate(context)
+        await self._authenticate(context, admin=True)
         by_proto = {value: role for role, value in _ROLES.items()}
         unknown = {name: value for name, value in request.roles.items() if value not in by_proto}
         role_control = request.role_control if request.HasField("role_control") else None

@@ -52,6 +52,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling params ``generate`` uses when given none: the model's generation config's
+        defaults (``generation_config: auto``) over SamplingParams' own, as vLLM's method of the
+        name; change a field of them with ``dataclasses.replace``."""
+        return self.engine.input_processor.default_params()
+
     def shutdown(self) -> None:
         """Stop the engine's worker actors (an engine of one rank has none)."""
         self.engine.shutdown()
@@ -66,12 +72,15 @@ class LLM:
         a list of token ids, or vLLM's dict forms: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
 
         Every request is validated before any is queued, so a bad one fails the call cleanly.
+        Without ``sampling_params``, requests sample with the model's defaults (its
+        generation_config.json, under ``generation_config: auto``), as vLLM's ``LLM.generate``;
+        SamplingParams given are taken as they are, every field of them.
         """
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = [prompt_of(p) for p in prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -183,7 +183,10 @@ FIELDS: tuple[Field, ...] = (
         "most tokens to generate; completions: default 16; chat: as `max_completion_tokens`",
     ),
     Field(
-        "max_completion_tokens", None, request(_INT), "most tokens to generate; default: what is left of the context"
+        "max_completion_tokens",
+        None,
+        request(_INT),
+        "most tokens to generate; default: what is left of the context, or the model's `max_new_tokens` if less",
     ),
     _field("n", request(_INT), f"samples per prompt, 1 to {MAX_N}"),
     _field(
@@ -191,7 +194,7 @@ FIELDS: tuple[Field, ...] = (
         request(_INT),
         "accepted when equal to `n`: no extra samples are drawn to rank; any other value is refused",
     ),
-    _field("temperature", sets(_NUMBER), "default 1; 0 (anything below 1e-5, as vLLM) is greedy"),
+    _field("temperature", sets(_NUMBER), "default 1 (or the model's); 0 (anything below 1e-5, as vLLM) is greedy"),
     _field("top_p", sets(_NUMBER), "in (0, 1]; 1 disables it"),
     _field("seed", sets(_INT), "makes the samples reproducible; sample `i` of a prompt uses `seed + i`"),
     _field("stop", sets(_STOP), "a string or a list: the text ends before the first one generated"),
@@ -312,7 +315,12 @@ FIELDS: tuple[Field, ...] = (
     _field("return_mm_kwargs", ignored(_BOOL), "vLLM answers it on its render endpoints only"),
     _field("stream_interval", ignored(_INT), "chunks follow the server's `stream_interval`"),
     _field("routed_experts_prompt_start", neutral(_INT, 0), "not implemented"),
-    _field("cache_salt", neutral(_STRING), "the prefix cache is not salted"),
+    _field(
+        "cache_salt",
+        sets(_STRING),
+        "cached prompt prefixes are shared only between requests of the same salt (in the instances' caches, the "
+        "prefix tier and routing); at most 128 characters, none of `@`, `/`, `\\` or NUL",
+    ),
     _field("kv_transfer_params", neutral(_OBJECT), "the cluster moves KV between its instances itself"),
     _field("ec_transfer_params", neutral(_OBJECT), "no encoder cache"),
     _field("vllm_xargs", neutral(_OBJECT, {}), "no custom extensions"),

@@ -81,11 +81,14 @@ def parse_completion(frontend: Frontend, body: Any) -> Call:
     call.echo = fields.get("echo", False)
     kwargs, sources = sampling_kwargs(fields, COMPLETION_FIELDS)
     _truncation(kwargs, frontend)
+    _defaults(kwargs, frontend)
     if call.echo and kwargs.get("logprobs") is not None:
         # The prompt's tokens come first in logprobs: compute theirs, with as many of the likeliest.
         kwargs.setdefault("prompt_logprobs", kwargs["logprobs"])
         sources.setdefault("prompt_logprobs", "logprobs")
-    # No request can outgrow the context, and a bound keeps absurd values out of load estimates.
+    # No request can outgrow the context, and a bound keeps absurd values out of load estimates. The
+    # model's max_new_tokens is not read here: a completion leaving max_tokens out asks for 16, as
+    # in vLLM (whose null, unlike this server's, would read it).
     max_tokens = min(fields.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS), frontend.max_model_len)
     params = _sampling_params(kwargs, sources, "max_tokens", max_tokens)
     call.logprobs = params.logprobs
@@ -117,6 +120,7 @@ def parse_chat(frontend: Frontend, body: Any) -> Call:
     call = _call(True, fields)
     kwargs, sources = sampling_kwargs(fields, CHAT_FIELDS)
     _truncation(kwargs, frontend)
+    _defaults(kwargs, frontend)
     if fields.get("logprobs", False):
         kwargs["logprobs"] = top_logprobs
         sources["logprobs"] = "top_logprobs"
@@ -124,9 +128,11 @@ def parse_chat(frontend: Frontend, body: Any) -> Call:
     if name in fields:
         max_tokens = min(fields[name], frontend.max_model_len)
     else:
-        # The answer may fill the rest of the context; a prompt that leaves no room is refused by
-        # the prompt's own check, with a message about its length rather than about max_tokens.
-        max_tokens = max(1, frontend.max_request_tokens - len(prompt))
+        # The answer may fill the rest of the context (or the model's max_new_tokens, if less); a
+        # prompt that leaves no room is refused by the prompt's own check, with a message about its
+        # length rather than about max_tokens.
+        room = max(1, frontend.max_request_tokens - len(prompt))
+        max_tokens = min(room, frontend.sampling_defaults.get("max_tokens", room))
     params = _sampling_params(kwargs, sources, name, max_tokens)
     call.logprobs = params.logprobs
     call.jobs = _samples([(prompt, text)], params, call.n)
@@ -190,6 +196,14 @@ def _completion_prompts(value: Any) -> list[str | list[int]]:
 def _truncation(kwargs: dict[str, Any], frontend: Frontend) -> None:
     if kwargs.get("truncate_prompt_tokens") == -1:  # vLLM's "the context's length"
         kwargs["truncate_prompt_tokens"] = frontend.max_model_len
+
+
+def _defaults(kwargs: dict[str, Any], frontend: Frontend) -> None:
+    """The model's sampling defaults for the fields the body left out (absent or null), as vLLM's
+    ``to_sampling_params``; max_tokens is each route's own."""
+    for key, value in frontend.sampling_defaults.items():
+        if key != "max_tokens":
+            kwargs.setdefault(key, value)
 
 
 def _sampling_params(

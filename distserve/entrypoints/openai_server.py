@@ -74,27 +74,30 @@ async def _run_choices(
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    """OpenAI's usage: ``cached`` is the prompt tokens whose KV was found (prefix cache or tier)."""
-    return {
+def _usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
+    """OpenAI's usage: ``cached`` is the prompt tokens whose KV was found (prefix cache or tier),
+    None where the server does not report them (``server.enable_prompt_tokens_details``)."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if cached is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
-def _call_usage(call: Call, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+def _call_usage(call: Call, finals: dict[int, RequestOutput], cached: bool) -> dict[str, Any]:
     # A prompt is counted once however many samples it has.
     prompts = [out for i, out in finals.items() if i % call.n == 0]
     completion = sum(len(out.output_token_ids) for out in finals.values())
-    return _usage(
-        sum(len(out.prompt_token_ids) for out in prompts), completion, sum(out.num_cached_tokens for out in prompts)
-    )
+    num_cached = sum(out.num_cached_tokens for out in prompts) if cached else None
+    return _usage(sum(len(out.prompt_token_ids) for out in prompts), completion, num_cached)
 
 
-def _choice_usage(output: RequestOutput) -> dict[str, Any]:
-    return _usage(len(output.prompt_token_ids), len(output.output_token_ids), output.num_cached_tokens)
+def _choice_usage(output: RequestOutput, cached: bool) -> dict[str, Any]:
+    num_cached = output.num_cached_tokens if cached else None
+    return _usage(len(output.prompt_token_ids), len(output.output_token_ids), num_cached)
 
 
 class _Formatter:
@@ -194,6 +197,7 @@ async def _respond(request: web.Request, frontend: Frontend, call: Call) -> web.
     response_id = f"{prefix}-{call.request_id}" if call.request_id is not None else internal_id
     head = {"id": response_id, "created": int(time.time()), "model": frontend.model_name}
     formatter = _Formatter(call, frontend.tokenizer)
+    cached = frontend.config.enable_prompt_tokens_details
     finals: dict[int, RequestOutput] = {}
     async with aclosing(_run_choices(frontend, internal_id, call.jobs, call.priority)) as outputs:
         if not call.stream:
@@ -203,7 +207,7 @@ async def _respond(request: web.Request, frontend: Frontend, call: Call) -> web.
                     finals[index] = output
             choices = [formatter.choice(i, finals[i]) for i in range(call.num_choices)]
             kind = "chat.completion" if call.chat else "text_completion"
-            body = {**head, "object": kind, "choices": choices, "usage": _call_usage(call, finals)}
+            body = {**head, "object": kind, "choices": choices, "usage": _call_usage(call, finals, cached)}
             if call.chat and call.prompt_logprobs:
                 body["prompt_logprobs"] = formatter.prompt_logprobs
             return web.json_response(body)
@@ -229,7 +233,7 @@ async def _respond(request: web.Request, frontend: Frontend, call: Call) -> web.
             if choice is not None:
                 chunk = {**head, "choices": [choice]}
                 if call.continuous_usage:
-                    chunk["usage"] = _choice_usage(output)
+                    chunk["usage"] = _choice_usage(output, cached)
                 await response.write(_sse(chunk))
 
         try:
@@ -238,7 +242,7 @@ async def _respond(request: web.Request, frontend: Frontend, call: Call) -> web.
             async for item in outputs:
                 await send(*item)
             if call.include_usage:
-                await response.write(_sse({**head, "choices": [], "usage": _call_usage(call, finals)}))
+                await response.write(_sse({**head, "choices": [], "usage": _call_usage(call, finals, cached)}))
             await response.write(b"data: [DONE]\n\n")
         except ConnectionError:
             pass  # the client left; closing `outputs` cancels its requests
@@ -299,6 +303,8 @@ def build_app(frontend: Frontend) -> web.Application:
             "created": int(frontend.started),
             "owned_by": "distserve",
             "max_model_len": frontend.max_model_len,
+            # What a request's left-out sampling fields default to: the model's generation config's.
+            "default_sampling_params": frontend.sampling_defaults,
         }
 
     async def models(request: web.Request) -> web.Response:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from distserve.core.config import option
 
 API_KEY_ENV = "DISTSERVE_API_KEY"
+ADMIN_KEY_ENV = "DISTSERVE_ADMIN_KEY"
 
 
 @dataclass
@@ -18,6 +19,16 @@ class ServerConfig:
     # --port as well, as vLLM spells it
     http_port: int = option(8000, "OpenAI-compatible HTTP and /metrics port (0 picks a free one)", aliases=("--port",))
     api_key: str | None = option(None, f"key clients must send as 'Bearer KEY' (default: ${API_KEY_ENV})")
+    admin_key: str | None = option(
+        None,
+        f"key that calls changing the cluster (SetRoles, distserve roles) must send as 'Bearer KEY', not the "
+        f"api_key; unset, they are refused (default: ${ADMIN_KEY_ENV})",
+    )
+    enable_prompt_tokens_details: bool = option(
+        False,
+        "report the prompt tokens found cached (usage.prompt_tokens_details.cached_tokens, gRPC "
+        "cached_prompt_tokens), as vLLM's flag: they tell a client whether other prompts began as its own",
+    )
     tls_cert: str | None = option(None, "PEM certificate chain: serve gRPC and HTTP over TLS (with tls_key)")
     tls_key: str | None = option(None, "PEM private key of tls_cert")
     max_pending_requests: int = option(1024, "requests admitted and not finished; beyond it RESOURCE_EXHAUSTED / 429")
@@ -28,6 +39,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
+        if self.admin_key is None:
+            self.admin_key = os.environ.get(ADMIN_KEY_ENV) or None
+        if self.admin_key is not None and self.admin_key == self.api_key:
+            raise ValueError("admin_key must differ from api_key: a client's key would change the cluster")
         for name in ("grpc_port", "http_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:

@@ -20,7 +20,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from distserve.core.config import ModelConfig
 from distserve.core.cpu_features import has_bf16_instructions
+from distserve.core.errors import RequestError
 from distserve.core.model_presets import MODEL_PRESETS, ModelShape, find_model_preset, model_shape
+from distserve.core.sampling_params import SamplingParams
 from distserve.model_executor.attention import ATTN_IMPLEMENTATION
 from distserve.model_executor.tiny_models import TINY_MODELS, ensure_tiny_model
 from distserve.parallel.pipeline_parallel import PipelineStage
@@ -161,19 +163,55 @@ def load_tokenizer(resolved: ResolvedModel):
     return AutoTokenizer.from_pretrained(resolved.tokenizer_dir)
 
 
+def _generation_config(resolved: ResolvedModel) -> GenerationConfig:
+    """The model's generation_config.json, or else what its config.json says of generation (as
+    transformers and vLLM fall back)."""
+    try:
+        return GenerationConfig.from_pretrained(resolved.model_dir)
+    except (OSError, TypeError):  # no generation_config.json (or no directory: a preset)
+        return GenerationConfig.from_model_config(resolved.hf_config)
+
+
 def eos_token_ids(resolved: ResolvedModel, tokenizer) -> frozenset[int]:
     """The tokens that end a generation: the generation config's and the tokenizer's."""
-    try:
-        generation_config = GenerationConfig.from_pretrained(resolved.model_dir)
-    except (OSError, TypeError):  # no generation_config.json (or no directory: a preset)
-        generation_config = GenerationConfig.from_model_config(resolved.hf_config)
     ids = set()
-    for value in (generation_config.eos_token_id, tokenizer.eos_token_id):
+    for value in (_generation_config(resolved).eos_token_id, tokenizer.eos_token_id):
         if isinstance(value, int):
             ids.add(value)
         elif value:
             ids.update(value)
     return frozenset(ids)
+
+
+# The generation config's keys that default a request's sampling fields, as vLLM reads them
+# (``ModelConfig.get_diff_sampling_param``); max_new_tokens is its max_tokens.
+GENERATION_DEFAULT_KEYS = (
+    "repetition_penalty", "presence_penalty", "frequency_penalty", "temperature", "top_k", "top_p", "min_p",
+    "max_new_tokens",
+)  # fmt: skip
+
+
+def default_sampling_params(resolved: ResolvedModel, generation_config: str) -> dict[str, Any]:
+    """What a request's sampling fields default to when it leaves them out, as vLLM computes them:
+    with ``generation_config`` "auto", the values the model's generation config sets (those that
+    differ from transformers' defaults, none otherwise), its ``max_new_tokens`` as ``max_tokens``;
+    with "vllm", none (the server's own defaults hold). ``do_sample`` is not read, as vLLM does
+    not: a temperature it sets applies. A value no request could carry is refused here, at start-up,
+    naming the file, rather than refusing every request that leaves the field out."""
+    if generation_config == "vllm":
+        return {}
+    config = _generation_config(resolved).to_diff_dict()
+    defaults = {key: config[key] for key in GENERATION_DEFAULT_KEYS if config.get(key) is not None}
+    if "max_new_tokens" in defaults:
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
+    if defaults.get("top_k") == -1:  # vLLM's "off", which is 0 here
+        defaults["top_k"] = 0
+    try:
+        SamplingParams(**defaults)
+    except RequestError as e:
+        where = resolved.model_dir / "generation_config.json" if resolved.model_dir else "the model's config"
+        raise ValueError(f"{where}: {e} (serve with --generation-config vllm to leave it unread)") from None
+    return defaults
 
 
 def load_model(

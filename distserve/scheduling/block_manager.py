@@ -1,7 +1,9 @@
 """KV block allocation: reference counts, prefix caching by block hash, LRU eviction.
 
 A full block is identified by ``hash((parent_hash, block_tokens))``, so equal hashes mean equal
-prefixes up to hash collisions, which are ruled out by comparing the stored tokens. Freed
+prefixes up to hash collisions, which are ruled out by comparing the stored tokens. The first
+block's parent is the request's ``cache_salt`` (``prefix_root``): prompts of different salts share
+no block, here, in the tier or in the router's record of where prefixes went. Freed
 blocks that carry a hash stay findable until reused: the free list is ordered least recently
 freed first, so allocation evicts the coldest cached block.
 
@@ -23,6 +25,7 @@ copy.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 from typing import Protocol
 
@@ -39,6 +42,16 @@ class TierLookup(Protocol):
 def chain_hash(parent: int, tokens: list[int]) -> int:
     """The key of a full block: its tokens and, through the parent's key, everything before them."""
     return hash((parent, tuple(tokens)))
+
+
+def prefix_root(cache_salt: str | None) -> int:
+    """The parent key of a prompt's first block: 0 unsalted, else one drawn from the salt, so that
+    every block of the prompt hashes apart from the same tokens under another salt or none (vLLM
+    puts the salt in its first block's hash, as here). A digest, not ``hash()``: keys must agree
+    between processes (the tier is shared), and Python salts the hashes of strings per process."""
+    if cache_salt is None:
+        return 0
+    return int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "little", signed=True)
 
 
 class Block:
@@ -107,7 +120,7 @@ class BlockManager:
         hashes = seq.block_hashes
         while len(hashes) <= index:
             i = len(hashes)
-            parent = hashes[i - 1] if i else 0
+            parent = hashes[i - 1] if i else prefix_root(seq.sampling_params.cache_salt)
             hashes.append(chain_hash(parent, seq.block_tokens(i, self.block_size)))
         return hashes[index]
 

@@ -28,7 +28,7 @@ ROLE_DECODE: Role
 ROLE_COLOCATED: Role
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "logprobs", "prompt_logprobs", "truncate_prompt_tokens", "structured_outputs", "n")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "min_p", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "logprobs", "prompt_logprobs", "truncate_prompt_tokens", "structured_outputs", "n", "cache_salt")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class SamplingParams(_message.Message):
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -82,7 +83,8 @@ class SamplingParams(_message.Message):
     truncate_prompt_tokens: int
     structured_outputs: StructuredOutputs
     n: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., n: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ..., min_p: _Optional[float] = ..., min_tokens: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., truncate_prompt_tokens: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
     __slots__ = ("json", "regex", "choice", "grammar", "json_object")
@@ -325,7 +327,7 @@ class KVPulls(_message.Message):
     def __init__(self, source: _Optional[str] = ..., transport: _Optional[str] = ..., pulls: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
-    __slots__ = ("model", "instances", "num_pending_requests", "max_pending_requests", "max_model_len", "draining", "vocab_size", "role_changes", "role_control", "kv_tiers")
+    __slots__ = ("model", "instances", "num_pending_requests", "max_pending_requests", "max_model_len", "draining", "vocab_size", "role_changes", "role_control", "kv_tiers", "default_sampling_params")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +338,7 @@ class ClusterInfo(_message.Message):
     ROLE_CHANGES_FIELD_NUMBER: _ClassVar[int]
     ROLE_CONTROL_FIELD_NUMBER: _ClassVar[int]
     KV_TIERS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     model: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
     num_pending_requests: int
@@ -346,7 +349,8 @@ class ClusterInfo(_message.Message):
     role_changes: _containers.RepeatedCompositeFieldContainer[RoleChange]
     role_control: str
     kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTier]
-    def __init__(self, model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., num_pending_requests: _Optional[int] = ..., max_pending_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., role_changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., role_control: _Optional[str] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTier, _Mapping]]] = ...) -> None: ...
+    default_sampling_params: SamplingParams
+    def __init__(self, model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., num_pending_requests: _Optional[int] = ..., max_pending_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., role_changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., role_control: _Optional[str] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTier, _Mapping]]] = ..., default_sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class RoleChange(_message.Message):
     __slots__ = ("instance", "old_role", "new_role", "started", "seconds", "reason", "error")

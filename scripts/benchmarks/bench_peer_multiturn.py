@@ -5,7 +5,7 @@ at a time, in one run, on the same model directory, conversations and cores.
     python scripts/benchmarks/bench_peer_multiturn.py --servers vllm,disaggregated-tier --rates 0.5
 
 Servers are bench_peer_serving.py's (``--servers a,b,...``); ``disaggregated-tier`` is 1 prefill + 1
-decode with a 0.5 GiB shared prefix tier. vLLM serves with its prefix cache (its default) and
+decode with a 0.5 GiB shared prefix tier. Both serve with their prefix cache (the default) and
 ``--enable-prompt-tokens-details``, so that both report the prompt tokens they found cached.
 
 A probe is ``--conversations`` conversations starting at Poisson arrivals of the rate; each
@@ -108,7 +108,7 @@ def summarize(server: str, rate: float, records: list[dict], args: argparse.Name
 
 def run_server(name: str, args: argparse.Namespace, out: Path, env: dict[str, str]) -> list[dict]:
     rows = []
-    with serving(name, args, out, env, vllm_flags=("--enable-prompt-tokens-details",)) as server:
+    with serving(name, args, out, env, flags=("--enable-prompt-tokens-details",)) as server:
         for place, rate in enumerate(args.rates):
             try:
                 records = asyncio.run(probe(server.url, rate, args.seed + place, args))

@@ -108,19 +108,20 @@ class VllmServer(ServerProcess):
 
 
 def start_server(
-    name: str, args: argparse.Namespace, out: Path, env: dict[str, str], vllm_flags: tuple[str, ...] = ()
+    name: str, args: argparse.Namespace, out: Path, env: dict[str, str], flags: tuple[str, ...] = ()
 ) -> ServerProcess:
-    """``name`` started, in ``--dtype`` when given; ``vllm_flags`` go to a vLLM server besides its own."""
+    """``name`` started, in ``--dtype`` when given; ``flags`` go to it besides its own (flags both
+    servers spell alike, as ``--enable-prompt-tokens-details``)."""
     out.mkdir(parents=True, exist_ok=True)
     dtype = ["--dtype", args.dtype] if args.dtype else []  # the same flag for vllm serve and distserve launch
     if name in VLLM_SERVERS:
         vllm = executable(args.venvs, "vllm", "vllm")
         if vllm is None:
             raise SystemExit(f"vllm is not installed in {args.venvs / 'vllm'} (see docs/experiments/peer-clients.md)")
-        flags = [*VLLM_SERVERS[name], *dtype, *vllm_flags]
-        return VllmServer(vllm, args.tokenizer, flags, out / "server.log", env, VLLM_ENV.get(name, {}))
+        vllm_flags = [*VLLM_SERVERS[name], *dtype, *flags]
+        return VllmServer(vllm, args.tokenizer, vllm_flags, out / "server.log", env, VLLM_ENV.get(name, {}))
     deployment, extra = DISTSERVE_SERVERS[name]
-    return LaunchedServer(deployment, MODEL, [*extra, *dtype], out, None)
+    return LaunchedServer(deployment, MODEL, [*extra, *dtype, *flags], out, None)
 
 
 def ran_as(log: str) -> dict[str, str]:
@@ -163,11 +164,11 @@ def bench_command(vllm: str, url: str, args: argparse.Namespace, rate: float, se
 
 @contextlib.contextmanager
 def serving(
-    name: str, args: argparse.Namespace, out: Path, env: dict[str, str], vllm_flags: tuple[str, ...] = ()
+    name: str, args: argparse.Namespace, out: Path, env: dict[str, str], flags: tuple[str, ...] = ()
 ) -> Iterator[ServerProcess]:
     """Server ``name`` started and ready (its start-up time, dtype and where it put its threads
     printed), stopped on leaving."""
-    server = start_server(name, args, out, env, vllm_flags)
+    server = start_server(name, args, out, env, flags)
     try:
         server.wait_ready(args.launch_timeout)
         print(f"{name}: serving after {server.startup_s:.1f} s", flush=True)

@@ -46,7 +46,9 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import random
+import secrets
 import statistics
 import subprocess
 import sys
@@ -608,7 +610,7 @@ def main() -> None:
 
     from distserve.cluster.api import make_cluster_config
     from distserve.entrypoints.server import BackgroundServer
-    from distserve.entrypoints.server_config import ServerConfig
+    from distserve.entrypoints.server_config import ADMIN_KEY_ENV, ServerConfig
     from distserve.model_executor.tiny_models import BENCH_LLAMA_SHAPE, write_llama_shape
 
     model = {"model": args.model}
@@ -623,6 +625,9 @@ def main() -> None:
         return BackgroundServer(config, ServerConfig(grpc_port=0, http_port=0))
 
     ray.init(include_dashboard=False, log_to_driver=False)
+    # Role changes need the server's admin key: one for this run, which the servers, the clients
+    # and the probe processes all read from the environment.
+    os.environ.setdefault(ADMIN_KEY_ENV, secrets.token_urlsafe(16))
     scratch = args.out / "probe.json"
     results: dict = {}
     try:
