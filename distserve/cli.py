@@ -18,10 +18,11 @@ from pathlib import Path
 
 from distserve.benchmark.command import add_bench_args
 from distserve.benchmark.profiler import add_profile_args
-from distserve.cluster.config import POOL_FLAGS
+from distserve.cluster.config import LIMITS_FLAGS, POOL_FLAGS
 from distserve.cluster.role_control.config import ROLE_CONTROL_MODES
 from distserve.core.config import FIELD_SECTION, SECTIONS, EngineConfig
 from distserve.core.local_prefill import LOCAL_PREFILL_MODES, LocalPrefillConfig
+from distserve.core.request_limits import RequestLimits
 from distserve.core.sampling_params import SamplingParams
 from distserve.entrypoints.client import CallError
 from distserve.entrypoints.server_config import ADMIN_KEY_ENV, API_KEY_ENV, ServerConfig
@@ -391,6 +392,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"most prompt tokens a decode instance computes for a request it prefills (default: "
         f"{LocalPrefillConfig.max_tokens})",
     )
+    limits = launch.add_argument_group("request limits (over one: INVALID_ARGUMENT / HTTP 400)")
+    for dest, key in LIMITS_FLAGS:
+        f = RequestLimits.__dataclass_fields__[key]
+        shown = "" if f.default is None else f" (default: {f.default})"
+        limits.add_argument(
+            _flag(dest), dest=dest, type=int, default=argparse.SUPPRESS, help=f.metadata["help"] + shown
+        )
     add_dataclass_args(launch.add_argument_group("ServerConfig"), ServerConfig)
     for cls in SECTIONS.values():
         add_dataclass_args(launch.add_argument_group(cls.__name__), cls)

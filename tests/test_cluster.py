@@ -37,10 +37,13 @@ def _greedy(n: int) -> SamplingParams:
 
 
 def _migrations(cluster: Cluster) -> dict:
+    """The decode instances' pull records, by the client's request id (instances know a request by
+    the client's id and a suffix of its own)."""
     records = {}
     for state in cluster._async.orchestrator.instances:
         if state.role == "decode":
-            records.update(cluster._run(_call(state.handle.migrations)))
+            pulls = cluster._run(_call(state.handle.migrations))
+            records.update({request_id.rsplit("-", 1)[0]: record for request_id, record in pulls.items()})
     return records
 
 

@@ -5,7 +5,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from distserve.cluster.config import POOL_FLAGS
+from distserve.cluster.config import LIMITS_FLAGS, POOL_FLAGS
 from distserve.core.config import SECTIONS
 from distserve.entrypoints.server_config import ServerConfig
 
@@ -29,6 +29,13 @@ def test_configuration_doc_lists_every_server_key_and_launch_flag():
             assert f"`{flag}`" in text
     for dest, role, key in POOL_FLAGS:
         assert f"`--{dest.replace('_', '-')}` | `cluster.{role}.{key}`" in text
+
+
+def test_configuration_and_reliability_docs_list_every_request_limit():
+    text, reliability = DOC.read_text(), (DOC.parent / "reliability.md").read_text()
+    for dest, key in LIMITS_FLAGS:
+        assert f"| `{key}` | `--{dest.replace('_', '-')}` |" in text
+        assert f"`cluster.limits.{key}`" in reliability
 
 
 def test_placement_doc_lists_every_planner_flag():

@@ -403,7 +403,7 @@ def test_cancellation_at_every_stage_frees_blocks_within_a_second(ray_cluster):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
     def stage(cluster, request_id: str) -> str:
-        metrics = cluster.orchestrator.requests[request_id].metrics
+        [metrics] = [s.metrics for s in cluster.orchestrator.requests.values() if s.client_id == request_id]
         if metrics.prefill_end is None:
             return "queued or prefilling"
         return "KV held or migrating" if metrics.migration_end is None else "decoding"

@@ -85,7 +85,7 @@ def _requests() -> st.SearchStrategy[pb.GenerateRequest]:
         st.one_of(text, ids, st.just({})),
         st.none() | _sampling(),
         st.text(max_size=20),
-        INT64,
+        st.just(0) | INT64,  # any other priority is refused under the server's fcfs policy
     )
 
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from distserve.core.outputs import RequestOutput, TokenLogprobs
+from distserve.core.request_limits import RequestLimits
 from distserve.core.sampling_params import SamplingParams, StructuredOutputsParams
 from distserve.entrypoints.openai_errors import HTTPError
 from distserve.entrypoints.openai_fields import CHAT_FIELDS, COMPLETION_FIELDS, FIELDS, IGNORED, NEUTRAL, field_table
@@ -27,6 +28,7 @@ from distserve.model_executor.tiny_models import ensure_tiny_model
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 1024
+LIMITS = RequestLimits().resolve(MAX_MODEL_LEN)
 # The tiny model's template, with the variables the chat fields may give it shown.
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -56,6 +58,7 @@ def frontend(tokenizer):
         max_model_len=MAX_MODEL_LEN,
         max_request_tokens=MAX_MODEL_LEN,
         sampling_defaults={},
+        limits=LIMITS,
     )
 
 
@@ -75,7 +78,7 @@ ACCEPTED = {
     "messages": [
         ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], {"text": "<|user|>hi\n<|assistant|>"}, {})
     ],
-    (C, "max_tokens"): [(5, {"max_tokens": 5}, {}), (5000, {"max_tokens": MAX_MODEL_LEN}, {})],
+    (C, "max_tokens"): [(5, {"max_tokens": 5}, {}), (MAX_MODEL_LEN, {"max_tokens": MAX_MODEL_LEN}, {})],
     (CH, "max_tokens"): [(5, {"max_tokens": 5}, {})],
     "max_completion_tokens": [(7, {"max_tokens": 7}, {"max_tokens": 3})],
     "n": [(3, {"choices": 3, "call.n": 3, "n": 3}, {})],
@@ -193,8 +196,8 @@ REFUSED = {
     "model": [(5, None, {})],
     "prompt": [(5, None, {}), ([1, "a"], None, {}), ([], None, {})],
     "messages": [("hi", None, {}), ([], None, {}), ([{"role": "wizard", "content": "hi"}], "messages[0].role", {})],
-    "max_tokens": [("ten", None, {}), (0, None, {}), (True, None, {})],
-    "max_completion_tokens": [(0, None, {}), (2.5, None, {})],
+    "max_tokens": [("ten", None, {}), (0, None, {}), (True, None, {}), (MAX_MODEL_LEN + 1, None, {})],
+    "max_completion_tokens": [(0, None, {}), (2.5, None, {}), (MAX_MODEL_LEN + 1, None, {})],
     "n": [(0, None, {}), (17, None, {}), ("2", None, {})],
     "best_of": [(2, None, {}), (1, None, {"n": 2}), ("1", None, {})],
     "temperature": [(-1, None, {}), ("hot", None, {})],
@@ -524,6 +527,7 @@ class ScriptedFrontend:
 
     model_name = MODEL
     max_model_len = max_request_tokens = MAX_MODEL_LEN
+    limits = LIMITS
     draining = False
     sampling_defaults: dict = {}
     config = ServerConfig(enable_prompt_tokens_details=True)

@@ -112,7 +112,8 @@ def test_disaggregated_samples_cross_with_one_pull(ray_cluster):
     assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in singles]
     assert outputs[0].finish_reason == "stop" and len(outputs[0].output_token_ids) == 1
     assert sum(r.num_tokens for r in records if r.is_prefill) == len(prompt)  # one prefill
-    assert after.num_kv_pulls - before.num_kv_pulls == 1 and pulls["shared"].num_tokens == len(prompt)
+    [pull] = [record for request_id, record in pulls.items() if request_id.startswith("shared-")]
+    assert after.num_kv_pulls - before.num_kv_pulls == 1 and pull.num_tokens == len(prompt)
     # Samples 1-3 share the prompt's last block there, 21 tokens into its third: two copy it.
     assert after.num_copied_blocks - before.num_copied_blocks == 2
     assert all(o.metrics.decode_instance for o in outputs[1:])

@@ -24,6 +24,7 @@ from distserve.cluster.api import make_cluster_config
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.routing import InstanceState, Router
 from distserve.core.config import EngineConfig, ModelConfig
+from distserve.core.request_limits import RequestLimits
 from distserve.core.role import Role
 from distserve.core.sequence import Sequence
 from distserve.entrypoints.client import CallError, Client
@@ -129,10 +130,12 @@ def test_fields_a_request_leaves_out_take_the_models_defaults_on_each_path(token
     assert parse_chat(frontend, chat).jobs[0].params.max_tokens == 5  # the room left, being less
     assert parse_chat(frontend, {**chat, "max_completion_tokens": 40}).jobs[0].params.max_tokens == 40
 
-    assert sampling_params_from_proto(pb.SamplingParams(), DEFAULTS) == SamplingParams(**DEFAULTS)
-    sent = sampling_params_from_proto(pb.SamplingParams(temperature=0, top_k=0, max_tokens=3), DEFAULTS)
+    assert sampling_params_from_proto(pb.SamplingParams(), RequestLimits(), DEFAULTS) == SamplingParams(**DEFAULTS)
+    sent = sampling_params_from_proto(
+        pb.SamplingParams(temperature=0, top_k=0, max_tokens=3), RequestLimits(), DEFAULTS
+    )
     assert sent == SamplingParams(**{**DEFAULTS, "temperature": 0, "top_k": 0, "max_tokens": 3})
-    assert sampling_params_from_proto(pb.SamplingParams()) == SamplingParams()
+    assert sampling_params_from_proto(pb.SamplingParams(), RequestLimits()) == SamplingParams()
 
 
 # -- cache_salt: prefixes shared only within a salt -----------------------------------------------

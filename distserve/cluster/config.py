@@ -17,6 +17,7 @@ cluster:
   stream_interval: 0.005           # seconds between an instance's output batches (first tokens and ends at once)
   role_control: {mode: adaptive, slo_ttft: 0.5, slo_tpot: 0.05}  # roles follow the load
   local_prefill: {mode: auto, max_tokens: 256}  # short prompts prefilled on their decode instance
+  limits: {max_n: 16, max_tokens: 4096}  # what one request may ask for (distserve.core.request_limits)
 ```
 """
 
@@ -32,6 +33,7 @@ from distserve.cluster.role_control.config import RoleControlConfig
 from distserve.core.config import FIELD_SECTION, EngineConfig, is_int, is_number, read_sections
 from distserve.core.cpu_cores import UNBOUND, format_cores, parse_cores
 from distserve.core.local_prefill import LocalPrefillConfig
+from distserve.core.request_limits import RequestLimits
 from distserve.core.role import ROLES, Role
 
 CLUSTER_KEYS = (
@@ -42,6 +44,7 @@ CLUSTER_KEYS = (
     "stream_interval",
     "role_control",
     "local_prefill",
+    "limits",
 )
 # Per-pool CLI flags of ``distserve launch``: (flag dest, role, pool key);
 # ``--prefill-tensor-parallel-size`` is ``cluster.prefill.tensor_parallel_size``.
@@ -55,6 +58,8 @@ POOL_FLAGS = [
 ROLE_CONTROL_FLAGS = [("role_control", "mode"), ("slo_ttft", "slo_ttft"), ("slo_tpot", "slo_tpot")]
 # Per-request disaggregation CLI flags: (flag dest, key of ``cluster.local_prefill``).
 LOCAL_PREFILL_FLAGS = [("local_prefill", "mode"), ("local_prefill_max_tokens", "max_tokens")]
+# Request limit CLI flags: (flag dest, key of ``cluster.limits``); ``--limits-max-n`` is ``cluster.limits.max_n``.
+LIMITS_FLAGS = [(f"limits_{f.name}", f.name) for f in dataclasses.fields(RequestLimits)]
 
 
 def _split_cores(spec: str, instances: int) -> list[str]:
@@ -122,9 +127,12 @@ class ClusterConfig:
     # Per-request disaggregation (``distserve.core.local_prefill``): which prompts a decode instance
     # prefills itself. Off: every request is disaggregated.
     local_prefill: LocalPrefillConfig = field(default_factory=LocalPrefillConfig)
+    # What one request may ask for, checked where it enters (gRPC, HTTP and the Python API alike).
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         self.local_prefill = LocalPrefillConfig.parse(self.local_prefill)
+        self.limits = RequestLimits.parse(self.limits)
         if isinstance(self.role_control, dict):
             unknown = set(self.role_control) - set(RoleControlConfig.__dataclass_fields__)
             if unknown:

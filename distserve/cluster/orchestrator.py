@@ -10,8 +10,11 @@ change while serving (``RoleChanger``), so a cluster can mix prefill, decode and
 instances: new prompts go to prefill and colocated ones, hand-overs to decode ones, and a request
 an instance hands on or gives back when it changes role moves on the same way. Instances
 send each step's deltas; a request's ``OutputBuilder`` adds them up into what its client sees.
-A request keeps its client's id everywhere; each run of it (``attempt``) is told apart, so a
-re-run after an instance failure (``Failover``) never takes an old run's output for its own.
+A request is checked against the cluster's ``RequestLimits`` before any work is done for it. It
+is known to instances by an id of its own, the client's with a unique suffix, so a client that
+reuses an id (right after cancelling it, say) never gets the old request's output; its outputs
+carry the client's id. Each run of it (``attempt``) is told apart too, so a re-run after an
+instance failure (``Failover``) never takes an old run's output for its own.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from distserve.model_executor.model_loader import (
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 1.0
+RUN_ID_SUFFIX = 12  # hex digits of the suffix that makes a request's own id unique
 # What tells the orchestrator that an instance is gone: its actor died, or it reported its workers failed.
 INSTANCE_GONE = (ray.exceptions.RayActorError, InstanceFailure)
 
@@ -126,6 +130,9 @@ class Orchestrator:
             self.add_instance(InstanceState(name, config.scheduler.role, handle, info, config))
         # A request must fit the smallest instance it may be sent to.
         smallest = min(self.instances, key=lambda s: s.info.num_blocks * s.info.block_size)
+        self.limits = self.config.limits.resolve(resolved.max_model_len)
+        # Priorities order the queues only where the priority policy runs: elsewhere one is refused, not ignored.
+        self.priority_policy = any(config.scheduler.policy == "priority" for _, config in configs)
         self.input_processor = InputProcessor(
             tokenizer,
             resolved.shape.vocab_size,
@@ -234,10 +241,11 @@ class Orchestrator:
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come, of each of its ``params.n`` samples (told apart by
         ``RequestOutput.index``) until every one has ended; closing the iterator early cancels the
-        request. ``slo``: its own latency objectives, for the role controller."""
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
-            raise RequestError(f"request id '{request_id}' is already in use")
+        request. ``slo``: its own latency objectives, for the role controller. ``request_id``: the id its
+        outputs carry (default: a new one); it need not be unique."""
+        self.check_request(prompt, params, priority)
+        client_id = request_id or uuid.uuid4().hex
+        request_id = f"{client_id}-{uuid.uuid4().hex[:RUN_ID_SUFFIX]}"
         seq = self.input_processor.process(prompt, params, request_id, priority)
         params = seq.sampling_params
         if params.seed is None and params.temperature > 0:
@@ -245,7 +253,9 @@ class Orchestrator:
             params = dataclasses.replace(params, seed=random.getrandbits(63))
         if role := self.instance_pool.unavailable_role():
             raise InstanceFailure(f"no {role} instance is available to serve the request")
-        state = RequestState(request_id, seq.prompt, seq.prompt_token_ids, params, priority, slo or RequestSLO())
+        state = RequestState(
+            request_id, seq.prompt, seq.prompt_token_ids, params, priority, slo or RequestSLO(), client_id=client_id
+        )
         state.metrics.arrival_time = time.time()
         self.requests[request_id] = state
         self.controller.observe_arrival(_arrival(state))
@@ -265,6 +275,18 @@ class Orchestrator:
             if not state.finished:
                 await self._cancel(state)
             self.requests.forget(state)
+
+    def check_request(self, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
+        """Refuse (RequestError) a request over the cluster's limits, or with a priority no queue
+        orders by, before any work is done for it."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        self.limits.check(prompt, params)
+        if priority and not self.priority_policy:
+            raise RequestError(
+                f"priority {priority} is used only under the priority scheduling policy, which this cluster does "
+                "not run: leave it 0, or start the cluster with scheduler.policy priority (--policy priority)"
+            )
 
     async def submit(self, state: RequestState) -> None:
         """Send the request's current run to a prefill (or colocated) instance, waiting for a

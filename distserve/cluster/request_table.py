@@ -63,7 +63,7 @@ class SampleStream:
 
 @dataclass
 class RequestState:
-    request_id: str
+    request_id: str  # its own, unique among the requests in the cluster: what instances know it by
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -82,15 +82,18 @@ class RequestState:
     failed_runs: int = 0  # runs ended by a failure (not by a role change giving the request back)
     rerunning: bool = False
     samples: list[SampleStream] = field(init=False)  # one per sample (SamplingParams.n)
+    client_id: str | None = None  # the id the client named it by, which its outputs carry (default: request_id)
 
     def __post_init__(self) -> None:
+        self.client_id = self.client_id or self.request_id
         self.samples = [SampleStream() for _ in range(self.params.n)]
         self.new_attempt(0)
 
     @property
     def load(self) -> int:
-        """Tokens it may occupy on an instance: the prompt and the most it may generate."""
-        return len(self.prompt_token_ids) + self.params.max_tokens
+        """Tokens it may occupy on an instance: the prompt, which its samples share, and the most
+        each of its samples may generate."""
+        return len(self.prompt_token_ids) + self.params.n * self.params.max_tokens
 
     def instances(self) -> list[InstanceState]:
         """Where its current run may have blocks."""
@@ -168,7 +171,7 @@ class RequestState:
         """Start run ``attempt`` (the next by default): its samples' outputs start again."""
         self.attempt = self.attempt + 1 if attempt is None else attempt
         for index, sample in enumerate(self.samples):
-            sample.run = OutputBuilder(self.request_id, self.prompt, self.prompt_token_ids, self.metrics, index)
+            sample.run = OutputBuilder(self.client_id, self.prompt, self.prompt_token_ids, self.metrics, index)
 
     def _assign(self, entry: InstanceState, phase: str) -> None:
         setattr(self, phase, entry)
@@ -183,7 +186,7 @@ class RequestState:
 
 
 class RequestTable(dict[str, RequestState]):
-    """The requests in the cluster, by the client's request id, in order of arrival."""
+    """The requests in the cluster, by their own ids (``RequestState.request_id``), in order of arrival."""
 
     def forget(self, state: RequestState) -> None:
         """The request is over: it no longer counts anywhere."""

@@ -10,8 +10,8 @@ requests it decodes, which slow its next prefill little (their tokens ride in th
 while every prompt queued ahead delays it by a whole prefill. Routed by load, a prompt could
 wait behind another's prefill while the other instance had none to do.
 
-Load is counted in tokens (prompt plus the most a request may generate) per KV token an
-instance can hold, so instances of different sizes fill alike; a prompt goes to an instance
+Load is counted in tokens (the prompt plus the most each of a request's ``n`` samples may
+generate) per KV token an instance can hold, so instances of different sizes fill alike; a prompt goes to an instance
 without room for it only when none has room.
 """
 

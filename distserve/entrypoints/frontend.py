@@ -15,6 +15,7 @@ from distserve.cluster.api import AsyncCluster
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.role_changes import RoleChangeRecord
 from distserve.core.outputs import RequestOutput
+from distserve.core.request_limits import RequestLimits
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.slo import RequestSLO
@@ -60,6 +61,11 @@ class Frontend:
         """What a request's sampling fields default to when it leaves them out (the model's
         generation config; none under ``generation_config: vllm``)."""
         return self.cluster.orchestrator.input_processor.sampling_defaults
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What one request may ask for (the cluster's ``limits``, the model's context filled in)."""
+        return self.cluster.orchestrator.limits
 
     @property
     def max_request_tokens(self) -> int:
@@ -140,17 +146,26 @@ class Frontend:
         slo: RequestSLO | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs; every failure is raised as a ``ServingError``. ``admitted``: the
-        caller holds an ``admission`` for it already."""
-        with nullcontext() if admitted else self.admission():
+        caller holds an ``admission`` for it already. Its samples are admitted as that many requests,
+        once it is known to be within the limits (so too many samples is refused naming ``n``'s)."""
+        try:
+            self.cluster.orchestrator.check_request(prompt, params, priority)
+        except Exception as e:
+            raise self._client_error(e) from e
+        with nullcontext() if admitted else self.admission(params.n):
             try:
                 async for output in self.cluster.generate(prompt, params, request_id, priority, slo):
                     if output.finished and output.index == 0:  # a request of n samples counts once
                         self.metrics.observe_finished(output)
                     yield output
             except Exception as e:
-                error = to_serving_error(e)
-                self.metrics.observe_error(error.grpc_code.name)
-                raise error from e
+                raise self._client_error(e) from e
+
+    def _client_error(self, error: Exception) -> ServingError:
+        """The client-facing form of a request's failure, counted."""
+        error = to_serving_error(error)
+        self.metrics.observe_error(error.grpc_code.name)
+        return error
 
     async def info(self) -> list[InstanceInfo]:
         infos = await self.cluster.info()

@@ -13,7 +13,9 @@ from grpc_reflection.v1alpha import reflection
 
 from distserve.cluster.instance import InstanceInfo
 from distserve.cluster.role_changes import RoleChangeRecord
+from distserve.core.errors import RequestError
 from distserve.core.outputs import RequestMetrics, RequestOutput, TokenLogprobs
+from distserve.core.request_limits import RequestLimits
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams, StructuredOutputsParams
 from distserve.core.slo import RequestSLO
@@ -43,10 +45,13 @@ _OPTIONAL_PARAMS = (
 )  # fmt: skip
 
 
-def sampling_params_from_proto(message: pb.SamplingParams, defaults: dict[str, Any] | None = None) -> SamplingParams:
+def sampling_params_from_proto(
+    message: pb.SamplingParams, limits: RequestLimits, defaults: dict[str, Any] | None = None
+) -> SamplingParams:
     """Set fields override ``defaults`` (the model's, ``InputProcessor.sampling_defaults``), which
-    override SamplingParams' own; its checks say what is wrong. Set is proto3's field presence: a
-    field sent at its zero value (temperature 0) is set."""
+    override SamplingParams' own; its checks say what is wrong, after the ``limits`` on its lists'
+    sizes. Set is proto3's field presence: a field sent at its zero value (temperature 0) is set."""
+    limits.check_params(message)
     options = {name: getattr(message, name) for name in _OPTIONAL_PARAMS if message.HasField(name)}
     options = {**(defaults or {}), **options}
     if message.logit_bias:
@@ -233,7 +238,9 @@ class DistServeServicer(pb_grpc.DistServeServicer):
         await self._authenticate(context)
         try:
             prompt = _prompt_from_proto(request)
-            params = sampling_params_from_proto(request.sampling_params, self.frontend.sampling_defaults)
+            params = sampling_params_from_proto(
+                request.sampling_params, self.frontend.limits, self.frontend.sampling_defaults
+            )
             slo = RequestSLO(*(getattr(request, f) if request.HasField(f) else None for f in ("slo_ttft", "slo_tpot")))
         except Exception as e:
             error = to_serving_error(e)
@@ -284,6 +291,10 @@ class DistServeServicer(pb_grpc.DistServeServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
         await self._authenticate(context)
+        try:
+            self.frontend.limits.check_prompt(request.text)
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ids = self.frontend.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
         return pb.TokenizeResponse(token_ids=ids)
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from distserve.cluster.config import LOCAL_PREFILL_FLAGS, POOL_FLAGS, ROLE_CONTROL_FLAGS, ClusterConfig
+from distserve.cluster.config import LIMITS_FLAGS, LOCAL_PREFILL_FLAGS, POOL_FLAGS, ROLE_CONTROL_FLAGS, ClusterConfig
 from distserve.core.config import read_sections
 from distserve.entrypoints.preflight import preflight
 from distserve.entrypoints.server_config import ServerConfig
@@ -99,6 +99,9 @@ def load_launch_config(
         for dest, key in section_flags:
             if dest in flags:
                 pools = _merge(pools, {section: {key: flags.pop(dest)}})
+    for dest, key in LIMITS_FLAGS:
+        if dest in flags:
+            pools = _merge(pools, {"limits": {key: flags.pop(dest)}})
     if pools:
         if any(role in pools for role in ("prefill", "decode")) and "colocated" in pools:
             raise ValueError("give prefill/decode pools or a colocated pool, not both")

@@ -15,8 +15,6 @@ from typing import Any
 from distserve.core.config import is_int, is_number
 from distserve.entrypoints.openai_errors import HTTPError
 
-MAX_N = 16  # samples per prompt: each is a request of its own, so this bounds what one call admits
-
 Check = tuple[str, Callable[[Any], bool]]  # what a value must be, in words, and the test of it
 
 
@@ -188,7 +186,7 @@ FIELDS: tuple[Field, ...] = (
         request(_INT),
         "most tokens to generate; default: what is left of the context, or the model's `max_new_tokens` if less",
     ),
-    _field("n", request(_INT), f"samples per prompt, 1 to {MAX_N}"),
+    _field("n", request(_INT), "samples per prompt, 1 to `limits.max_n` (default 16)"),
     _field(
         "best_of",
         request(_INT),
@@ -299,7 +297,11 @@ FIELDS: tuple[Field, ...] = (
     _field("guided_decoding_backend", ignored(_STRING), "the engine has one backend"),
     _field("guided_whitespace_pattern", neutral(_STRING), "not implemented"),
     # vLLM's request extensions
-    _field("priority", request(_INT), "scheduling priority, lower first (under `scheduler.policy: priority`)"),
+    _field(
+        "priority",
+        request(_INT),
+        "scheduling priority, lower first; other than 0 only under `scheduler.policy: priority` (400 otherwise)",
+    ),
     _field("request_id", request(_STRING), "the response's `id` is `cmpl-<request_id>` (`chatcmpl-` for chat)"),
     _field("session_id", ignored(_STRING), "names a conversation; it changes nothing here"),
     _field(

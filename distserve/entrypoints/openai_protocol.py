@@ -14,7 +14,6 @@ from distserve.entrypoints.openai_errors import HTTPError
 from distserve.entrypoints.openai_fields import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
-    MAX_N,
     is_ints,
     parse_fields,
     refuse_unknown,
@@ -77,6 +76,8 @@ def parse_completion(frontend: Frontend, body: Any) -> Call:
     if "prompt" not in fields:
         raise HTTPError("'prompt' is required", param="prompt")
     prompts = _completion_prompts(fields["prompt"])
+    for prompt in prompts:  # before any of them is tokenized here
+        check_prompt(frontend, prompt, "prompt")
     call = _call(False, fields)
     call.echo = fields.get("echo", False)
     kwargs, sources = sampling_kwargs(fields, COMPLETION_FIELDS)
@@ -86,11 +87,10 @@ def parse_completion(frontend: Frontend, body: Any) -> Call:
         # The prompt's tokens come first in logprobs: compute theirs, with as many of the likeliest.
         kwargs.setdefault("prompt_logprobs", kwargs["logprobs"])
         sources.setdefault("prompt_logprobs", "logprobs")
-    # No request can outgrow the context, and a bound keeps absurd values out of load estimates. The
-    # model's max_new_tokens is not read here: a completion leaving max_tokens out asks for 16, as
-    # in vLLM (whose null, unlike this server's, would read it).
-    max_tokens = min(fields.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS), frontend.max_model_len)
-    params = _sampling_params(kwargs, sources, "max_tokens", max_tokens)
+    # The model's max_new_tokens is not read here: a completion leaving max_tokens out asks for 16,
+    # as in vLLM (whose null, unlike this server's, would read it). The limits bound the rest.
+    max_tokens = fields.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
+    params = _sampling_params(frontend, kwargs, sources, "max_tokens", max_tokens, call.n)
     call.logprobs = params.logprobs
     add_special_tokens = fields.get("add_special_tokens", True)
     jobs: list[tuple[str | list[int], str | None]] = []
@@ -99,7 +99,7 @@ def parse_completion(frontend: Frontend, body: Any) -> Call:
             jobs.append((frontend.tokenizer.encode(prompt, add_special_tokens=False), prompt))
         else:
             jobs.append((prompt, prompt if isinstance(prompt, str) else None))
-    call.jobs = _samples(jobs, params, call.n)
+    call.jobs = [Job(prompt, params, text) for prompt, text in jobs]
     return call
 
 
@@ -115,6 +115,7 @@ def parse_chat(frontend: Frontend, body: Any) -> Call:
     if top_logprobs and not fields.get("logprobs", False):
         raise HTTPError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     text = chat_prompt(frontend.tokenizer, fields)
+    check_prompt(frontend, text, "messages")  # before it is tokenized here
     # The template writes any special tokens the model expects (BOS...): by default encoding adds none.
     prompt = frontend.tokenizer.encode(text, add_special_tokens=fields.get("add_special_tokens", False))
     call = _call(True, fields)
@@ -126,24 +127,22 @@ def parse_chat(frontend: Frontend, body: Any) -> Call:
         sources["logprobs"] = "top_logprobs"
     name = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
     if name in fields:
-        max_tokens = min(fields[name], frontend.max_model_len)
+        max_tokens = fields[name]
     else:
-        # The answer may fill the rest of the context (or the model's max_new_tokens, if less); a
-        # prompt that leaves no room is refused by the prompt's own check, with a message about its
-        # length rather than about max_tokens.
+        # The answer may fill the rest of the context (or the model's max_new_tokens, if less), within
+        # the limit; a prompt that leaves no room is refused by the prompt's own check, with a message
+        # about its length rather than about max_tokens.
         room = max(1, frontend.max_request_tokens - len(prompt))
-        max_tokens = min(room, frontend.sampling_defaults.get("max_tokens", room))
-    params = _sampling_params(kwargs, sources, name, max_tokens)
+        max_tokens = min(room, frontend.sampling_defaults.get("max_tokens", room), frontend.limits.max_tokens)
+    params = _sampling_params(frontend, kwargs, sources, name, max_tokens, call.n)
     call.logprobs = params.logprobs
-    call.jobs = _samples([(prompt, text)], params, call.n)
+    call.jobs = [Job(prompt, params, text)]
     return call
 
 
 def _call(chat: bool, fields: dict[str, Any]) -> Call:
     """The call of the request-level fields both routes share; its jobs come later."""
-    n = fields.get("n", 1)
-    if not 1 <= n <= MAX_N:
-        raise HTTPError(f"'n' must be in [1, {MAX_N}], got {n}", param="n")
+    n = fields.get("n", 1)  # checked with the other sampling params, against the cluster's limit
     best_of = fields.get("best_of", n)
     if best_of != n:
         raise HTTPError(
@@ -206,26 +205,31 @@ def _defaults(kwargs: dict[str, Any], frontend: Frontend) -> None:
             kwargs.setdefault(key, value)
 
 
+def check_prompt(frontend: Frontend, prompt: str | list[int], field: str) -> None:
+    """The cluster's prompt limit, checked before this server tokenizes the prompt itself; over it,
+    a 400 naming ``field``."""
+    try:
+        frontend.limits.check_prompt(prompt)
+    except RequestError as e:
+        raise HTTPError(str(e), param=field) from e
+
+
 def _sampling_params(
-    kwargs: dict[str, Any], sources: dict[str, str], max_tokens_field: str, max_tokens: int
+    frontend: Frontend, kwargs: dict[str, Any], sources: dict[str, str], max_tokens_field: str, max_tokens: int, n: int
 ) -> SamplingParams:
-    """The SamplingParams of the keywords; a value they refuse is answered naming the field that set it."""
+    """The SamplingParams of the keywords for ``n`` samples, within the cluster's limits; a value
+    they refuse is answered naming the field that set it."""
     if max_tokens < 1:
         raise HTTPError(f"'{max_tokens_field}' must be >= 1, got {max_tokens}", param=max_tokens_field)
     try:
-        return SamplingParams(max_tokens=max_tokens, **kwargs)
+        params = SamplingParams(max_tokens=max_tokens, n=n, **kwargs)
+        frontend.limits.check_params(params)
+        return params
     except RequestError as e:
-        # SamplingParams' messages begin with the parameter at fault: name the field that set it.
+        # SamplingParams' and the limits' messages begin with the parameter at fault: name the field that set it.
         message = str(e)
         key = "structured_outputs" if message.startswith("structured") else message.split(" ", 1)[0]
-        param = max_tokens_field if key == "max_tokens" else sources.get(key)
+        param = max_tokens_field if key == "max_tokens" else {**sources, "n": "n"}.get(key)
         if param is not None and param not in message:
             message = f"'{param}' is invalid: {message}"
         raise HTTPError(message, param=param) from e
-
-
-def _samples(prompts: list[tuple[str | list[int], str | None]], params: SamplingParams, n: int) -> list[Job]:
-    """A job of ``n`` samples for each (prompt, text as sent): one request, whose samples share the
-    prompt's KV (seeded ones get consecutive seeds, ``SamplingParams.sample_params``)."""
-    params = dataclasses.replace(params, n=n)
-    return [Job(prompt, params, text) for prompt, text in prompts]

@@ -28,7 +28,7 @@ from distserve.entrypoints.openai_logprobs import (
     next_text_offset,
     prompt_logprobs_json,
 )
-from distserve.entrypoints.openai_protocol import Call, Job, check_model, parse_chat, parse_completion
+from distserve.entrypoints.openai_protocol import Call, Job, check_model, check_prompt, parse_chat, parse_completion
 from distserve.entrypoints.preflight import port_in_use
 from distserve.entrypoints.prometheus import CONTENT_TYPE
 from distserve.entrypoints.server_config import ServerConfig
@@ -322,6 +322,7 @@ def build_app(frontend: Frontend) -> web.Application:
         if not isinstance(prompt, str) or not isinstance(special, bool):
             raise HTTPError("'/tokenize' takes {'prompt': text, 'add_special_tokens': bool}", param="prompt")
         check_model(frontend, fields.get("model", frontend.model_name))
+        check_prompt(frontend, prompt, "prompt")
         tokens = frontend.tokenizer.encode(prompt, add_special_tokens=special)
         return web.json_response({"count": len(tokens), "max_model_len": frontend.max_model_len, "tokens": tokens})
 
