@@ -47,6 +47,7 @@ GENERATION_CONFIG = {
     "temperature": 0.7, "top_k": 5, "top_p": 0.8, "repetition_penalty": 1.3, "presence_penalty": 0.5,
     "max_new_tokens": 12, "do_sample": True,
 }  # fmt: skip
+LIMITS = RequestLimits().resolve(1024)
 # What vLLM 0.32's ModelConfig.get_diff_sampling_param computes from it (checked against vLLM's
 # own code below where it is installed).
 DEFAULTS = {
@@ -115,7 +116,12 @@ def test_fields_a_request_leaves_out_take_the_models_defaults_on_each_path(token
     """HTTP: absent or null; gRPC: proto3 presence (a field sent at zero is set); max_tokens: the
     route's own rule, with the model's max_new_tokens where vLLM reads it."""
     frontend = SimpleNamespace(
-        model_name=MODEL, tokenizer=tokenizer, max_model_len=1024, max_request_tokens=1024, sampling_defaults=DEFAULTS
+        model_name=MODEL,
+        tokenizer=tokenizer,
+        max_model_len=1024,
+        max_request_tokens=1024,
+        sampling_defaults=DEFAULTS,
+        limits=LIMITS,
     )
     completion = parse_completion(frontend, {"prompt": "hi"}).jobs[0].params
     assert completion == SamplingParams(max_tokens=16, **SAMPLING_DEFAULTS)  # 16: a completion's, as in vLLM
@@ -130,12 +136,10 @@ def test_fields_a_request_leaves_out_take_the_models_defaults_on_each_path(token
     assert parse_chat(frontend, chat).jobs[0].params.max_tokens == 5  # the room left, being less
     assert parse_chat(frontend, {**chat, "max_completion_tokens": 40}).jobs[0].params.max_tokens == 40
 
-    assert sampling_params_from_proto(pb.SamplingParams(), RequestLimits(), DEFAULTS) == SamplingParams(**DEFAULTS)
-    sent = sampling_params_from_proto(
-        pb.SamplingParams(temperature=0, top_k=0, max_tokens=3), RequestLimits(), DEFAULTS
-    )
+    assert sampling_params_from_proto(pb.SamplingParams(), LIMITS, DEFAULTS) == SamplingParams(**DEFAULTS)
+    sent = sampling_params_from_proto(pb.SamplingParams(temperature=0, top_k=0, max_tokens=3), LIMITS, DEFAULTS)
     assert sent == SamplingParams(**{**DEFAULTS, "temperature": 0, "top_k": 0, "max_tokens": 3})
-    assert sampling_params_from_proto(pb.SamplingParams(), RequestLimits()) == SamplingParams()
+    assert sampling_params_from_proto(pb.SamplingParams(), LIMITS) == SamplingParams()
 
 
 # -- cache_salt: prefixes shared only within a salt -----------------------------------------------
