@@ -4,7 +4,6 @@ history on 2 prefill + 1 decode instances; outputs equal to transformers' greedy
 
 import asyncio
 
-import pytest
 import torch
 from conftest import assert_engine_idle, random_prompts, reference_greedy, wait_nothing_in_use_async
 
@@ -221,19 +220,16 @@ def _check_reported(infos, stores) -> None:
         assert tier_to_proto(store).entries == store.num_entries > 0
 
 
-@pytest.mark.parametrize("tier", [False, True])
-def test_a_conversation_turn_reads_its_history_from_the_tier(ray_cluster, reference_model, tier):
-    """2 prefill + 1 decode. A second turn re-sends the first's prompt and answer: the answer's KV
-    was computed on the decode instance, so without the tier the prefill instance computes it again;
-    with the tier it reads it (and the prompt, wherever it was prefilled). Greedy-equal either way;
-    nothing in use afterwards."""
+def test_a_conversation_turn_reads_its_history_from_the_tier(ray_cluster, reference_model):
+    """2 prefill + 1 decode with the tier. A second turn re-sends the first's prompt and answer: the
+    answer's KV was computed on the decode instance, and the prefill instance reads it (and the
+    prompt, wherever it was prefilled) from the tier. Greedy-equal; nothing in use afterwards."""
     llama = reference_model("tiny-llama")
     first = random_prompts([40], 1024, seed=4)[0]
     max_tokens = 25
 
     async def scenario():
-        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=128,
-                                           kv_tier_space=0.01 if tier else 0.0,
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=128, kv_tier_space=0.01,
                                            prefill={"instances": 2}, dtype="float32")  # fmt: skip
         try:
             turn1 = await _final(cluster, first, max_tokens)
@@ -243,14 +239,46 @@ def test_a_conversation_turn_reads_its_history_from_the_tier(ray_cluster, refere
             assert turn2.output_token_ids == reference_greedy(llama, second, max_tokens)
             infos = await cluster.info()
             tier_hits = sum(i.tier_hit_tokens for i in infos)
-            if tier:  # the answer's first 24 tokens, at least (the prompt's too where turn 2 went elsewhere)
-                assert turn2.num_cached_tokens == 64 and tier_hits in (24, 64)
-                assert sum(i.tier_saved_blocks for i in infos) >= 8
-                stores = await cluster.tier_info()
-                assert sum(store.hit_blocks for store in stores) == tier_hits // 8
-                _check_reported(infos, stores)
-            else:
-                assert turn2.num_cached_tokens in (0, 40) and tier_hits == 0 and not await cluster.tier_info()
+            # The tier holds all 64 tokens for either instance, so routing ties: the answer's first 24
+            # tokens come from the tier, and the prompt's too where turn 2 went elsewhere.
+            assert turn2.num_cached_tokens == 64 and tier_hits in (24, 64)
+            assert sum(i.tier_saved_blocks for i in infos) >= 8
+            stores = await cluster.tier_info()
+            assert sum(store.hit_blocks for store in stores) == tier_hits // 8
+            _check_reported(infos, stores)
+            await wait_nothing_in_use_async(cluster)
+        finally:
+            await cluster.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_conversation_turn_goes_where_its_history_is(ray_cluster, reference_model):
+    """2 prefill + 1 decode, no tier: routing alone finds a prompt's cached prefix. Two conversations'
+    first turns, sent together, are prefilled on different instances (the second goes where fewer
+    prompt tokens wait). Each second turn (its first turn's prompt, answer and more), sent when both
+    instances are idle, goes to the instance that prefilled its first turn and reads the 40 prompt
+    tokens from its prefix cache. A router that ignored the prefix would send both second turns to
+    the same idle instance, and the other conversation's would read nothing."""
+    llama = reference_model("tiny-llama")
+    firsts = random_prompts([40, 40], 1024, seed=8)
+    max_tokens = 8
+
+    async def scenario():
+        cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=128,
+                                           prefill={"instances": 2}, dtype="float32")  # fmt: skip
+        try:
+            turns1 = await asyncio.gather(*(_final(cluster, prompt, max_tokens) for prompt in firsts))
+            where = [turn1.metrics.prefill_instance for turn1 in turns1]
+            assert len(set(where)) == 2, f"both first turns were prefilled on {where[0]}"
+            for first, turn1, instance, seed in zip(firsts, turns1, where, (9, 10)):
+                assert turn1.num_cached_tokens == 0
+                second = first + turn1.output_token_ids + random_prompts([7], 1024, seed=seed)[0]  # 55 tokens
+                turn2 = await _final(cluster, second, max_tokens)
+                assert turn2.output_token_ids == reference_greedy(llama, second, max_tokens)
+                assert (turn2.metrics.prefill_instance, turn2.num_cached_tokens) == (instance, 40)
+            infos = await cluster.info()
+            assert sum(i.tier_hit_tokens for i in infos) == 0 and not await cluster.tier_info()
             await wait_nothing_in_use_async(cluster)
         finally:
             await cluster.shutdown()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from distserve.core.errors import RequestError
+
 
 @dataclass(frozen=True)
 class RequestSLO:
@@ -16,5 +18,5 @@ class RequestSLO:
     def __post_init__(self) -> None:
         for name in ("ttft", "tpot"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"slo_{name} must be > 0 seconds, got {value}")
+            if value is not None and not value > 0:  # NaN too
+                raise RequestError(f"slo_{name} must be > 0 seconds, got {value}")

@@ -37,6 +37,10 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_QUEUED_CALLS = 16384
 _FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 MAX_ROLE_CHANGES = 50  # the latest role changes ClusterInfo carries
+# A status message travels in a trailer, percent-encoded (up to 12 bytes a character), which clients
+# refuse past 8 to 16 KiB: the call then fails RESOURCE_EXHAUSTED and its status is lost. A message
+# quoting a long value (a list of 5000 bad token ids) is cut to this many characters.
+MAX_DETAILS_CHARS = 500
 _ROLES = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE, Role.COLOCATED: pb.ROLE_COLOCATED}
 _OPTIONAL_PARAMS = (
     "max_tokens", "temperature", "top_k", "top_p", "seed", "skip_special_tokens", "min_p", "presence_penalty",
@@ -93,6 +97,12 @@ def logprobs_to_proto(entries: list[TokenLogprobs | None]) -> list[pb.TokenLogpr
         for e in entries
         if e is not None
     ]
+
+
+def _details(error: BaseException) -> str:
+    """The status message of ``error``, cut to ``MAX_DETAILS_CHARS``."""
+    text = str(error)
+    return text if len(text) <= MAX_DETAILS_CHARS else text[: MAX_DETAILS_CHARS - 3] + "..."
 
 
 def _prompt_from_proto(request: pb.GenerateRequest) -> str | list[int]:
@@ -232,7 +242,7 @@ class DistServeServicer(pb_grpc.DistServeServicer):
             check = self.frontend.authenticate_admin if admin else self.frontend.authenticate
             check(metadata.get("authorization"))
         except ServingError as e:
-            await context.abort(e.grpc_code, str(e))
+            await context.abort(e.grpc_code, _details(e))
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         await self._authenticate(context)
@@ -244,7 +254,7 @@ class DistServeServicer(pb_grpc.DistServeServicer):
             slo = RequestSLO(*(getattr(request, f) if request.HasField(f) else None for f in ("slo_ttft", "slo_tpot")))
         except Exception as e:
             error = to_serving_error(e)
-            await context.abort(error.grpc_code, str(error))
+            await context.abort(error.grpc_code, _details(error))
         outputs = self.frontend.generate(prompt, params, request.request_id or None, request.priority, slo=slo)
         cached_tokens = self.frontend.config.enable_prompt_tokens_details
         # aclosing: a cancelled call closes the stream at once, which cancels the request.
@@ -253,7 +263,7 @@ class DistServeServicer(pb_grpc.DistServeServicer):
                 async for output in outputs:
                     yield response_from_output(output, request.timeline, cached_tokens)
             except ServingError as e:
-                await context.abort(e.grpc_code, str(e))
+                await context.abort(e.grpc_code, _details(e))
 
     async def GetClusterInfo(self, request: pb.GetClusterInfoRequest, context: grpc.aio.ServicerContext):
         await self._authenticate(context)
@@ -286,7 +296,7 @@ class DistServeServicer(pb_grpc.DistServeServicer):
             roles = {name: by_proto[value] for name, value in request.roles.items()}
             records = await self.frontend.set_roles(roles, role_control)
         except ServingError as e:
-            await context.abort(e.grpc_code, str(e))
+            await context.abort(e.grpc_code, _details(e))
         return pb.SetRolesResponse(changes=[role_change_to_proto(r) for r in records])
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext):
@@ -303,7 +313,7 @@ class DistServeServicer(pb_grpc.DistServeServicer):
         try:
             text = self.frontend.detokenize(list(request.token_ids), request.skip_special_tokens)
         except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(e))
         return pb.DetokenizeResponse(text=text)
 
 
