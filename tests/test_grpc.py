@@ -213,8 +213,8 @@ BAD_REQUESTS = [
     (make_request([5] * 700, max_tokens=200), "KV cache"),
     (pb.GenerateRequest(text="x", slo_ttft=-1.0), "slo_ttft must be > 0"),
     (pb.GenerateRequest(text="x", slo_tpot=math.nan), "slo_tpot must be > 0"),
-    # A message quoting all 5000 ids would be over the clients' trailer limit: it is cut.
-    (make_request("x", stop_token_ids=[-1] * 5000), "stop_token_ids must be non-negative integers, got [-1, -1"),
+    # A message quoting all 1000 ids (under the limit of 1024) would be long: it is cut.
+    (make_request("x", stop_token_ids=[-1] * 1000), "stop_token_ids must be non-negative integers, got [-1, -1"),
 ]
 
 
