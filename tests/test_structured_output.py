@@ -210,6 +210,7 @@ def test_replay_of_tokens_the_grammar_refuses_raises(model, compiler):
         (dict(regex="[z-a]"), "regex is invalid"),
         (dict(grammar='root ::= "a" |'), "EBNF grammar is invalid"),
         (dict(grammar='start ::= "a"'), 'EBNF grammar is invalid: .*root rule with name "root" is not found'),
+        (dict(grammar="\u0080"), "EBNF grammar is invalid$"),  # xgrammar's message about it cannot be decoded
     ],
 )
 def test_invalid_spec_is_a_request_error(compiler, params, message):

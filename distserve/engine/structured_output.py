@@ -170,9 +170,12 @@ class GrammarCompiler:
                 grammar = self._compiler.compile_regex(spec)
             else:  # choice (an EBNF of its strings) or grammar
                 grammar = self._compiler.compile_grammar(_choice_ebnf(spec) if kind == "choice" else spec)
-        except RuntimeError as e:
+        except (RuntimeError, UnicodeDecodeError) as e:
+            # Where xgrammar's message quotes the spec, it may cut a character in half: then it cannot
+            # be read (UnicodeDecodeError), and the spec is invalid all the same.
             what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "EBNF grammar"}
-            raise RequestError(f"structured outputs' {what.get(kind, kind)} is invalid: {_library_error(e)}") from None
+            why = f": {_library_error(e)}" if isinstance(e, RuntimeError) else ""
+            raise RequestError(f"structured outputs' {what.get(kind, kind)} is invalid{why}") from None
         json_kind = kind in _JSON_KINDS
         return CompiledGrammar(
             kind,
