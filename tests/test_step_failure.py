@@ -32,8 +32,9 @@ from safetensors.torch import load_file, save_file
 
 from distserve import LLM, SamplingParams
 from distserve.cluster.api import make_cluster_config
-from distserve.core.errors import RequestFailed
+from distserve.core.errors import RequestError, RequestFailed, RequestFault
 from distserve.entrypoints.client import AsyncClient, CallError
+from distserve.entrypoints.errors import to_serving_error
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
 from distserve.model_executor.isolated_sampling import FAILED_TOKEN, sample_step
@@ -47,7 +48,7 @@ BAD_AFTER = 4  # tokens the nan-in-decode request gives before its logits turn N
 UNREPRESENTABLE_TEMPERATURE = 10**309  # below infinity, but past the largest float
 # The largest gap between two chunks of one of the other streams, in seconds: a step that failed
 # and was sampled again row by row, or a failed-over instance, would show here. On a 2-core
-# machine the 16 streams' is 0.07-0.11 s with the bad request, 0.08 s without.
+# machine the 16 streams' is 0.07-0.11 s with the bad request, 0.08-0.09 s without.
 MAX_STREAM_GAP_S = 5.0
 
 
@@ -131,6 +132,20 @@ def test_sampling_a_batch_leaves_out_the_rows_that_fail():
     assert step.token_ids == [*first.token_ids, FAILED_TOKEN, *samples.token_ids, FAILED_TOKEN, *last.token_ids]
     assert len(samples.token_ids) == 3
     assert step.logprobs == [*first.logprobs, None, None, None, None, None, *last.logprobs]
+
+
+def test_a_request_fault_reaches_its_client_as_internal_or_invalid_argument():
+    """A fault names the request and its cause; it reaches the client as INTERNAL / 500, or as
+    INVALID_ARGUMENT / 400 where the request's own values raised a RequestError in its step."""
+    internal = RequestFault.of("sampling", OverflowError("int too large")).of_request("r1")
+    assert internal.message == "request 'r1': its sampling failed: OverflowError: int too large"
+    assert isinstance(internal.error(), RequestFailed)
+    error = to_serving_error(internal.error())
+    assert (error.grpc_code, error.http_status) == (grpc.StatusCode.INTERNAL, 500)
+    invalid = RequestFault.of("structured output's grammar", RequestError("too deep")).of_request("r2")
+    error = to_serving_error(invalid.error())
+    assert str(error) == "request 'r2': its structured output's grammar failed: too deep"
+    assert (error.grpc_code, error.http_status) == (grpc.StatusCode.INVALID_ARGUMENT, 400)
 
 
 # The engine ------------------------------------------------------------------------------------
