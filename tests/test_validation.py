@@ -23,6 +23,7 @@ def llm():
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, "top_k must be an integer >= 0"),
+        ({"seed": "1", "n": 2}, "seed must be an integer"),
         ({"stop": [""]}, "stop strings must be non-empty"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"presence_penalty": 3}, "presence_penalty"),

@@ -440,6 +440,9 @@ class Orchestrator:
                 # which then starts after all; a failed-over run may still be going. Stop it there.
                 self.spawn(self._abort_on(entry, delta.request_id, delta.attempt))
             return
+        if delta.fault is not None:
+            self._end_with_fault(state, entry, delta)
+            return
         if delta.finished and delta.finish_reason == "error":
             # The run could not go on there (its KV pull failed, say): run it again elsewhere.
             failure = InstanceFailure(f"request {state.request_id} failed on {entry.name}")
@@ -465,6 +468,15 @@ class Orchestrator:
         if delta.handover is not None:
             self.spawn(self._hand_over(state, delta.handover, entry))
         state.queue.put_nowait(output)
+
+    def _end_with_fault(self, state: RequestState, entry: InstanceState, delta: RequestDelta) -> None:
+        """The request's own part of a step failed on ``entry`` (its sampling, its grammar...): it
+        ends with that error and is not run again, since it would fail the same way anywhere; the
+        instance goes on. Its run stops wherever else it is (other samples, KV held for decode)."""
+        logger.warning("%s (on %s): the request ends with this error", delta.fault, entry.name)
+        state.cancel()  # the run's later deltas are dropped, and nothing runs it again
+        self.spawn(self.abort_run(state.instances(), state.request_id, delta.attempt))
+        state.queue.put_nowait(delta.fault.of_request(state.client_id).error())
 
     def _remember(self, entry: InstanceState, state: RequestState, token_ids: list[int]) -> None:
         """Tell the router ``entry`` holds the KV of ``token_ids`` of ``state`` (under its cache salt),

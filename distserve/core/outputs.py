@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from distserve.core.errors import RequestFault
 from distserve.core.handover import Handover
 from distserve.core.latency import time_per_output_token
 
@@ -86,6 +87,7 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     index: int = 0  # which of the request's n samples (SamplingParams.n) this output is
+    error: str | None = None  # with finish_reason "error": what failed in its step, naming the request
 
 
 # The RequestMetrics fields an engine stamps; a delta carries them as a tuple, which pickles in
@@ -117,6 +119,9 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when the request asks
     index: int = 0  # the sample it belongs to (``finished``: that sample's end)
     samples_left: int = 0  # final deltas: the run's other samples still going on the instance that sent it
+    # With finish_reason "error": the request's own step failed (it ends, not re-run); None: the run
+    # could not go on there for the instance's or a transfer's fault (it runs again elsewhere).
+    fault: RequestFault | None = None
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -219,4 +224,5 @@ class OutputBuilder:
             new_logprobs=delta.logprobs,
             prompt_logprobs=self.prompt_logprobs,
             index=self.index,
+            error=None if delta.fault is None else str(delta.fault),
         )

@@ -152,6 +152,9 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}")
         if not (_number(self.min_p) and 0.0 <= self.min_p <= 1.0):
             raise RequestError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
+        if self.seed is not None and not _int(self.seed):
+            # Its samples are seeded seed + 1, ...: anything else fails in the step, not here.
+            raise RequestError(f"seed must be an integer, got {self.seed!r}")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must be non-empty")
         if any(not _int(t) or t < 0 for t in self.stop_token_ids):

@@ -8,11 +8,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from distserve.core.config import EngineConfig
-from distserve.core.errors import RequestError
+from distserve.core.errors import RequestError, RequestFault
 from distserve.core.handover import HandedSample, Handover
 from distserve.core.outputs import STAGE_FIELDS, RequestDelta, TokenLogprobs
 from distserve.core.role import Role
@@ -368,7 +368,7 @@ class LLMEngine:
         if loads or saves:
             model_input.tier_loads, tier_saves = self.tier.plan(loads, saves)
             model_input.tier_saves = [(block, slot) for block, slot, _ in tier_saves]
-        self._constrain(batch.seqs, model_input.seqs)
+        faults = self._constrain(batch.seqs, model_input.seqs)
         started = time.time()
         self.executing = (time.monotonic(), model_input.num_tokens)
         try:
@@ -376,6 +376,7 @@ class LLMEngine:
         finally:
             self.executing = None
         timer.lap("execute")
+        output.faults = {**faults, **output.faults}
         if loads or saves:
             self.tier.settle(loads, tier_saves)
             self.block_manager.saved(saves)
@@ -398,23 +399,64 @@ class LLMEngine:
 
     def _update(self, batch: ScheduledBatch, model_input: BatchInput, output: ModelOutput) -> list[RequestDelta]:
         """Give each sequence of ``batch`` what it computed: a token (which may end it or hand it
-        on), or the progress of a prompt chunk."""
-        tokens = iter(output.sampled_token_ids)  # one per sequence that samples, in batch order
-        logprobs = iter(output.logprobs or ())
-        deltas = []
+        on), or the progress of a prompt chunk. A request whose part of the step failed, there or
+        on the executor (``output.faults``), ends alone with its fault; the others go on."""
+        logprobs = output.logprobs or [None] * len(output.sampled_token_ids)
+        deltas, start = [], 0
         for i, (seq, seq_input) in enumerate(zip(batch.seqs, model_input.seqs)):
-            if output.prompt_logprobs and output.prompt_logprobs[i]:
-                seq.prompt_logprobs += output.prompt_logprobs[i]
-            if seq_input.sibling_params:
-                deltas += self._start_samples(seq, tokens, logprobs)
-            elif seq_input.sample:
-                after_prefill = batch.is_prefill and i >= batch.num_decode
-                deltas.append(self._append_token(seq, next(tokens), after_prefill, next(logprobs, None)))
-            else:  # a prompt chunk short of the prompt's end
-                seq.num_computed_tokens += len(seq_input.input_token_ids)
+            count = (1 + len(seq_input.sibling_params or ())) if seq_input.sample else 0
+            tokens, token_logprobs = output.sampled_token_ids[start : start + count], logprobs[start : start + count]
+            start += count
+            if seq.is_finished:  # a sample of its request failed earlier in this step, and it ended with it
+                continue
+            fault = output.faults.get(i)
+            if fault is None:
+                try:
+                    deltas += self._advance(seq, seq_input, tokens, token_logprobs, output, i, batch)
+                    continue
+                except Exception as e:
+                    logger.exception("%s: its output failed to be processed", seq.request_id)
+                    fault = RequestFault.of("output processing", e)
+            deltas += self._fail_request(seq, fault)
         return deltas
 
-    def _start_samples(self, seq: Sequence, tokens: Iterator[int], logprobs: Iterator) -> list[RequestDelta]:
+    def _advance(
+        self,
+        seq: Sequence,
+        seq_input: SeqInput,
+        tokens: list[int],
+        logprobs: list[TokenLogprobs | None],
+        output: ModelOutput,
+        i: int,
+        batch: ScheduledBatch,
+    ) -> list[RequestDelta]:
+        """``seq``'s part of the step (the ``i``-th of ``batch``): its ``tokens``, or its prompt chunk."""
+        if output.prompt_logprobs and output.prompt_logprobs[i]:
+            seq.prompt_logprobs += output.prompt_logprobs[i]
+        if seq_input.sibling_params:
+            return self._start_samples(seq, tokens, logprobs)
+        if seq_input.sample:
+            after_prefill = batch.is_prefill and i >= batch.num_decode
+            return [self._append_token(seq, tokens[0], after_prefill, logprobs[0])]
+        seq.num_computed_tokens += len(seq_input.input_token_ids)  # a prompt chunk short of the prompt's end
+        return []
+
+    def _fail_request(self, seq: Sequence, fault: RequestFault) -> list[RequestDelta]:
+        """End ``seq``'s run, every sample of it, with ``fault``, freeing their blocks: its own part
+        of a step failed. Their final deltas carry the fault, which the orchestrator ends the
+        request with rather than run it again (it would fail the same way anywhere)."""
+        fault = fault.of_request(seq.request_id)
+        logger.error("%s: %s; it ends here, the instance goes on", self.name, fault)
+        deltas = self.abort_request(seq.request_id, seq.attempt, reason="error")
+        if not deltas:  # every sample had ended already, or ends later (its KV arriving): say it now
+            deltas = [RequestDelta(seq.request_id, seq.attempt, [], "", True, "error", 0, index=seq.sample_index)]
+        for delta in deltas:
+            delta.fault = fault
+        return deltas
+
+    def _start_samples(
+        self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprobs | None]
+    ) -> list[RequestDelta]:
         """The end of the prompt of a request of n samples: fork its other samples from ``seq``,
         sharing its blocks, give each its first token, and let the role take those that go on
         (decode them here, or hand them over with one copy of the prompt's KV)."""
@@ -424,7 +466,7 @@ class LLMEngine:
             self.block_manager.fork(seq, sample)
             self.register(sample, sibling=True)
             samples.append(sample)
-        deltas = [self._append_token(s, next(tokens), False, next(logprobs, None)) for s in samples]
+        deltas = [self._append_token(s, token, False, lp) for s, token, lp in zip(samples, tokens, logprobs)]
         for delta in deltas:
             delta.first = True
         going_on = [(s, d) for s, d in zip(samples, deltas) if not s.is_finished]
@@ -433,18 +475,29 @@ class LLMEngine:
             going_on[0][1].handover = self.hand_off(carrier, siblings)
         return deltas
 
-    def _constrain(self, seqs: list[Sequence], inputs: list[SeqInput]) -> None:
-        """Give each sampling input of a constrained request its row of the grammar's bitmask."""
-        constrained = [(seq, i) for seq, i in zip(seqs, inputs) if seq.grammar is not None and i.sample]
+    def _constrain(self, seqs: list[Sequence], inputs: list[SeqInput]) -> dict[int, RequestFault]:
+        """Give each sampling input of a constrained request its row of the grammar's bitmask; the
+        faults of those whose grammar raised, by index (their rows go unconstrained: their tokens
+        are not used)."""
+        constrained = [(i, seq) for i, (seq, s) in enumerate(zip(seqs, inputs)) if seq.grammar is not None and s.sample]
+        faults = {}
         if not constrained:
-            return
+            return faults
         bitmask = allocate_bitmask(len(constrained), self.vocab_size)
-        for row, (seq, seq_input) in enumerate(constrained):
-            seq.grammar.fill_bitmask(bitmask, row)
+        for row, (i, seq) in enumerate(constrained):
+            seq_input = inputs[i]
+            try:
+                seq.grammar.fill_bitmask(bitmask, row)
+                may_end = seq_input.output_index < seq.sampling_params.min_tokens and seq.grammar.is_completed()
+            except Exception as e:
+                logger.exception("%s: its grammar failed to give the tokens allowed next", seq.request_id)
+                faults[i] = RequestFault.of("structured output's grammar", e)
+                continue
             seq_input.token_bitmask = bitmask[row]
-            if seq_input.output_index < seq.sampling_params.min_tokens and seq.grammar.is_completed():
+            if may_end:
                 # A complete output may end: min_tokens must not ban the only tokens the grammar allows.
                 seq_input.sampling_params = dataclasses.replace(seq.sampling_params, min_tokens=0)
+        return faults
 
     def _append_token(
         self, seq: Sequence, token: int, after_prefill: bool, logprobs: TokenLogprobs | None = None

@@ -7,7 +7,7 @@ import logging
 
 import grpc
 
-from distserve.core.errors import InstanceFailure, RequestError
+from distserve.core.errors import InstanceFailure, RequestError, RequestFailed
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +50,14 @@ class Unavailable(ServingError):
 
 def to_serving_error(error: BaseException) -> ServingError:
     """The client-facing form of an error raised while serving a request. Only a ``RequestError`` is
-    the client's fault; anything unforeseen is an internal error, its traceback logged here."""
+    the client's fault; a ``RequestFailed`` is an internal error of that request alone, logged with
+    its traceback on its instance; anything unforeseen is an internal error, its traceback logged here."""
     if isinstance(error, ServingError):
         return error
     if isinstance(error, RequestError):
         return InvalidRequest(str(error))
+    if isinstance(error, RequestFailed):
+        return ServingError(str(error))
     if isinstance(error, InstanceFailure):
         return Unavailable(str(error))
     logger.error("internal error serving a request", exc_info=error)

@@ -6,6 +6,7 @@ outputs = LLM("tiny-llama").generate(["Hello"], SamplingParams(max_tokens=8))
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -71,7 +72,9 @@ class LLM:
         ``n`` samples its n outputs (``RequestOutput.index`` 0 to n-1) in a row. A prompt is text,
         a list of token ids, or vLLM's dict forms: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
 
-        Every request is validated before any is queued, so a bad one fails the call cleanly.
+        Every request is validated before any is queued, so a bad one fails the call cleanly. A
+        request whose step fails (its sampling, its grammar...) ends alone: its outputs have
+        ``finish_reason`` "error" and ``error`` saying what failed; the others are as without it.
         Without ``sampling_params``, requests sample with the model's defaults (its
         generation_config.json, under ``generation_config: auto``), as vLLM's ``LLM.generate``;
         SamplingParams given are taken as they are, every field of them.
@@ -100,6 +103,11 @@ class LLM:
                     output = builders[delta.request_id, delta.index].add(delta)
                     if output.finished:
                         results[delta.request_id, delta.index] = output
+                    if delta.fault is not None:  # its step failed: every sample of it ends with the error
+                        end = dataclasses.replace(delta, new_token_ids=[], new_text="", logprobs=None)
+                        for key, builder in builders.items():
+                            if key[0] == delta.request_id and key not in results:
+                                results[key] = builder.add(end)
         finally:
             for seq in seqs:
                 if seq.request_id in self.engine.requests:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from distserve.core.errors import RequestFault
 from distserve.core.outputs import TokenLogprobs
 
 
@@ -43,24 +44,30 @@ def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], num_top: in
     return token_logprobs(logits[:rows], targets, [num_top] * rows)
 
 
-def split_prompt_rows(logits: torch.Tensor, seqs: list) -> tuple[torch.Tensor, list[list[TokenLogprobs] | None]]:
+def split_prompt_rows(
+    logits: torch.Tensor, seqs: list, faults: dict[int, RequestFault]
+) -> tuple[torch.Tensor, list[list[TokenLogprobs] | None]]:
     """A prefill step's logits, with rows for every new token of the sequences that want prompt
     logprobs (``SeqInput.num_logit_rows``), as (one row per sampling sequence, each sequence's
     prompt logprobs or None). A chunk's rows predict the prompt tokens after it; the last row of
-    the prompt predicts the first output token, and is the one sampled."""
+    the prompt predicts the first output token, and is the one sampled. A sequence whose prompt
+    logprobs raise is added to ``faults`` (by its index in ``seqs``) and the others go on."""
     sample_rows: list[int] = []
     per_seq: list[list[TokenLogprobs] | None] = []
     row = 0
-    for seq in seqs:
+    for i, seq in enumerate(seqs):
         count = seq.num_logit_rows
+        found = None
         if seq.wants_prompt_logprobs:
             history = seq.token_history
             num_prompt = len(history) - seq.output_index
             first_target = seq.start + 1
             targets = history[first_target : min(seq.start + count + 1, num_prompt)]
-            per_seq.append(prompt_logprobs(logits[row : row + count], targets, seq.sampling_params.prompt_logprobs))
-        else:
-            per_seq.append(None)
+            try:
+                found = prompt_logprobs(logits[row : row + count], targets, seq.sampling_params.prompt_logprobs)
+            except Exception as e:
+                faults[i] = RequestFault.of("prompt logprobs", e)
+        per_seq.append(found)
         if seq.sample:
             sample_rows.append(row + count - 1)
         row += count

@@ -111,11 +111,6 @@ class BatchInput:
         return cls(is_prefill, inputs, num_decode if is_prefill else len(seqs))
 
     @property
-    def sampling_seqs(self) -> list[SeqInput]:
-        """The sequences that sample a token this step, in the order of the logits' rows."""
-        return [s for s in self.seqs if s.sample]
-
-    @property
     def num_tokens(self) -> int:
         return sum(len(s.input_token_ids) for s in self.seqs)
 

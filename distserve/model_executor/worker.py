@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from distserve.core.config import EngineConfig
 from distserve.core.cpu_cores import bind_process
+from distserve.core.errors import RequestFault
 from distserve.core.outputs import TokenLogprobs
 from distserve.core.step_metrics import StepTimer
 from distserve.kv_transfer.channel import KVTransfer
@@ -25,11 +26,11 @@ from distserve.kv_transfer.plan import KVCacheShape, rank_layout
 from distserve.model_executor.attention import resolve_attention_backend
 from distserve.model_executor.cpu_linear import can_pack, pack_linears
 from distserve.model_executor.cuda_graph import DecodeGraphs
+from distserve.model_executor.isolated_sampling import sample_step
 from distserve.model_executor.kv_cache import KVCache, determine_num_blocks
-from distserve.model_executor.logprobs import split_prompt_rows
 from distserve.model_executor.model_loader import choose_dtype, load_model, resolve_device, resolve_model
 from distserve.model_executor.model_runner import BatchInput, ModelRunner
-from distserve.model_executor.sampler import Sampler, fan_out_samples
+from distserve.model_executor.sampler import Sampler
 from distserve.parallel.process_group import create_store, init_process_group
 from distserve.parallel.ranks import ParallelRank
 from distserve.parallel.tensor_parallel import local_kv_heads
@@ -59,10 +60,13 @@ def keep_freed_memory() -> None:
 
 @dataclass
 class ModelOutput:
-    sampled_token_ids: list[int]  # one per sequence of the batch that samples
+    sampled_token_ids: list[int]  # one per sequence of the batch that samples (n at a prompt's end of n samples)
     seconds: dict[str, float] = field(default_factory=dict)  # prepare / forward / sample on the driver rank
     logprobs: list[TokenLogprobs | None] | None = None  # per sampled token, where its request asks
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None  # per sequence of the batch
+    # Sequences (by index in the batch) whose own part of the step failed: their tokens are
+    # placeholders, and they end with the fault (``isolated_sampling``).
+    faults: dict[int, RequestFault] = field(default_factory=dict)
 
 
 class Worker:
@@ -218,12 +222,9 @@ class Worker:
             timer.lap("tier")
         if out is None or not self.rank.is_driver:
             return None
-        prompt_logprobs = None
-        if batch.is_prefill and any(s.wants_prompt_logprobs for s in batch.seqs):
-            out, prompt_logprobs = split_prompt_rows(out, batch.seqs)
-        sampled = self.sampler.sample(*fan_out_samples(out, batch.sampling_seqs))
+        sampled = sample_step(self.sampler, out, batch)  # a request's fault there is its own
         timer.lap("sample")
-        return ModelOutput(sampled.token_ids, timer.seconds, sampled.logprobs, prompt_logprobs)
+        return ModelOutput(sampled.token_ids, timer.seconds, sampled.logprobs, sampled.prompt_logprobs, sampled.faults)
 
     def _forward(self, batch: BatchInput, timer: StepTimer) -> torch.Tensor | None:
         """Run the batch eagerly: the logits on the last stage, None on an earlier one (its
