@@ -531,6 +531,9 @@ class ScriptedFrontend:
     def admission(self, count=1):
         yield
 
+    async def off_loop(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
     @staticmethod
     def entry(token_id, position, num_top):
         top = [(token_id, -(1 + position) / 10), (5, -2.0), (6, -3.0)][:num_top]

@@ -3,7 +3,8 @@ streams outputs back and cancels. It runs on an asyncio loop and talks to instan
 their queues (``add_request``, ``add_handover``, ``abort_request``) and one long poll per instance,
 so it is never on an instance's per-step path.
 
-Request path (disaggregated): tokenize and validate here -> a prefill instance (``Router``) ->
+Request path (disaggregated): tokenize and validate (on the ``InputWorkers``' threads: the loop
+only awaits them) -> a prefill instance (``Router``) ->
 its first token comes back with a ``Handover`` -> the decode instance with the most room takes
 it over and pulls the KV -> its tokens stream back. Colocated: one instance does both. Roles may
 change while serving (``RoleChanger``), so a cluster can mix prefill, decode and colocated
@@ -32,6 +33,7 @@ from distserve.cluster.config import ClusterConfig
 from distserve.cluster.core_plan import plan_cores
 from distserve.cluster.failover import Failover
 from distserve.cluster.fencing import fence
+from distserve.cluster.input_workers import InputWorkers
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.instance_pool import InstancePool
 from distserve.cluster.request_table import RequestState, RequestTable
@@ -85,6 +87,7 @@ class Orchestrator:
         )  # fmt: skip
         self.roles = RoleChanger(self.instance_pool, self._leaving_layout, self._roles_changed)
         self.controller = RoleController(self, config.role_control)
+        self.input_workers = InputWorkers(config.input_workers)
         self._pollers: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # hand-overs and aborts in flight, kept from the GC
 
@@ -157,6 +160,7 @@ class Orchestrator:
 
     async def shutdown(self) -> None:
         self.instance_pool.closed = True
+        self.input_workers.shutdown()
         for task in [*self._pollers, *self._background]:
             task.cancel()
         await asyncio.gather(*self._pollers, *self._background, return_exceptions=True)
@@ -227,9 +231,10 @@ class Orchestrator:
         ``RequestOutput.index``) until every one has ended; closing the iterator early cancels the
         request. ``slo``: its own latency objectives, for the role controller."""
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
+        # Tokenizing, bad words and the grammar compile may take seconds: not on this loop.
+        seq = await self.input_workers.run(self.input_processor.process, prompt, params, request_id, priority)
+        if request_id in self.requests:  # checked after the await: nothing runs between it and the claim
             raise RequestError(f"request id '{request_id}' is already in use")
-        seq = self.input_processor.process(prompt, params, request_id, priority)
         params = seq.sampling_params
         if params.seed is None and params.temperature > 0:
             # Seeded sampling does not depend on the batch, so a re-run after a failure repeats the tokens.

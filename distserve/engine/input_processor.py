@@ -1,11 +1,13 @@
 """Turns a request into a validated ``Sequence``: tokenizes a text prompt and checks the ids, the
 context length and whether the request can ever fit the KV cache, and fills in what its sampling
 params need of the model (stop tokens, bad words as token ids). Engines and the orchestrator share
-it, so a request is refused with the same message wherever it arrives."""
+it, so a request is refused with the same message wherever it arrives. Thread-safe: the
+orchestrator runs it on its input workers' threads, an instance on its calls' threads."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -34,15 +36,17 @@ class InputProcessor:
         self.block_size = block_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
 
     @property
     def grammars(self) -> GrammarCompiler:
         """The structured outputs' grammar compiler, made on first use (it indexes the vocabulary)."""
-        if self._grammars is None:
-            from distserve.engine.structured_output import GrammarCompiler  # the grammar library: when first needed
+        with self._grammars_lock:
+            if self._grammars is None:
+                from distserve.engine.structured_output import GrammarCompiler  # the library: when first needed
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-        return self._grammars
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+            return self._grammars
 
     def process(
         self,
