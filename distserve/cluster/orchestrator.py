@@ -36,6 +36,7 @@ from distserve.cluster.fencing import fence
 from distserve.cluster.input_workers import InputWorkers
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.instance_pool import InstancePool
+from distserve.cluster.loop_lag import LoopLag
 from distserve.cluster.request_table import RequestState, RequestTable
 from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
 from distserve.cluster.role_control.controller import RoleController
@@ -88,11 +89,13 @@ class Orchestrator:
         self.roles = RoleChanger(self.instance_pool, self._leaving_layout, self._roles_changed)
         self.controller = RoleController(self, config.role_control)
         self.input_workers = InputWorkers(config.input_workers)
+        self.loop_lag = LoopLag()  # liveness deadlines leave out the time this loop did not run
         self._pollers: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # hand-overs and aborts in flight, kept from the GC
 
     async def start(self) -> None:
         """Launch every instance (in parallel) and start polling them."""
+        self._pollers.append(asyncio.create_task(self.loop_lag.run()))  # before any poll is timed
         resolved = resolve_model(self.config.engine.model)
         tokenizer = load_tokenizer(resolved)
         loop = asyncio.get_running_loop()
@@ -384,7 +387,7 @@ class Orchestrator:
             liveness = self.config.liveness_timeout
             poll = entry.handle.get_outputs.remote(POLL_TIMEOUT_S, self.config.stream_interval, liveness)
             try:
-                deltas = await asyncio.wait_for(poll, POLL_TIMEOUT_S + liveness)
+                deltas = await self._answer(poll, POLL_TIMEOUT_S + liveness)
             except (*INSTANCE_GONE, asyncio.TimeoutError) as e:  # its requests cannot go on there
                 if isinstance(e, asyncio.TimeoutError):
                     e = InstanceStalled(f"{entry.name} left its outputs unanswered for {liveness:g} s "
@@ -401,6 +404,22 @@ class Orchestrator:
                 continue
             for delta in deltas:
                 self._route(entry, delta)
+
+    async def _answer(self, poll: ray.ObjectRef, seconds: float) -> list[RequestDelta]:
+        """The poll's answer, waited for until this loop has run ``seconds`` (``LoopLag``: a stall
+        of the loop is no time the instance failed to answer in), else TimeoutError. An answer
+        that has come is taken, however late its handling."""
+        answer = poll.as_future()
+        running = self.loop_lag.stopwatch()
+        try:
+            while not answer.done() and (left := seconds - running()) > 0:
+                await asyncio.wait([answer], timeout=left)
+        finally:
+            if not answer.done():
+                answer.cancel()
+        if answer.cancelled():
+            raise asyncio.TimeoutError
+        return answer.result()
 
     def _route(self, entry: InstanceState, delta: RequestDelta) -> None:
         state = self.requests.get(delta.request_id)
