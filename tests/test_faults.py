@@ -3,9 +3,12 @@
 and the cluster serves new requests."""
 
 import asyncio
+import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -315,6 +318,80 @@ def test_a_stopped_worker_rank_is_fenced_though_its_instance_still_answers(ray_c
             await cluster.shutdown()
 
     asyncio.run(scenario())
+
+
+# A cluster whose orchestrator's loop is held while its requests decode, in a process of its own on
+# the session's Ray, so that the test can stop that process: it prints "holding" before each hold
+# (its first a sleep on the loop; the test stops the process for its second), waits until no block
+# is in use, and prints a JSON line.
+_HELD_LOOP_SCRIPT = """
+import asyncio, json, sys, time
+from distserve import AsyncCluster, SamplingParams
+
+prompts, max_tokens, hold = json.loads(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+async def collect(cluster, prompt, progress, key):
+    tokens = []
+    async for output in cluster.generate(prompt, params):
+        tokens += output.new_token_ids
+        progress[key] = len(tokens)
+    return tokens
+
+async def main():
+    cluster = await AsyncCluster.start(model="tiny-llama", block_size=8, num_kv_blocks=400, liveness_timeout=2.0,
+                                       dtype="float32")
+    instances = lambda: [[s.name, s.failure] for s in cluster.orchestrator.instances]
+    started, waves = instances(), []
+    try:
+        for wave in ("sleep", "stop"):
+            progress = {}
+            tasks = [asyncio.create_task(collect(cluster, p, progress, i)) for i, p in enumerate(prompts)]
+            while sum(n >= 3 for n in progress.values()) < 2:
+                await asyncio.sleep(0.005)
+            print("holding", flush=True)
+            if wave == "sleep":
+                time.sleep(hold)
+            waves.append(await asyncio.wait_for(asyncio.gather(*tasks), 120))
+        deadline = time.monotonic() + 10
+        while (in_use := [i.num_blocks - i.num_free_blocks for i in await cluster.info()]) != [0, 0]:
+            assert time.monotonic() < deadline, in_use
+            await asyncio.sleep(0.02)
+        print(json.dumps({"waves": waves, "started": started, "now": instances(),
+                          "largest_lag": cluster.orchestrator.loop_lag.largest}), flush=True)
+    finally:
+        await cluster.shutdown()
+
+asyncio.run(main())
+"""
+
+
+def test_a_held_serving_loop_fences_no_instance(ray_cluster, llama):
+    """The orchestrator's loop held 3.5 s while requests decode, past the 3 s an instance has to
+    answer its poll (the poll's own second and ``liveness_timeout`` 2 s): by a sleep on it, then by
+    SIGSTOP of its whole process (the instances' answers are then read only after the loop has run
+    again, past their deadlines). No instance is fenced or replaced, every stream ends equal to its
+    greedy output and no block is in use afterwards: the deadline counts only the time the loop ran."""
+    prompts = random_prompts([40, 120, 80, 60], 1024, seed=41)
+    expected = [reference_greedy(llama, p, MAX_TOKENS) for p in prompts]
+    hold = 3.5
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    args = [sys.executable, "-c", _HELD_LOOP_SCRIPT, json.dumps(prompts), str(MAX_TOKENS), str(hold)]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env) as script:
+        try:
+            for wave in ("sleep", "stop"):
+                assert script.stdout.readline() == "holding\n", f"the script ended before its {wave} wave"
+                if wave == "stop":
+                    script.send_signal(signal.SIGSTOP)
+                    time.sleep(hold)
+                    script.send_signal(signal.SIGCONT)
+            result = json.loads(script.stdout.readline())
+        finally:
+            script.send_signal(signal.SIGCONT)  # never left stopped, whatever failed
+            script.wait(timeout=60)
+    assert result["waves"] == [expected, expected]
+    assert result["now"] == result["started"]  # no instance fenced or replaced: the same, none failed
+    assert result["largest_lag"] > hold - 0.5
 
 
 def test_sampled_requests_rerun_to_the_same_tokens(ray_cluster):

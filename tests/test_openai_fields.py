@@ -200,7 +200,7 @@ REFUSED = {
     "max_completion_tokens": [(0, None, {}), (2.5, None, {}), (MAX_MODEL_LEN + 1, None, {})],
     "n": [(0, None, {}), (17, None, {}), ("2", None, {})],
     "best_of": [(2, None, {}), (1, None, {"n": 2}), ("1", None, {})],
-    "temperature": [(-1, None, {}), ("hot", None, {})],
+    "temperature": [(-1, None, {}), ("hot", None, {}), (10**309, None, {})],  # an int past the largest float
     "top_p": [(1.5, None, {}), (0, None, {})],
     "seed": [("x", None, {}), (1.5, None, {})],
     "stop": [(5, None, {}), ([""], None, {}), ([1], None, {})],
@@ -543,6 +543,9 @@ class ScriptedFrontend:
     def admission(self, count=1):
         yield
 
+    async def off_loop(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
     @staticmethod
     def entry(token_id, position, num_top):
         top = [(token_id, -(1 + position) / 10), (5, -2.0), (6, -3.0)][:num_top]
@@ -692,6 +695,7 @@ def test_continuous_usage_is_on_every_chunk(tokenizer, path, body):
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.sampled_from([10**309, -(10**309)])  # JSON integers past the largest float
     | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,

@@ -139,7 +139,8 @@ def test_a_request_fault_reaches_its_client_as_internal_or_invalid_argument():
     INVALID_ARGUMENT / 400 where the request's own values raised a RequestError in its step."""
     internal = RequestFault.of("sampling", OverflowError("int too large")).of_request("r1")
     assert str(internal) == "request 'r1': its sampling failed: OverflowError: int too large"
-    assert str(internal.of_request("client-id")) == "request 'client-id': its sampling failed: OverflowError: int too large"
+    named_by_client = internal.of_request("client-id")
+    assert str(named_by_client) == "request 'client-id': its sampling failed: OverflowError: int too large"
     assert isinstance(internal.error(), RequestFailed)
     error = to_serving_error(internal.error())
     assert (error.grpc_code, error.http_status) == (grpc.StatusCode.INTERNAL, 500)

@@ -15,6 +15,7 @@ cluster:
   replace_failed_instances: true   # start a new instance in place of one that died
   liveness_timeout: 10             # seconds unanswered (or a step stuck) before an instance is fenced
   stream_interval: 0.005           # seconds between an instance's output batches (first tokens and ends at once)
+  input_workers: 2                 # threads that tokenize and compile grammars, off the serving loop
   role_control: {mode: adaptive, slo_ttft: 0.5, slo_tpot: 0.05}  # roles follow the load
   local_prefill: {mode: auto, max_tokens: 256}  # short prompts prefilled on their decode instance
   limits: {max_n: 16, max_tokens: 4096}  # what one request may ask for (distserve.core.request_limits)
@@ -42,6 +43,7 @@ CLUSTER_KEYS = (
     "replace_failed_instances",
     "liveness_timeout",
     "stream_interval",
+    "input_workers",
     "role_control",
     "local_prefill",
     "limits",
@@ -123,6 +125,9 @@ class ClusterConfig:
     # token and its end at once): each hand-over cost its step loop about 0.6 ms on a CPU, more
     # than half a small decode step. 0: every step.
     stream_interval: float = 0.005
+    # Threads that do requests' CPU work off the serving loop (``distserve.cluster.input_workers``):
+    # tokenizing, chat templates, bad words, grammar compiles. Requests past them wait their turn.
+    input_workers: int = 2
     role_control: RoleControlConfig = field(default_factory=RoleControlConfig)
     # Per-request disaggregation (``distserve.core.local_prefill``): which prompts a decode instance
     # prefills itself. Off: every request is disaggregated.
@@ -142,6 +147,8 @@ class ClusterConfig:
             raise ValueError(f"max_request_attempts must be a positive integer, got {self.max_request_attempts!r}")
         if not is_number(self.stream_interval) or not 0 <= self.stream_interval <= 1:
             raise ValueError(f"stream_interval must be between 0 and 1 second, got {self.stream_interval!r}")
+        if not is_int(self.input_workers) or self.input_workers < 1:
+            raise ValueError(f"input_workers must be a positive integer, got {self.input_workers!r}")
         if not is_number(self.liveness_timeout) or not self.liveness_timeout > 0:
             raise ValueError(f"liveness_timeout must be > 0 seconds, got {self.liveness_timeout!r}")
         if not isinstance(self.replace_failed_instances, bool):

@@ -162,6 +162,7 @@ class Instance:
         this model, checked against the smallest instance's KV cache), so it is queued as it is.
         ``local_prefill``: a decode instance is to prefill it and decode it (``cluster.local_prefill``)."""
         if validated:
+            self._compile_grammar(params)
             seq = Sequence(prompt, params, request_id, priority=priority, attempt=attempt,
                            ttft_deadline=ttft_deadline, tpot_slo=tpot_slo)  # fmt: skip
         else:
@@ -175,8 +176,15 @@ class Instance:
         allocated. One that reaches a role that cannot take it is handed back (its delta carries it).
         One whose KV this instance holds itself (it left prefill since) decodes here without a pull."""
         if handover.prefill_instance != self.name:  # the holder has claimed the run already
+            self._compile_grammar(handover.sampling_params)
             self._claim(handover.request_id, handover.attempt)
         self._send("handover", handover)
+
+    def _compile_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's grammar on the call's thread (it may take seconds), so that the step
+        loop finds it in the compiler's cache instead of compiling it between two steps."""
+        if params.structured_outputs is not None:
+            self.engine.input_processor.grammars.compile(params.structured_outputs)
 
     def change_role(self, role: Role | str) -> float:
         """Play ``role`` from now on, without reloading anything; returns once the engine has changed,

@@ -3,7 +3,8 @@ streams outputs back and cancels. It runs on an asyncio loop and talks to instan
 their queues (``add_request``, ``add_handover``, ``abort_request``) and one long poll per instance,
 so it is never on an instance's per-step path.
 
-Request path (disaggregated): tokenize and validate here -> a prefill instance (``Router``) ->
+Request path (disaggregated): tokenize and validate (on the ``InputWorkers``' threads: the loop
+only awaits them) -> a prefill instance (``Router``) ->
 its first token comes back with a ``Handover`` -> the decode instance with the most room takes
 it over and pulls the KV -> its tokens stream back. Colocated: one instance does both. Roles may
 change while serving (``RoleChanger``), so a cluster can mix prefill, decode and colocated
@@ -35,8 +36,10 @@ from distserve.cluster.config import ClusterConfig
 from distserve.cluster.core_plan import plan_cores
 from distserve.cluster.failover import Failover
 from distserve.cluster.fencing import fence
+from distserve.cluster.input_workers import InputWorkers
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.instance_pool import InstancePool
+from distserve.cluster.loop_lag import LoopLag
 from distserve.cluster.request_table import RequestState, RequestTable
 from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
 from distserve.cluster.role_control.controller import RoleController
@@ -90,11 +93,14 @@ class Orchestrator:
         )  # fmt: skip
         self.roles = RoleChanger(self.instance_pool, self._leaving_layout, self._roles_changed)
         self.controller = RoleController(self, config.role_control)
+        self.input_workers = InputWorkers(config.input_workers)
+        self.loop_lag = LoopLag()  # liveness deadlines leave out the time this loop did not run
         self._pollers: list[asyncio.Task] = []
         self._background: set[asyncio.Task] = set()  # hand-overs and aborts in flight, kept from the GC
 
     async def start(self) -> None:
         """Launch every instance (in parallel) and start polling them."""
+        self._pollers.append(asyncio.create_task(self.loop_lag.run()))  # before any poll is timed
         resolved = resolve_model(self.config.engine.model)
         tokenizer = load_tokenizer(resolved)
         sampling_defaults = default_sampling_params(resolved, self.config.engine.model.generation_config)
@@ -173,6 +179,7 @@ class Orchestrator:
 
     async def shutdown(self) -> None:
         self.instance_pool.closed = True
+        self.input_workers.shutdown()
         for task in [*self._pollers, *self._background]:
             task.cancel()
         await asyncio.gather(*self._pollers, *self._background, return_exceptions=True)
@@ -246,7 +253,8 @@ class Orchestrator:
         self.check_request(prompt, params, priority)
         client_id = request_id or uuid.uuid4().hex
         request_id = f"{client_id}-{uuid.uuid4().hex[:RUN_ID_SUFFIX]}"
-        seq = self.input_processor.process(prompt, params, request_id, priority)
+        # Tokenizing, bad words and the grammar compile may take seconds: not on this loop.
+        seq = await self.input_workers.run(self.input_processor.process, prompt, params, request_id, priority)
         params = seq.sampling_params
         if params.seed is None and params.temperature > 0:
             # Seeded sampling does not depend on the batch, so a re-run after a failure repeats the tokens.
@@ -412,7 +420,7 @@ class Orchestrator:
             liveness = self.config.liveness_timeout
             poll = entry.handle.get_outputs.remote(POLL_TIMEOUT_S, self.config.stream_interval, liveness)
             try:
-                deltas = await asyncio.wait_for(poll, POLL_TIMEOUT_S + liveness)
+                deltas = await self._answer(poll, POLL_TIMEOUT_S + liveness)
             except (*INSTANCE_GONE, asyncio.TimeoutError) as e:  # its requests cannot go on there
                 if isinstance(e, asyncio.TimeoutError):
                     e = InstanceStalled(f"{entry.name} left its outputs unanswered for {liveness:g} s "
@@ -429,6 +437,22 @@ class Orchestrator:
                 continue
             for delta in deltas:
                 self._route(entry, delta)
+
+    async def _answer(self, poll: ray.ObjectRef, seconds: float) -> list[RequestDelta]:
+        """The poll's answer, waited for until this loop has run ``seconds`` (``LoopLag``: a stall
+        of the loop is no time the instance failed to answer in), else TimeoutError. An answer
+        that has come is taken, however late its handling."""
+        answer = poll.as_future()
+        running = self.loop_lag.stopwatch()
+        try:
+            while not answer.done() and (left := seconds - running()) > 0:
+                await asyncio.wait([answer], timeout=left)
+        finally:
+            if not answer.done():
+                answer.cancel()
+        if answer.cancelled():
+            raise asyncio.TimeoutError
+        return answer.result()
 
     def _route(self, entry: InstanceState, delta: RequestDelta) -> None:
         state = self.requests.get(delta.request_id)

@@ -314,8 +314,14 @@ def is_int(value: Any) -> bool:
 
 
 def is_number(value: Any) -> bool:
-    """A finite int or float, and not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float that a float can hold, and not a bool (JSON's 10**309 is an int past
+    the largest float: no sampling value can be made of it)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _plain(value: Any) -> Any:

@@ -3,11 +3,13 @@ context length and whether the request can ever fit the KV cache, and fills in w
 params need of the model (stop tokens, bad words as token ids). Engines and the orchestrator share
 it, so a request is refused with the same message wherever it arrives. It holds the model's
 sampling defaults too (``sampling_defaults``), which the entry points apply to the fields a
-request leaves out, where they can tell."""
+request leaves out, where they can tell. Thread-safe: the orchestrator runs it on its input
+workers' threads, an instance on its calls' threads."""
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -39,15 +41,17 @@ class InputProcessor:
         # SamplingParams fields the model's generation config sets (``default_sampling_params``).
         self.sampling_defaults = dict(sampling_defaults or {})
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
 
     @property
     def grammars(self) -> GrammarCompiler:
         """The structured outputs' grammar compiler, made on first use (it indexes the vocabulary)."""
-        if self._grammars is None:
-            from distserve.engine.structured_output import GrammarCompiler  # the grammar library: when first needed
+        with self._grammars_lock:
+            if self._grammars is None:
+                from distserve.engine.structured_output import GrammarCompiler  # the library: when first needed
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
-        return self._grammars
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+            return self._grammars
 
     def default_params(self, **given: Any) -> SamplingParams:
         """The sampling params of a request that sets only ``given``: the model's defaults for the rest."""

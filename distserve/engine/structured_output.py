@@ -35,7 +35,6 @@ The bitmask itself (allocating and applying it) lives beside the sampler, in
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 from collections import OrderedDict
@@ -47,6 +46,7 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+from distserve.core.cpu_cores import available_cores
 from distserve.core.errors import RequestError
 from distserve.core.sampling_params import StructuredOutputsParams
 from distserve.model_executor.token_bitmask import bitmask_words, word_bit
@@ -113,7 +113,9 @@ class GrammarCompiler:
         self.stop_token_ids = tuple(stops)
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
         # Our LRU is the only cache (xgrammar's own would grow without bound).
-        threads = max_threads or min(8, os.cpu_count() or 1)
+        # As many threads as the cores this process may run on: an instance bound to one core
+        # compiles on one thread, leaving its step loop half the core rather than a third.
+        threads = max_threads or min(8, len(available_cores()))
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
         self._json_banned, self._json_banned_ids = self._json_ban(self.info.decoded_vocab)
         self.max_cached = max_cached

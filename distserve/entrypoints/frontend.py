@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, TypeVar
 
 from distserve.cluster.api import AsyncCluster
 from distserve.cluster.instance import InstanceInfo
@@ -30,6 +30,8 @@ from distserve.entrypoints.errors import (
 )
 from distserve.entrypoints.prometheus import ServingMetrics
 from distserve.entrypoints.server_config import ServerConfig
+
+T = TypeVar("T")
 
 
 class Frontend:
@@ -74,8 +76,14 @@ class Frontend:
         processor = self.cluster.orchestrator.input_processor
         return min(processor.max_model_len, processor.num_kv_blocks * processor.block_size)
 
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the cluster's input workers: tokenizing, chat templates, parsing
+        a body of megabytes, which must not hold the loop every stream is served from."""
+        return await self.cluster.orchestrator.input_workers.run(fn, *args, **kwargs)
+
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        """The text of ``token_ids``; InvalidRequest for an id outside the tokenizer."""
+        """The text of ``token_ids``; InvalidRequest for an id outside the tokenizer. CPU work of
+        the request's size: run it ``off_loop``."""
         vocab_size = len(self.tokenizer)
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:

@@ -305,13 +305,16 @@ class DistServeServicer(pb_grpc.DistServeServicer):
             self.frontend.limits.check_prompt(request.text)
         except RequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        ids = self.frontend.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        ids = await self.frontend.off_loop(
+            self.frontend.tokenizer.encode, request.text, add_special_tokens=request.add_special_tokens
+        )
         return pb.TokenizeResponse(token_ids=ids)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):
         await self._authenticate(context)
         try:
-            text = self.frontend.detokenize(list(request.token_ids), request.skip_special_tokens)
+            ids, skip = request.token_ids, request.skip_special_tokens
+            text = await self.frontend.off_loop(lambda: self.frontend.detokenize(list(ids), skip))
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(e))
         return pb.DetokenizeResponse(text=text)

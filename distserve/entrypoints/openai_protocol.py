@@ -1,5 +1,6 @@
 """A request body to the ``Call`` the server runs: the body's fields checked against the field table
-(``openai_fields``), the prompts, and one ``Job`` (prompt and SamplingParams) per choice."""
+(``openai_fields``), the prompts, and one ``Job`` (prompt and SamplingParams) per choice. Parsing
+tokenizes and renders chat templates: the server runs it on the input workers (``Frontend.off_loop``)."""
 
 from __future__ import annotations
 

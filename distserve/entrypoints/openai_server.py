@@ -12,7 +12,7 @@ import logging
 import ssl
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, suppress
 from typing import Any
 
@@ -264,6 +264,40 @@ def _http_error(error: Exception) -> HTTPError:
 
 
 # -- the application -----------------------------------------------------------------------------
+# Bodies are parsed, and /tokenize's and /detokenize's answers written, on the input workers'
+# threads (``Frontend.off_loop``): megabytes of JSON or of tokens would hold the loop.
+
+
+def _load_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise HTTPError(f"the request body is not valid JSON: {e}") from e
+
+
+def _json_response(text: str) -> web.Response:
+    return web.Response(text=text, content_type="application/json")
+
+
+def _tokenize(frontend: Frontend, raw: bytes) -> str:
+    body = _load_json(raw)
+    fields = body if isinstance(body, dict) else {}
+    prompt, special = fields.get("prompt"), fields.get("add_special_tokens", True)
+    if not isinstance(prompt, str) or not isinstance(special, bool):
+        raise HTTPError("'/tokenize' takes {'prompt': text, 'add_special_tokens': bool}", param="prompt")
+    check_model(frontend, fields.get("model", frontend.model_name))
+    check_prompt(frontend, prompt, "prompt")
+    tokens = frontend.tokenizer.encode(prompt, add_special_tokens=special)
+    return json.dumps({"count": len(tokens), "max_model_len": frontend.max_model_len, "tokens": tokens})
+
+
+def _detokenize(frontend: Frontend, raw: bytes) -> str:
+    body = _load_json(raw)
+    tokens = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(tokens, list):
+        raise HTTPError("'/detokenize' takes {'tokens': [token ids]}", param="tokens")
+    check_model(frontend, body.get("model", frontend.model_name))
+    return json.dumps({"prompt": frontend.detokenize(tokens)})
 
 
 def build_app(frontend: Frontend) -> web.Application:
@@ -284,17 +318,17 @@ def build_app(frontend: Frontend) -> web.Application:
             error = _http_error(e)
         return web.json_response(error.body(), status=error.status)
 
-    async def read_json(request: web.Request) -> Any:
-        try:
-            return json.loads(await request.read())
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise HTTPError(f"the request body is not valid JSON: {e}") from e
+    async def call(request: web.Request, parse: Callable[[Frontend, Any], Call]) -> Call:
+        """The body's call, parsed on the input workers: a body of megabytes, its prompts'
+        tokens and a chat template's rendering would hold the loop every stream is served from."""
+        raw = await request.read()
+        return await frontend.off_loop(lambda: parse(frontend, _load_json(raw)))
 
     async def completions(request: web.Request) -> web.StreamResponse:
-        return await _respond(request, frontend, parse_completion(frontend, await read_json(request)))
+        return await _respond(request, frontend, await call(request, parse_completion))
 
     async def chat_completions(request: web.Request) -> web.StreamResponse:
-        return await _respond(request, frontend, parse_chat(frontend, await read_json(request)))
+        return await _respond(request, frontend, await call(request, parse_chat))
 
     def model_card() -> dict[str, Any]:
         return {
@@ -316,24 +350,13 @@ def build_app(frontend: Frontend) -> web.Application:
 
     async def tokenize(request: web.Request) -> web.Response:
         """vLLM's ``/tokenize``: a prompt's token ids (benchmark clients align lengths with it)."""
-        body = await read_json(request)
-        fields = body if isinstance(body, dict) else {}
-        prompt, special = fields.get("prompt"), fields.get("add_special_tokens", True)
-        if not isinstance(prompt, str) or not isinstance(special, bool):
-            raise HTTPError("'/tokenize' takes {'prompt': text, 'add_special_tokens': bool}", param="prompt")
-        check_model(frontend, fields.get("model", frontend.model_name))
-        check_prompt(frontend, prompt, "prompt")
-        tokens = frontend.tokenizer.encode(prompt, add_special_tokens=special)
-        return web.json_response({"count": len(tokens), "max_model_len": frontend.max_model_len, "tokens": tokens})
+        raw = await request.read()
+        return _json_response(await frontend.off_loop(_tokenize, frontend, raw))
 
     async def detokenize(request: web.Request) -> web.Response:
         """vLLM's ``/detokenize``: the text of token ids."""
-        body = await read_json(request)
-        tokens = body.get("tokens") if isinstance(body, dict) else None
-        if not isinstance(tokens, list):
-            raise HTTPError("'/detokenize' takes {'tokens': [token ids]}", param="tokens")
-        check_model(frontend, body.get("model", frontend.model_name))
-        return web.json_response({"prompt": frontend.detokenize(tokens)})
+        raw = await request.read()
+        return _json_response(await frontend.off_loop(_detokenize, frontend, raw))
 
     async def health(request: web.Request) -> web.Response:
         if frontend.draining:
