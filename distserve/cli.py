@@ -213,6 +213,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         held = f"{t.entries}/{t.capacity_blocks} ({t.entries * t.bytes_per_block / 2**20:.0f} MiB)"
         hits = f"{t.hit_blocks}/{t.queried_blocks}"
         print(f"  {t.node_id[:8]}: {held}, {hits}, {t.remote_hit_blocks}, {t.evicted_blocks}")
+    if len(info.api_servers) > 1:
+        print("API servers (index, pid, requests in flight, CPU seconds, restarts):")
+    for server in info.api_servers if len(info.api_servers) > 1 else []:
+        print(f"  {server.index}: pid {server.pid}, {server.num_pending_requests}, {server.cpu_seconds:.1f} s, "
+              f"{server.restarts}")  # fmt: skip
     print(f"roles: {info.role_control}" + (", latest changes:" if info.role_changes else ""))
     for change in info.role_changes[-5:]:
         _print_role_change(change)
@@ -364,6 +369,21 @@ def build_parser() -> argparse.ArgumentParser:
             default=argparse.SUPPRESS,
             help=f"{key.replace('_', ' ')} of the {role} pool",
         )
+    serving = launch.add_argument_group("API servers")
+    serving.add_argument(
+        "--api-servers",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="API server processes sharing the gRPC and HTTP ports, each admitting and streaming its own requests; "
+        "the first manages the cluster (default: 1)",
+    )
+    serving.add_argument(
+        "--server-lease",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="seconds an instance keeps the requests of an API server that stopped asking for their outputs "
+        "(default: 10)",
+    )
     control = launch.add_argument_group("role control")
     control.add_argument(
         "--role-control",

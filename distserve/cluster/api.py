@@ -67,6 +67,14 @@ class AsyncCluster:
         self.orchestrator = Orchestrator(self.config)
         self.state = "new"  # then "running", then "shut down"
 
+    @classmethod
+    async def join(cls, config: ClusterConfig, directory: Any, server_id: str) -> AsyncCluster:
+        """The cluster of ``config`` that another API server manages, served as server ``server_id``:
+        started, its instances the ones ``directory`` lists; shutting it down leaves them serving."""
+        cluster = cls(config)
+        cluster.orchestrator = Orchestrator(cluster.config, server_id, directory)
+        return await cluster._start()
+
     async def _start(self) -> AsyncCluster:
         if self.state != "new":
             raise RuntimeError(f"this AsyncCluster is {self.state}: a cluster starts once")

@@ -16,6 +16,7 @@ cluster:
   liveness_timeout: 10             # seconds unanswered (or a step stuck) before an instance is fenced
   stream_interval: 0.005           # seconds between an instance's output batches (first tokens and ends at once)
   input_workers: 2                 # threads that tokenize and compile grammars, off the serving loop
+  api_servers: 2                   # API server processes sharing the ports, each streaming its own requests
   role_control: {mode: adaptive, slo_ttft: 0.5, slo_tpot: 0.05}  # roles follow the load
   local_prefill: {mode: auto, max_tokens: 256}  # short prompts prefilled on their decode instance
   limits: {max_n: 16, max_tokens: 4096}  # what one request may ask for (distserve.core.request_limits)
@@ -44,6 +45,8 @@ CLUSTER_KEYS = (
     "liveness_timeout",
     "stream_interval",
     "input_workers",
+    "api_servers",
+    "server_lease",
     "role_control",
     "local_prefill",
     "limits",
@@ -128,6 +131,13 @@ class ClusterConfig:
     # Threads that do requests' CPU work off the serving loop (``distserve.cluster.input_workers``):
     # tokenizing, chat templates, bad words, grammar compiles. Requests past them wait their turn.
     input_workers: int = 2
+    # API server processes (``distserve.cluster.directory``), each with its own gRPC and HTTP
+    # listeners on the shared ports, admitting, routing and streaming its own requests; the first
+    # manages the cluster. Instances send each request's outputs to the server that sent it.
+    api_servers: int = 1
+    # Seconds an instance keeps the requests of an API server (not the first) that has stopped
+    # asking for their outputs: past it, the server is taken for dead and they end, KV freed.
+    server_lease: float = 10.0
     role_control: RoleControlConfig = field(default_factory=RoleControlConfig)
     # Per-request disaggregation (``distserve.core.local_prefill``): which prompts a decode instance
     # prefills itself. Off: every request is disaggregated.
@@ -149,6 +159,15 @@ class ClusterConfig:
             raise ValueError(f"stream_interval must be between 0 and 1 second, got {self.stream_interval!r}")
         if not is_int(self.input_workers) or self.input_workers < 1:
             raise ValueError(f"input_workers must be a positive integer, got {self.input_workers!r}")
+        if not is_int(self.api_servers) or self.api_servers < 1:
+            raise ValueError(f"api_servers must be a positive integer, got {self.api_servers!r}")
+        if not is_number(self.server_lease) or not self.server_lease > 0:
+            raise ValueError(f"server_lease must be > 0 seconds, got {self.server_lease!r}")
+        if self.api_servers > 1 and self.role_control.mode == "adaptive":
+            raise ValueError(
+                "adaptive role control judges the requests of one API server: with api_servers > 1, "
+                "change roles by hand (SetRoles) or run one API server"
+            )
         if not is_number(self.liveness_timeout) or not self.liveness_timeout > 0:
             raise ValueError(f"liveness_timeout must be > 0 seconds, got {self.liveness_timeout!r}")
         if not isinstance(self.replace_failed_instances, bool):

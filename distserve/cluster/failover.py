@@ -45,9 +45,13 @@ class Failover:
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
         replaced: Callable[[InstanceState, InstanceState], None],
         tier_stores: dict[str, Any] | None = None,
+        manages: bool = True,
     ) -> None:
-        """``tier_stores``: the prefix tier's stores by node id (filled once the cluster starts)."""
+        """``tier_stores``: the prefix tier's stores by node id (filled once the cluster starts).
+        ``manages``: this server manages the cluster; another only counts on its replacements
+        (until the view it follows says otherwise) and re-runs its own requests."""
         self.name = name
+        self.manages = manages
         self.tier_stores = tier_stores if tier_stores is not None else {}
         self.replace = replace
         self.instances = instances
@@ -64,8 +68,10 @@ class Failover:
         logger.error("instance %s failed: %s", entry.name, error)
         if self.replace and not self.instances.closed:
             self.instances.replacing[entry.role] = self.instances.replacing.get(entry.role, 0) + 1
-            self.spawn(self._replace(entry))
-        self.spawn(self._tell_peers(entry))
+            if self.manages:
+                self.spawn(self._replace(entry))
+        if self.manages:
+            self.spawn(self._tell_peers(entry))
         needed = []
         for state in requests:
             if state.finished or entry not in state.instances():

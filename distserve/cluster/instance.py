@@ -22,6 +22,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from distserve.cluster.output_queues import DEFAULT_SERVER, OutputQueues
 from distserve.core.config import EngineConfig
 from distserve.core.errors import InstanceFailure, InstanceStalled, RequestError
 from distserve.core.handover import Handover
@@ -45,6 +46,7 @@ from distserve.scheduling.swap import SwapSpace
 logger = logging.getLogger(__name__)
 
 IDLE_HEALTH_CHECK_S = 1.0  # an idle instance pings its workers this often, so a death is seen without traffic
+LEASE_CHECK_S = 0.5  # how often the step loop looks for API servers past their lease
 MAX_CONCURRENT_CALLS = 16  # threads serving actor calls: long polls must not block submissions
 # Steps an instance keeps for recent_steps(): a few minutes of a loaded instance's, a few MB.
 RECENT_STEPS = 8192
@@ -107,9 +109,8 @@ class Instance:
         self._wakeup = threading.Event()
         self._lock = threading.Lock()
         self._outputs_ready = threading.Condition(self._lock)
-        self._outputs: list[RequestDelta] = []
-        self._urgent = False  # an output holds a first token, a hand-over or an end: the poll returns at once
-        self._next_return = 0.0  # time.monotonic() before which plain decode tokens wait
+        self._outputs = OutputQueues()  # each API server's deltas; under _lock
+        self._next_lease_check = 0.0
         self._active: dict[str, int] = {}  # request id -> attempt, of runs queued or running; under _lock
         self._failure: str | None = None
         self._stopping = False
@@ -154,30 +155,33 @@ class Instance:
         tpot_slo: float | None = None,
         validated: bool = False,
         local_prefill: bool = False,
+        server: str = DEFAULT_SERVER,
     ) -> str:
         """Validate and queue a request; raises RequestError for a bad one, InstanceFailure when down.
         ``ttft_deadline``: the wall-clock time its first token is due by (the ``deadline`` policy);
         ``tpot_slo``: the seconds per output token it must average (``tpot_aware_chunking``).
         ``validated``: the orchestrator admitted it already (token ids, sampling params resolved for
         this model, checked against the smallest instance's KV cache), so it is queued as it is.
-        ``local_prefill``: a decode instance is to prefill it and decode it (``cluster.local_prefill``)."""
+        ``local_prefill``: a decode instance is to prefill it and decode it (``cluster.local_prefill``).
+        ``server``: the API server that sent it, which its outputs go to."""
         if validated:
             self._compile_grammar(params)
             seq = Sequence(prompt, params, request_id, priority=priority, attempt=attempt,
                            ttft_deadline=ttft_deadline, tpot_slo=tpot_slo)  # fmt: skip
         else:
             seq = self.engine.make_sequence(prompt, params, request_id, priority, attempt, ttft_deadline, tpot_slo)
-        self._claim(seq.request_id, attempt)
+        self._claim(seq.request_id, attempt, server)
         self._send("add", (seq, local_prefill))
         return seq.request_id
 
-    def add_handover(self, handover: Handover) -> None:
+    def add_handover(self, handover: Handover, server: str = DEFAULT_SERVER) -> None:
         """Decode: take a request over from the instance holding its KV once its blocks can be
         allocated. One that reaches a role that cannot take it is handed back (its delta carries it).
-        One whose KV this instance holds itself (it left prefill since) decodes here without a pull."""
+        One whose KV this instance holds itself (it left prefill since) decodes here without a pull.
+        ``server``: the API server the request belongs to."""
         if handover.prefill_instance != self.name:  # the holder has claimed the run already
             self._compile_grammar(handover.sampling_params)
-            self._claim(handover.request_id, handover.attempt)
+            self._claim(handover.request_id, handover.attempt, server)
         self._send("handover", handover)
 
     def _compile_grammar(self, params: SamplingParams) -> None:
@@ -264,7 +268,12 @@ class Instance:
         return self.migrator.records()
 
     def get_outputs(
-        self, timeout: float = 1.0, interval: float = 0.0, step_grace: float | None = None
+        self,
+        timeout: float = 1.0,
+        interval: float = 0.0,
+        step_grace: float | None = None,
+        server: str = DEFAULT_SERVER,
+        lease: float | None = None,
     ) -> list[RequestDelta]:
         """What each request gained since the last call, waiting up to ``timeout`` seconds for the
         first news. Calls return at most every ``interval`` seconds unless a request has its first
@@ -272,20 +281,29 @@ class Instance:
         half a small decode step (the call's thread takes the interpreter between the loop's
         kernels), so plain decode tokens come together; time to first token and ends are not delayed.
         Raises InstanceStalled when the batch on the executor has run ``step_grace`` seconds past
-        twice what its tokens took at the slowest rate a step has had (``_check_step``)."""
+        twice what its tokens took at the slowest rate a step has had (``_check_step``). ``server``:
+        the API server asking, which gets the outputs of its own requests only; ``lease``: the
+        seconds without a call of it after which its requests here are ended (none: never)."""
         self._check_step(step_grace)
         end = time.monotonic() + timeout
         with self._outputs_ready:
-            while not (self._failure or self._urgent):
-                now = time.monotonic()
-                if now >= end or (self._outputs and now >= self._next_return):
-                    break
-                # Before the interval is up only urgent news wakes this call; after it, any.
-                self._outputs_ready.wait((end if now >= self._next_return else min(self._next_return, end)) - now)
-            if not self._outputs:
-                self._raise_if_failed()
-            outputs, self._outputs, self._urgent = self._outputs, [], False
-            self._next_return = time.monotonic() + interval
+            q = self._outputs.queue(server)
+            q.polls += 1
+            q.lease = lease
+            try:
+                while not (self._failure or q.urgent):
+                    now = time.monotonic()
+                    if now >= end or (q.deltas and now >= q.next_return):
+                        break
+                    # Before the interval is up only urgent news wakes this call; after it, any.
+                    self._outputs_ready.wait((end if now >= q.next_return else min(q.next_return, end)) - now)
+                if not q.deltas:
+                    self._raise_if_failed()
+                outputs, q.deltas, q.urgent = q.deltas, [], False
+            finally:
+                q.polls -= 1
+                q.last_poll = q.next_return = time.monotonic()
+            q.next_return += interval
         if not outputs:
             self._check_step(step_grace)
         return coalesce(outputs)
@@ -351,14 +369,16 @@ class Instance:
 
     # Bookkeeping of the runs queued here -----------------------------------------------------
 
-    def _claim(self, request_id: str, attempt: int) -> None:
-        """Refuse a run this instance has (or had a later one of) before it reaches the step loop."""
+    def _claim(self, request_id: str, attempt: int, server: str) -> None:
+        """Refuse a run this instance has (or had a later one of) before it reaches the step loop;
+        its outputs go to ``server``."""
         with self._lock:
             self._raise_if_failed()
             current = self._active.get(request_id)
             if current is not None and current >= attempt:
                 raise RequestError(f"request id '{request_id}' is already in use")
             self._active[request_id] = attempt
+            self._outputs.own(request_id, server)
 
     def _forget(self, request_id: str, attempt: int | None) -> None:
         with self._lock:
@@ -381,6 +401,7 @@ class Instance:
             while not self._stopping:
                 self._wakeup.clear()
                 self._take_inbox()
+                self._end_requests_of_silent_servers()
                 self._publish(engine.tick())
                 if self._role_change is not None and engine.role.ready_to_leave():
                     self._change_role()  # KV pulled or past its deadline (prefill), admissions (decode)
@@ -454,18 +475,36 @@ class Instance:
         start, end = (record.start, record.end) if record is not None else (None, None)
         self._send("pulled", (request_id, attempt, start, end, error))
 
+    def _end_requests_of_silent_servers(self) -> None:
+        """End the requests of an API server that has not polled for the lease it asked for (it
+        died, or is cut off): nobody will read their outputs, and their KV is freed for the rest."""
+        now = time.monotonic()
+        if now < self._next_lease_check:
+            return
+        self._next_lease_check = now + LEASE_CHECK_S
+        with self._lock:
+            gone = {server: self._outputs.drop_server(server) for server in self._outputs.silent(now)}
+        for server, requests in gone.items():
+            logger.warning("%s: API server %s has not asked for its outputs past its lease: ending its %d requests",
+                           self.name, server, len(requests))  # fmt: skip
+            for request_id in requests:
+                self._forget(request_id, None)
+                self._publish(self.engine.abort_request(request_id))  # to no server: dropped
+
     def _publish(self, deltas: list[RequestDelta]) -> None:
         if not deltas:
             return
         with self._outputs_ready:
-            self._outputs.extend(deltas)
+            notify = False
+            now = time.monotonic()
             for delta in deltas:
                 run_over = delta.finished and not delta.samples_left
                 if run_over and self._active.get(delta.request_id) == delta.attempt:
                     del self._active[delta.request_id]
-                self._urgent = self._urgent or delta.finished or delta.handover is not None or delta.first
-            # A wake-up takes the interpreter from this loop: only when the poll is to return.
-            if self._urgent or time.monotonic() >= self._next_return:
+                q = self._outputs.put(delta, run_over and self._active.get(delta.request_id) is None)
+                # A wake-up takes the interpreter from this loop: only when a poll is to return.
+                notify = notify or q.urgent or now >= q.next_return
+            if notify:
                 self._outputs_ready.notify_all()
 
     def _fail(self, reason: str) -> None:

@@ -34,12 +34,14 @@ import torch
 
 from distserve.cluster.config import ClusterConfig
 from distserve.cluster.core_plan import plan_cores
+from distserve.cluster.directory import ClusterDirectory, ClusterView, InstanceView
 from distserve.cluster.failover import Failover
 from distserve.cluster.fencing import fence
 from distserve.cluster.input_workers import InputWorkers
 from distserve.cluster.instance import InstanceInfo, launch_instance
 from distserve.cluster.instance_pool import InstancePool
 from distserve.cluster.loop_lag import LoopLag
+from distserve.cluster.output_queues import DEFAULT_SERVER
 from distserve.cluster.request_table import RequestState, RequestTable
 from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
 from distserve.cluster.role_control.controller import RoleController
@@ -70,6 +72,8 @@ from distserve.model_executor.model_loader import (
 logger = logging.getLogger(__name__)
 
 POLL_TIMEOUT_S = 1.0
+VIEW_PUBLISH_S = 0.2  # how often the managing server looks for changes to publish to the others
+JOIN_TIMEOUT_S = 60.0  # how long a server waits for the managing one's first view
 RUN_ID_SUFFIX = 12  # hex digits of the suffix that makes a request's own id unique
 # What tells the orchestrator that an instance is gone: its actor died, or it reported its workers failed.
 INSTANCE_GONE = (ray.exceptions.RayActorError, InstanceFailure)
@@ -81,15 +85,23 @@ def _arrival(state: RequestState) -> Arrival:
 
 
 class Orchestrator:
-    def __init__(self, config: ClusterConfig) -> None:
+    """``server_id``: the API server it serves, which instances send its requests' outputs to;
+    ``directory``: that of a cluster whose first server manages it (``None`` for the first itself,
+    which starts the instances and makes the directory when ``api_servers`` > 1)."""
+
+    def __init__(self, config: ClusterConfig, server_id: str = DEFAULT_SERVER, directory: Any = None) -> None:
         self.config = config
+        self.server_id = server_id
+        self.directory = directory
+        self.manages = directory is None  # starts, replaces and re-roles instances; else follows the view
+        self._replaces: dict[str, str] = {}  # a replacement's name -> the failed instance's
         self.instance_pool = InstancePool()
         self.requests = RequestTable()
         self.router = Router(config.engine.cache.block_size)
         self.tier_stores: dict[str, Any] = {}  # the prefix tier's store on each node, by node id
         self.failover = Failover(
             config.name, config.replace_failed_instances, self.instance_pool, self.spawn, self._replaced,
-            self.tier_stores,
+            self.tier_stores, manages=self.manages,
         )  # fmt: skip
         self.roles = RoleChanger(self.instance_pool, self._leaving_layout, self._roles_changed)
         self.controller = RoleController(self, config.role_control)
@@ -99,17 +111,13 @@ class Orchestrator:
         self._background: set[asyncio.Task] = set()  # hand-overs and aborts in flight, kept from the GC
 
     async def start(self) -> None:
-        """Launch every instance (in parallel) and start polling them."""
+        """Launch every instance (in parallel) and start polling them; a server that does not
+        manage the cluster joins the instances its directory lists instead."""
         self._pollers.append(asyncio.create_task(self.loop_lag.run()))  # before any poll is timed
         resolved = resolve_model(self.config.engine.model)
-        tokenizer = load_tokenizer(resolved)
-        sampling_defaults = default_sampling_params(resolved, self.config.engine.model.generation_config)
-        if sampling_defaults:  # as vLLM warns: a request's sampling changes with the model directory
-            logger.warning(
-                "requests that leave them out sample with the model's generation_config.json defaults %s "
-                "(--generation-config vllm ignores them)",
-                sampling_defaults,
-            )
+        if not self.manages:
+            await self._join(resolved)
+            return
         loop = asyncio.get_running_loop()
         # Cores are planned from this machine's: on a Ray cluster of several nodes, instances stay unbound.
         on_cpu = cluster_device(self.config.engine) == "cpu" and sum(n["Alive"] for n in ray.nodes()) == 1
@@ -134,11 +142,29 @@ class Orchestrator:
         infos = await asyncio.gather(*(h.info.remote() for h in handles))
         for (name, config), handle, info in zip(configs, handles, infos):
             self.add_instance(InstanceState(name, config.scheduler.role, handle, info, config))
-        # A request must fit the smallest instance it may be sent to.
+        self._prepare_inputs(resolved)
+        self._pollers.append(asyncio.create_task(self.controller.run()))  # it decides while adaptive
+        if self.config.api_servers > 1:
+            self.directory = ClusterDirectory.options(name=f"{self.config.name}-directory").remote()
+            await self.directory.publish.remote(self.view())
+            self._pollers.append(asyncio.create_task(self._publish_views()))
+            self._pollers.append(asyncio.create_task(self._serve_role_requests()))
+
+    def _prepare_inputs(self, resolved: ResolvedModel) -> None:
+        """What admits requests: the limits, the input processor (a request must fit the smallest
+        instance it may be sent to), whether priorities order any queue."""
+        tokenizer = load_tokenizer(resolved)
+        sampling_defaults = default_sampling_params(resolved, self.config.engine.model.generation_config)
+        if sampling_defaults and self.manages:  # as vLLM warns: a request's sampling changes with the model directory
+            logger.warning(
+                "requests that leave them out sample with the model's generation_config.json defaults %s "
+                "(--generation-config vllm ignores them)",
+                sampling_defaults,
+            )
         smallest = min(self.instances, key=lambda s: s.info.num_blocks * s.info.block_size)
         self.limits = self.config.limits.resolve(resolved.max_model_len)
         # Priorities order the queues only where the priority policy runs: elsewhere one is refused, not ignored.
-        self.priority_policy = any(config.scheduler.policy == "priority" for _, config in configs)
+        self.priority_policy = any(s.config.scheduler.policy == "priority" for s in self.instances)
         self.input_processor = InputProcessor(
             tokenizer,
             resolved.shape.vocab_size,
@@ -148,7 +174,85 @@ class Orchestrator:
             eos_token_ids(resolved, tokenizer),
             sampling_defaults,
         )
-        self._pollers.append(asyncio.create_task(self.controller.run()))  # it decides while adaptive
+
+    # Several API servers ------------------------------------------------------------------------
+
+    def view(self) -> ClusterView:
+        """The instances as this (managing) server sees them, for the others."""
+        instances = tuple(
+            InstanceView(
+                s.name, s.role, s.handle, s.info, s.config, s.failure, s.changing_to, self._replaces.get(s.name)
+            )
+            for s in self.instances
+        )
+        pool = self.instance_pool
+        return ClusterView(instances, dict(pool.replacing), pool.changing_roles)
+
+    async def _publish_views(self) -> None:
+        """Publish the view whenever what the other servers act on changes."""
+        published = self.view().key
+        while not self.closed:
+            await asyncio.sleep(VIEW_PUBLISH_S)
+            view = self.view()
+            if view.key != published:
+                await self.directory.publish.remote(view)
+                published = view.key
+
+    async def _serve_role_requests(self) -> None:
+        """Make the role changes other servers were asked for, and give them the answer."""
+        while not self.closed:
+            request = await self.directory.next_role_request.remote(POLL_TIMEOUT_S)
+            if request is None:
+                continue
+            try:
+                answer: Any = await self.set_roles(request.roles, request.role_control)
+            except Exception as e:
+                answer = e
+            await self.directory.answer.remote(request.id, answer)
+
+    async def _join(self, resolved: ResolvedModel) -> None:
+        """Serve the instances of a cluster another server manages, and follow its changes."""
+        version, view = await self.directory.watch.remote(0, JOIN_TIMEOUT_S)
+        if view is None:
+            raise InstanceFailure(f"the cluster's first server published no instances in {JOIN_TIMEOUT_S:g} s")
+        self._follow_view(view)
+        self._prepare_inputs(resolved)
+        self._pollers.append(asyncio.create_task(self._follow(version)))
+
+    async def _follow(self, version: int) -> None:
+        while not self.closed:
+            try:
+                version, view = await self.directory.watch.remote(version, POLL_TIMEOUT_S * 5)
+            except ray.exceptions.RayActorError:  # the managing server is gone, and its instances with it
+                logger.error("the cluster's directory is gone: this server can follow no changes")
+                return
+            self._follow_view(view)
+            await self.instance_pool.changed()
+
+    def _follow_view(self, view: ClusterView) -> None:
+        """Take the managing server's view: new instances polled, roles and failures as it says
+        (a failure it saw first re-runs this server's requests there), replacements under way."""
+        known = {s.name: s for s in self.instances}
+        added = False
+        for v in view.instances:
+            entry = known.get(v.name)
+            if entry is None:
+                entry = InstanceState(v.name, v.role, v.handle, v.info, v.config, failure=v.failure)
+                replaced = known.get(v.replaces) if v.replaces else None
+                if v.failure is None:
+                    self.add_instance(entry, replacing=replaced)
+                    added = True
+                else:
+                    self.instance_pool.add(entry, replaced)
+                continue
+            added = added or (entry.role, entry.changing_to) != (v.role, v.changing_to)
+            entry.role, entry.changing_to = v.role, v.changing_to
+            if v.failure is not None and entry.failure is None:
+                self._instance_failed(entry, InstanceFailure(v.failure))
+        self.instance_pool.replacing = dict(view.replacing)
+        self.instance_pool.changing_roles = view.changing_roles
+        if added and self.instances and hasattr(self, "input_processor"):
+            self.spread_prompts()
 
     def _start_tier(self, resolved: ResolvedModel, configs: list[EngineConfig]) -> None:
         """A prefix tier store on every node, sized by the largest ``kv_tier_space`` of any instance."""
@@ -183,17 +287,27 @@ class Orchestrator:
         for task in [*self._pollers, *self._background]:
             task.cancel()
         await asyncio.gather(*self._pollers, *self._background, return_exceptions=True)
+        if not self.manages:  # the instances serve on, for the other servers
+            return
         await asyncio.gather(*(s.handle.shutdown.remote() for s in self.instances), return_exceptions=True)
         for state in self.instances:
             ray.kill(state.handle)
         for store in self.tier_stores.values():
             ray.kill(store)
+        if self.directory is not None:
+            ray.kill(self.directory)
 
     async def set_roles(self, roles: dict[str, Role | str], role_control: str | None = None) -> list[RoleChangeRecord]:
         """Give instances new roles (see ``RoleChanger.set_roles``), and with ``role_control`` take
         roles back from the controller ("fixed", first, so that it does not undo them) or hand
         them to it ("adaptive", once they are set). Raises RequestError, changing nothing, for a
-        mode that is not one or adaptive control without SLOs."""
+        mode that is not one or adaptive control without SLOs. A server that does not manage the
+        cluster asks the one that does."""
+        if not self.manages:
+            answer = await self.directory.set_roles.remote({k: str(v) for k, v in roles.items()}, role_control)
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
         control = self.config.role_control
         previous = control.mode
         if role_control is not None:
@@ -221,6 +335,7 @@ class Orchestrator:
         self._pollers.append(asyncio.create_task(self._poll(entry)))
 
     def _replaced(self, entry: InstanceState, failed: InstanceState) -> None:
+        self._replaces[entry.name] = failed.name
         self.add_instance(entry, replacing=failed)
         self.spread_prompts()  # the failed one's prompts went to the others meanwhile
 
@@ -313,7 +428,7 @@ class Orchestrator:
         try:
             await entry.handle.add_request.remote(
                 state.prompt_token_ids, state.params, state.request_id, state.priority, attempt,
-                ttft_deadline, slo.tpot, validated=True, local_prefill=local is not None,
+                ttft_deadline, slo.tpot, validated=True, local_prefill=local is not None, server=self.server_id,
             )  # fmt: skip
         except INSTANCE_GONE as e:  # the instance died under the call
             self.spawn(self.rerun(state, attempt, InstanceFailure(f"instance {entry.name} failed: {e}")))
@@ -418,18 +533,20 @@ class Orchestrator:
     async def _poll(self, entry: InstanceState) -> None:
         while not self.closed:
             liveness = self.config.liveness_timeout
-            poll = entry.handle.get_outputs.remote(POLL_TIMEOUT_S, self.config.stream_interval, liveness)
+            poll = entry.handle.get_outputs.remote(
+                POLL_TIMEOUT_S, self.config.stream_interval, liveness, self.server_id, self._lease
+            )
             try:
                 deltas = await self._answer(poll, POLL_TIMEOUT_S + liveness)
             except (*INSTANCE_GONE, asyncio.TimeoutError) as e:  # its requests cannot go on there
                 if isinstance(e, asyncio.TimeoutError):
                     e = InstanceStalled(f"{entry.name} left its outputs unanswered for {liveness:g} s "
                                         f"(liveness_timeout)")  # fmt: skip
-                if isinstance(e, InstanceStalled):  # alive or not, it must not act again: fence it
+                if isinstance(e, InstanceStalled) and self.manages:  # alive or not, it must not act again
                     e = InstanceFailure(f"{e}: fenced")
                     self.spawn(fence(entry.handle, entry.info.processes))
-                for state, failure in self.failover.instance_failed(entry, e, list(self.requests.values())):
-                    self.spawn(self.rerun(state, state.attempt, failure))
+                if entry.failure is None:
+                    self._instance_failed(entry, e)
                 return
             except Exception:  # a bug in the call, not a death: report it and keep serving
                 logger.exception("polling %s failed", entry.name)
@@ -437,6 +554,17 @@ class Orchestrator:
                 continue
             for delta in deltas:
                 self._route(entry, delta)
+
+    @property
+    def _lease(self) -> float | None:
+        """The seconds an instance keeps this server's requests once it stops polling: the first
+        server's never end (the instances die with it)."""
+        return None if self.manages else self.config.server_lease
+
+    def _instance_failed(self, entry: InstanceState, error: BaseException) -> None:
+        """``entry`` is gone: this server's requests that needed it run again (``Failover``)."""
+        for state, failure in self.failover.instance_failed(entry, error, list(self.requests.values())):
+            self.spawn(self.rerun(state, state.attempt, failure))
 
     async def _answer(self, poll: ray.ObjectRef, seconds: float) -> list[RequestDelta]:
         """The poll's answer, waited for until this loop has run ``seconds`` (``LoopLag``: a stall
@@ -526,7 +654,7 @@ class Orchestrator:
             entry = self.router.pick_decode(await self.instance_pool.healthy(lambda: self._decoders(state.source)))
             state.handed_to(entry, time.time())
             self._remember(entry, state, state.prompt_token_ids)  # its KV is pulled into that prefix cache
-            await entry.handle.add_handover.remote(handover)
+            await entry.handle.add_handover.remote(handover, self.server_id)
             if state.cancelled:  # cancelled while the hand-over was on its way
                 await entry.handle.abort_request.remote(state.request_id, handover.attempt)
         except INSTANCE_GONE as e:  # no decode instance, or it died taking the request: run it again

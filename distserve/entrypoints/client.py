@@ -159,6 +159,11 @@ def samples_from_chunks(chunks: Iterable[pb.GenerateResponse]) -> list[Completio
     return [samples[i] for i in sorted(samples)]
 
 
+# Each client its own connection (gRPC shares one per address in a process by default), so the
+# clients of one process spread over a cluster's API servers, which share the port.
+CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
+
+
 def _one_sample(request: dict[str, Any]) -> None:
     if request.get("n", 1) != 1:
         raise ValueError("complete() joins one sample: use complete_samples() for n > 1")
@@ -207,9 +212,9 @@ class Client(_Base):
     def __init__(self, address: str, **options: Any) -> None:
         super().__init__(address, **options)
         if self.credentials is None:
-            self._stubs(grpc.insecure_channel(self.address))
+            self._stubs(grpc.insecure_channel(self.address, CHANNEL_OPTIONS))
         else:
-            self._stubs(grpc.secure_channel(self.address, self.credentials))
+            self._stubs(grpc.secure_channel(self.address, self.credentials, CHANNEL_OPTIONS))
 
     def generate(
         self, prompt: str | list[int], timeout: float | None = None, **request: Any
@@ -272,9 +277,9 @@ class AsyncClient(_Base):
     def __init__(self, address: str, **options: Any) -> None:
         super().__init__(address, **options)
         if self.credentials is None:
-            self._stubs(grpc.aio.insecure_channel(self.address))
+            self._stubs(grpc.aio.insecure_channel(self.address, CHANNEL_OPTIONS))
         else:
-            self._stubs(grpc.aio.secure_channel(self.address, self.credentials))
+            self._stubs(grpc.aio.secure_channel(self.address, self.credentials, CHANNEL_OPTIONS))
 
     async def generate(
         self, prompt: str | list[int], timeout: float | None = None, **request: Any

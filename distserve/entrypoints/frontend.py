@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -19,6 +20,7 @@ from distserve.core.request_limits import RequestLimits
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.slo import RequestSLO
+from distserve.entrypoints.api_servers import ApiServerGroup, ApiServerStatus, process_cpu_seconds
 from distserve.entrypoints.errors import (
     InvalidRequest,
     Overloaded,
@@ -45,6 +47,14 @@ class Frontend:
         self._idle = asyncio.Event()
         self._idle.set()
         self.started = time.time()
+        self.api_servers: ApiServerGroup | None = None  # the first server's: the cluster's others
+        self.server_index = 0  # of the cluster's API servers; 0 manages it
+
+    async def server_statuses(self) -> list[ApiServerStatus]:
+        """Every API server of the cluster this one sees: itself first, then (the first server) the others."""
+        own = ApiServerStatus(self.server_index, self.cluster.orchestrator.server_id, os.getpid(), self.num_pending,
+                              process_cpu_seconds())  # fmt: skip
+        return [own, *(await self.api_servers.statuses() if self.api_servers is not None else [])]
 
     @property
     def tokenizer(self):

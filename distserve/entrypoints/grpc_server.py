@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Any
 
@@ -280,6 +281,7 @@ class DistServeServicer(pb_grpc.DistServeServicer):
             role_control=self.frontend.role_control,
             kv_tiers=[tier_to_proto(tier) for tier in await self.frontend.cluster.tier_info()],
             default_sampling_params=pb.SamplingParams(**self.frontend.sampling_defaults),
+            api_servers=[pb.ApiServer(**dataclasses.asdict(s)) for s in await self.frontend.server_statuses()],
         )
 
     async def SetRoles(self, request: pb.SetRolesRequest, context: grpc.aio.ServicerContext):
@@ -323,14 +325,16 @@ class DistServeServicer(pb_grpc.DistServeServicer):
 class GrpcServer:
     """The gRPC server of a frontend; ``port`` is the bound one (the config's may be 0)."""
 
-    def __init__(self, frontend: Frontend, config: ServerConfig) -> None:
+    def __init__(self, frontend: Frontend, config: ServerConfig, shared_port: bool = False) -> None:
+        """``shared_port``: the API servers of one cluster listen on the same port (SO_REUSEPORT),
+        the kernel spreading connections over them."""
         options = [
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.server.max_pending_requests", MAX_QUEUED_CALLS),
             ("grpc.server.max_pending_requests_hard_limit", 2 * MAX_QUEUED_CALLS),
             # gRPC sets SO_REUSEPORT by default: a second server would then share a busy port silently.
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(shared_port)),
         ]
         self.server = grpc.aio.server(options=options)
         self.health = health.aio.HealthServicer()

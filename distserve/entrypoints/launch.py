@@ -99,6 +99,9 @@ def load_launch_config(
         for dest, key in section_flags:
             if dest in flags:
                 pools = _merge(pools, {section: {key: flags.pop(dest)}})
+    for key in ("api_servers", "server_lease"):
+        if key in flags:
+            pools = {**pools, key: flags.pop(key)}
     for dest, key in LIMITS_FLAGS:
         if dest in flags:
             pools = _merge(pools, {"limits": {key: flags.pop(dest)}})

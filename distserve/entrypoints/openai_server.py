@@ -35,6 +35,7 @@ from distserve.entrypoints.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
+SERVER_HEADER = "X-DistServe-Server"
 MAX_BODY_BYTES = 32 * 2**20  # room for batches of token-id prompts
 
 
@@ -368,6 +369,11 @@ def build_app(frontend: Frontend) -> web.Application:
         return web.Response(body=frontend.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     app = web.Application(middlewares=[errors_and_auth], client_max_size=MAX_BODY_BYTES)
+
+    async def name_the_server(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[SERVER_HEADER] = str(frontend.server_index)  # which of the cluster's API servers
+
+    app.on_response_prepare.append(name_the_server)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -379,9 +385,12 @@ def build_app(frontend: Frontend) -> web.Application:
     return app
 
 
-async def start_http_server(frontend: Frontend, config: ServerConfig) -> tuple[web.AppRunner, int]:
+async def start_http_server(
+    frontend: Frontend, config: ServerConfig, shared_port: bool = False
+) -> tuple[web.AppRunner, int]:
     """Serve the endpoint on config.host:config.http_port (over TLS when configured); returns the
-    runner (``await runner.cleanup()`` stops it) and the bound port."""
+    runner (``await runner.cleanup()`` stops it) and the bound port. ``shared_port``: with the
+    cluster's other API servers (SO_REUSEPORT)."""
     ssl_context = None
     if config.tls:
         ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -390,7 +399,9 @@ async def start_http_server(frontend: Frontend, config: ServerConfig) -> tuple[w
     runner = web.AppRunner(build_app(frontend), handler_cancellation=True)
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.http_port, ssl_context=ssl_context).start()
+        await web.TCPSite(
+            runner, config.host, config.http_port, ssl_context=ssl_context, reuse_port=shared_port or None
+        ).start()
     except BaseException as e:
         await runner.cleanup()
         if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:

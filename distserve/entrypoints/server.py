@@ -1,14 +1,17 @@
 """A serving process's servers: the gRPC and the OpenAI-compatible HTTP server in front of one
-cluster, started together and drained together."""
+cluster, started together and drained together. With ``cluster.api_servers`` > 1 the first
+process's also starts the others (``api_servers``) on its ports, and drains them with its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from distserve.cluster.api import AsyncCluster
 from distserve.cluster.background_loop import BackgroundLoop
 from distserve.cluster.config import ClusterConfig
 from distserve.cluster.instance import InstanceInfo
+from distserve.entrypoints.api_servers import ApiServerGroup
 from distserve.entrypoints.frontend import Frontend
 from distserve.entrypoints.grpc_server import GrpcServer
 from distserve.entrypoints.openai_server import start_http_server
@@ -25,6 +28,8 @@ class Server:
         self.grpc: GrpcServer | None = None
         self._http_runner = None
         self.http_port: int | None = None
+        self.shared_ports = cluster.config.api_servers > 1
+        self.others: ApiServerGroup | None = None  # the first server's: the cluster's other API servers
 
     @property
     def grpc_address(self) -> str:
@@ -36,16 +41,25 @@ class Server:
         return f"{scheme}://{self.config.host}:{self.http_port}"
 
     async def start(self) -> None:
-        self.grpc = GrpcServer(self.frontend, self.config)
+        self.grpc = GrpcServer(self.frontend, self.config, self.shared_ports)
         await self.grpc.start()
-        self._http_runner, self.http_port = await start_http_server(self.frontend, self.config)
-        logger.info("serving %s: gRPC on %s, HTTP on %s", self.frontend.model_name, self.grpc_address, self.http_url)
+        self._http_runner, self.http_port = await start_http_server(self.frontend, self.config, self.shared_ports)
+        orchestrator = self.cluster.orchestrator
+        if self.shared_ports and orchestrator.manages:
+            bound = dataclasses.replace(self.config, grpc_port=self.grpc.port, http_port=self.http_port)
+            self.others = ApiServerGroup(self.cluster.config, bound, orchestrator.directory)
+            self.frontend.api_servers = self.others
+            await self.others.start()
+        logger.info("serving %s: gRPC on %s, HTTP on %s (API server %s)", self.frontend.model_name,
+                    self.grpc_address, self.http_url, orchestrator.server_id or 0)  # fmt: skip
 
     async def stop(self, drain_timeout: float = 0.0) -> None:
         """Refuse new requests, let those in flight finish for up to ``drain_timeout`` seconds, then
         cancel the rest (which frees their KV blocks) and close both servers."""
         if self.grpc is not None:
             await self.grpc.set_not_serving()
+        if self.others is not None:
+            await self.others.stop(drain_timeout)
         if not await self.frontend.drain(drain_timeout):
             logger.warning(
                 "%d requests still in flight after %.1f s: cancelling them", self.frontend.num_pending, drain_timeout

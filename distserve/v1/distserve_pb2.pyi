@@ -327,7 +327,7 @@ class KVPulls(_message.Message):
     def __init__(self, source: _Optional[str] = ..., transport: _Optional[str] = ..., pulls: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class ClusterInfo(_message.Message):
-    __slots__ = ("model", "instances", "num_pending_requests", "max_pending_requests", "max_model_len", "draining", "vocab_size", "role_changes", "role_control", "kv_tiers", "default_sampling_params")
+    __slots__ = ("model", "instances", "num_pending_requests", "max_pending_requests", "max_model_len", "draining", "vocab_size", "role_changes", "role_control", "kv_tiers", "default_sampling_params", "api_servers")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INSTANCES_FIELD_NUMBER: _ClassVar[int]
     NUM_PENDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -339,6 +339,7 @@ class ClusterInfo(_message.Message):
     ROLE_CONTROL_FIELD_NUMBER: _ClassVar[int]
     KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    API_SERVERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     instances: _containers.RepeatedCompositeFieldContainer[InstanceInfo]
     num_pending_requests: int
@@ -350,7 +351,24 @@ class ClusterInfo(_message.Message):
     role_control: str
     kv_tiers: _containers.RepeatedCompositeFieldContainer[KVTier]
     default_sampling_params: SamplingParams
-    def __init__(self, model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., num_pending_requests: _Optional[int] = ..., max_pending_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., role_changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., role_control: _Optional[str] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTier, _Mapping]]] = ..., default_sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    api_servers: _containers.RepeatedCompositeFieldContainer[ApiServer]
+    def __init__(self, model: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[InstanceInfo, _Mapping]]] = ..., num_pending_requests: _Optional[int] = ..., max_pending_requests: _Optional[int] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., role_changes: _Optional[_Iterable[_Union[RoleChange, _Mapping]]] = ..., role_control: _Optional[str] = ..., kv_tiers: _Optional[_Iterable[_Union[KVTier, _Mapping]]] = ..., default_sampling_params: _Optional[_Union[SamplingParams, _Mapping]] = ..., api_servers: _Optional[_Iterable[_Union[ApiServer, _Mapping]]] = ...) -> None: ...
+
+class ApiServer(_message.Message):
+    __slots__ = ("index", "server_id", "pid", "num_pending_requests", "cpu_seconds", "restarts")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PENDING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    server_id: str
+    pid: int
+    num_pending_requests: int
+    cpu_seconds: float
+    restarts: int
+    def __init__(self, index: _Optional[int] = ..., server_id: _Optional[str] = ..., pid: _Optional[int] = ..., num_pending_requests: _Optional[int] = ..., cpu_seconds: _Optional[float] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class RoleChange(_message.Message):
     __slots__ = ("instance", "old_role", "new_role", "started", "seconds", "reason", "error")
