@@ -73,6 +73,15 @@ def _stream(server: BackgroundServer, prompt: list[int], max_tokens: int) -> tup
     return None, tokens
 
 
+def _servers_holding_load(server: BackgroundServer) -> set[str]:
+    return {
+        server_id
+        for entry in server.cluster.orchestrator.instances
+        for server_id, load in ray.get(entry.handle.loads.remote()).items()
+        if load.load_tokens
+    }
+
+
 def test_a_killed_api_server_loses_only_its_own_streams_and_starts_again(ray_cluster, reference_model):
     prompts = random_prompts([6 + i % 9 for i in range(32)], 1024, seed=68)
     max_tokens = 200
@@ -85,7 +94,10 @@ def test_a_killed_api_server_loses_only_its_own_streams_and_starts_again(ray_clu
             while not any(s.num_pending_requests for s in server.loop.run(server.frontend.server_statuses())[1:]):
                 assert time.monotonic() < deadline, "no stream reached the second server"
                 time.sleep(0.05)
-            time.sleep(0.3)
+            # Instances count what each server's requests hold there, which every server routes by.
+            while not {"", other.server_id} <= _servers_holding_load(server):
+                assert time.monotonic() < deadline, "the instances counted no load of both servers"
+                time.sleep(0.05)
             os.kill(other.pid, signal.SIGKILL)
             results = [s.result(timeout=120) for s in streams]
         failed = [r for r in results if r[0] is not None]

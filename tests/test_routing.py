@@ -75,3 +75,15 @@ def test_a_chosen_instance_takes_the_prompt_and_an_empty_pool_is_a_failure():
     assert Router(BLOCK).pick_prefill([a, b], prompt(0, 100), 110, chosen=b) == (b, 100)
     with pytest.raises(InstanceFailure, match="no instance is available"):
         Router(BLOCK).pick_prefill([], prompt(0, 100), 110)
+
+
+def test_what_other_api_servers_sent_counts_as_this_servers_own():
+    # This server sent nothing to a; another server's requests there hold 900 tokens, 400 still to prefill.
+    a, b = instance("a"), instance("b", load_tokens=300, prefill_tokens=100)
+    assert Router(BLOCK).pick_prefill([a, b], prompt(0, 64), 80)[0] is a
+    a.others_load_tokens, a.others_prefill_tokens = 900, 400
+    assert Router(BLOCK).pick_prefill([a, b], prompt(0, 64), 80)[0] is b
+    assert Router(BLOCK).pick_decode([a, b]) is b
+    # Room counts them too: a holds 1600 tokens of the other's, too many for 100 more.
+    a.others_load_tokens, a.others_prefill_tokens, b.prefill_tokens = 1550, 0, 1000
+    assert Router(BLOCK).pick_prefill([a, b], prompt(0, 64), 100)[0] is b

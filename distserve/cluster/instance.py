@@ -22,7 +22,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distserve.cluster.output_queues import DEFAULT_SERVER, OutputQueues
+from distserve.cluster.output_queues import DEFAULT_SERVER, OutputQueues, ServerLoad
 from distserve.core.config import EngineConfig
 from distserve.core.errors import InstanceFailure, InstanceStalled, RequestError
 from distserve.core.handover import Handover
@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 IDLE_HEALTH_CHECK_S = 1.0  # an idle instance pings its workers this often, so a death is seen without traffic
 LEASE_CHECK_S = 0.5  # how often the step loop looks for API servers past their lease
+LOAD_COUNT_S = 0.1  # how often the step loop counts what each API server's requests hold
 MAX_CONCURRENT_CALLS = 16  # threads serving actor calls: long polls must not block submissions
 # Steps an instance keeps for recent_steps(): a few minutes of a loaded instance's, a few MB.
 RECENT_STEPS = 8192
@@ -111,6 +112,8 @@ class Instance:
         self._outputs_ready = threading.Condition(self._lock)
         self._outputs = OutputQueues()  # each API server's deltas; under _lock
         self._next_lease_check = 0.0
+        self._loads: dict[str, ServerLoad] = {}  # by API server: what its requests here hold; the step loop's
+        self._next_load_count = 0.0
         self._active: dict[str, int] = {}  # request id -> attempt, of runs queued or running; under _lock
         self._failure: str | None = None
         self._stopping = False
@@ -402,6 +405,7 @@ class Instance:
                 self._wakeup.clear()
                 self._take_inbox()
                 self._end_requests_of_silent_servers()
+                self._count_loads()
                 self._publish(engine.tick())
                 if self._role_change is not None and engine.role.ready_to_leave():
                     self._change_role()  # KV pulled or past its deadline (prefill), admissions (decode)
@@ -490,6 +494,27 @@ class Instance:
             for request_id in requests:
                 self._forget(request_id, None)
                 self._publish(self.engine.abort_request(request_id))  # to no server: dropped
+
+    def loads(self) -> dict[str, ServerLoad]:
+        """What each API server's requests here hold, counted by the step loop at most
+        ``LOAD_COUNT_S`` ago: what every server routes by, its own requests and the others'."""
+        return self._loads
+
+    def _count_loads(self) -> None:
+        now = time.monotonic()
+        if now < self._next_load_count:
+            return
+        self._next_load_count = now + LOAD_COUNT_S
+        with self._lock:
+            owners = dict(self._outputs.owners)
+        loads: dict[str, ServerLoad] = {}
+        for request_id, samples in self.engine.requests.items():
+            seqs = list(samples.values())
+            first = seqs[0]
+            to_prefill = 0 if first.num_output_tokens else first.num_prompt_tokens - first.num_computed_tokens
+            load = loads.setdefault(owners.get(request_id, DEFAULT_SERVER), ServerLoad())
+            load.add(first.num_prompt_tokens, [seq.sampling_params.max_tokens for seq in seqs], to_prefill)
+        self._loads = loads
 
     def _publish(self, deltas: list[RequestDelta]) -> None:
         if not deltas:

@@ -74,6 +74,7 @@ logger = logging.getLogger(__name__)
 POLL_TIMEOUT_S = 1.0
 VIEW_PUBLISH_S = 0.2  # how often the managing server looks for changes to publish to the others
 JOIN_TIMEOUT_S = 60.0  # how long a server waits for the managing one's first view
+LOAD_READ_S = 0.2  # how often a server of several reads what the others' requests hold on each instance
 RUN_ID_SUFFIX = 12  # hex digits of the suffix that makes a request's own id unique
 # What tells the orchestrator that an instance is gone: its actor died, or it reported its workers failed.
 INSTANCE_GONE = (ray.exceptions.RayActorError, InstanceFailure)
@@ -149,6 +150,7 @@ class Orchestrator:
             await self.directory.publish.remote(self.view())
             self._pollers.append(asyncio.create_task(self._publish_views()))
             self._pollers.append(asyncio.create_task(self._serve_role_requests()))
+            self._pollers.append(asyncio.create_task(self._read_loads()))
 
     def _prepare_inputs(self, resolved: ResolvedModel) -> None:
         """What admits requests: the limits, the input processor (a request must fit the smallest
@@ -210,6 +212,20 @@ class Orchestrator:
                 answer = e
             await self.directory.answer.remote(request.id, answer)
 
+    async def _read_loads(self) -> None:
+        """Route by what the other servers' requests hold on each instance too, as the instances
+        count it, so that servers that each spread their own requests do not pile onto one."""
+        while not self.closed:
+            await asyncio.sleep(LOAD_READ_S)
+            live = self.instance_pool.live()
+            answers = await asyncio.gather(*(s.handle.loads.remote() for s in live), return_exceptions=True)
+            for entry, loads in zip(live, answers):
+                if isinstance(loads, BaseException):  # its poll tells a death apart
+                    continue
+                others = [load for server, load in loads.items() if server != self.server_id]
+                entry.others_load_tokens = sum(load.load_tokens for load in others)
+                entry.others_prefill_tokens = sum(load.prefill_tokens for load in others)
+
     async def _join(self, resolved: ResolvedModel) -> None:
         """Serve the instances of a cluster another server manages, and follow its changes."""
         version, view = await self.directory.watch.remote(0, JOIN_TIMEOUT_S)
@@ -218,6 +234,7 @@ class Orchestrator:
         self._follow_view(view)
         self._prepare_inputs(resolved)
         self._pollers.append(asyncio.create_task(self._follow(version)))
+        self._pollers.append(asyncio.create_task(self._read_loads()))
 
     async def _follow(self, version: int) -> None:
         while not self.closed:

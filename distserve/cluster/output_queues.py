@@ -28,6 +28,18 @@ class ServerQueue:
     last_poll: float = field(default_factory=time.monotonic)  # when its latest call returned
 
 
+@dataclass
+class ServerLoad:
+    """What one server's requests hold on an instance, in the router's units."""
+
+    load_tokens: int = 0  # prompts and the most their samples may generate
+    prefill_tokens: int = 0  # prompt tokens not yet computed
+
+    def add(self, prompt_tokens: int, max_tokens: list[int], to_prefill: int) -> None:
+        self.load_tokens += prompt_tokens + sum(max_tokens)
+        self.prefill_tokens += max(0, to_prefill)
+
+
 class OutputQueues:
     def __init__(self) -> None:
         self.queues: dict[str, ServerQueue] = {DEFAULT_SERVER: ServerQueue()}

@@ -39,6 +39,9 @@ class InstanceState:
     config: EngineConfig  # what a replacement is started with
     load_tokens: int = 0  # tokens of the requests assigned to it and not yet done with it
     prefill_tokens: int = 0  # prompt tokens sent to it that it has still to compute (prefix hits left out)
+    # The same of the requests the cluster's other API servers sent it, as it counted them lately.
+    others_load_tokens: int = 0
+    others_prefill_tokens: int = 0
     failure: str | None = None
     changing_to: Role | None = None  # a role change under way: it gets no new work meanwhile
 
@@ -48,8 +51,17 @@ class InstanceState:
         return self.info.num_blocks * self.info.block_size
 
     @property
+    def total_load_tokens(self) -> int:
+        return self.load_tokens + self.others_load_tokens
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens it has still to compute, this server's requests' and the others'."""
+        return self.prefill_tokens + self.others_prefill_tokens
+
+    @property
     def load(self) -> float:
-        return self.load_tokens / self.capacity
+        return self.total_load_tokens / self.capacity
 
 
 class Router:
@@ -83,7 +95,7 @@ class Router:
         hashes = self.prefix_index.block_hashes(prompt_token_ids, cache_salt)
         candidates = [chosen] if chosen in pool else _roomy(pool, tokens)
         to_prefill = self._to_compute(candidates, prompt_token_ids, hashes)
-        entry = min(to_prefill, key=lambda s: (s.prefill_tokens + to_prefill[s], s.load))
+        entry = min(to_prefill, key=lambda s: (s.queued_prefill_tokens + to_prefill[s], s.load))
         self._add(entry, hashes)
         return entry, to_prefill[entry]
 
@@ -107,8 +119,8 @@ class Router:
         to_compute = self._to_compute(_roomy(decodes, tokens), prompt_token_ids, hashes)
         decode = min(to_compute, key=lambda s: (to_compute[s], s.load))
         remote = self._to_compute(_roomy(prefills, tokens), prompt_token_ids, hashes)
-        prefill_queued = min(s.prefill_tokens + n for s, n in remote.items())
-        if not prefill_locally(config, to_compute[decode], decode.prefill_tokens, prefill_queued):
+        prefill_queued = min(s.queued_prefill_tokens + n for s, n in remote.items())
+        if not prefill_locally(config, to_compute[decode], decode.queued_prefill_tokens, prefill_queued):
             return None
         self._add(decode, hashes)
         return decode, to_compute[decode]
@@ -141,7 +153,7 @@ class Router:
 
 def _roomy(pool: list[InstanceState], tokens: int) -> list[InstanceState]:
     """The instances of ``pool`` with room for ``tokens`` more; all of them when none has."""
-    return [s for s in _available(pool) if s.load_tokens + tokens <= s.capacity] or pool
+    return [s for s in _available(pool) if s.total_load_tokens + tokens <= s.capacity] or pool
 
 
 def _available(pool: list[InstanceState]) -> list[InstanceState]:
