@@ -54,6 +54,13 @@ def test_every_api_server_serves_greedy_equal_to_transformers(ray_cluster, refer
             answers = list(pool.map(lambda p: _complete_over_http(server, p, 12), prompts))
         statuses = server.loop.run(server.frontend.server_statuses())
         wait_nothing_in_use(server.info, server.frontend)
+        # Whichever server a client reaches lists them all, in its cluster info and on /metrics.
+        for _ in range(3 * api_servers):
+            with Client(server.grpc_address) as client:
+                assert sorted(s.index for s in client.cluster_info().api_servers) == list(range(api_servers))
+            with urllib.request.urlopen(f"{server.http_url}/metrics", timeout=30) as response:
+                metrics = response.read().decode()
+            assert all(f'distserve_api_server_cpu_seconds{{server="{i}"}}' in metrics for i in range(api_servers))
     model = reference_model(MODEL)
     assert [ids for _, ids in answers] == [reference_greedy(model, p, 12) for p in prompts]
     assert {index for index, _ in answers} == set(range(api_servers)), "the kernel spread no connection to some"

@@ -1,5 +1,6 @@
-"""What the API servers of one cluster share: the cluster manager's view of its instances, and the
-role changes a server is asked for, which only the manager makes.
+"""What the API servers of one cluster share: the cluster manager's view of its instances, the
+role changes a server is asked for, which only the manager makes, and each server's status, so
+that any of them can list them all.
 
 The first API server manages the cluster (starts, replaces and fences instances, changes their
 roles, runs the role controller); it publishes its instances here whenever they change, and each
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,9 @@ import ray
 from distserve.cluster.instance import InstanceInfo
 from distserve.core.config import EngineConfig
 from distserve.core.role import Role
+
+STATUS_REPORT_S = 1.0  # how often each API server reports its status
+STATUS_STALE_S = 5.0  # a server that has not reported for this long is left out of the list
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ class ClusterDirectory:
         self._requests: asyncio.Queue[RoleRequest] = asyncio.Queue()
         self._answers: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
+        self._statuses: dict[int, tuple[float, Any]] = {}  # server index -> (when reported, its status)
 
     async def publish(self, view: ClusterView) -> None:
         async with self._changed:
@@ -107,3 +113,13 @@ class ClusterDirectory:
         future = self._answers.get(request_id)
         if future is not None and not future.done():
             future.set_result(answer)
+
+    async def report(self, index: int, status: Any) -> None:
+        """A server's status, reported every ``STATUS_REPORT_S``."""
+        self._statuses[index] = (time.monotonic(), status)
+
+    async def statuses(self) -> list[Any]:
+        """The statuses of the servers that reported lately, by index."""
+        now = time.monotonic()
+        fresh = {i: s for i, (when, s) in self._statuses.items() if now - when < STATUS_STALE_S}
+        return [fresh[i] for i in sorted(fresh)]

@@ -3,7 +3,8 @@ orchestrator and gRPC and HTTP listeners on the first server's ports (SO_REUSEPO
 spreads connections over them), admitting, routing and streaming its own requests. Instances send
 each request's outputs to the server that sent it, so no token passes through another process.
 
-The first server manages the cluster and watches the others: one that dies loses only its own
+Every server reports its status (``ApiServerStatus``) to the cluster's directory, so any of them
+lists them all. The first server manages the cluster and watches the others: one that dies loses only its own
 streams (their clients see the connection end; the instances end its requests once its lease
 passes, freeing their KV) and is started again, under a new server id, on the same ports.
 """
@@ -11,7 +12,6 @@ passes, freeing their KV) and is started again, under a new server id, on the sa
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import resource
@@ -49,9 +49,12 @@ def process_cpu_seconds() -> float:
 
 @ray.remote(num_cpus=0)
 class ApiServer:
-    def __init__(self, index: int, cluster_config: ClusterConfig, server_config: ServerConfig, directory: Any) -> None:
+    def __init__(
+        self, index: int, cluster_config: ClusterConfig, server_config: ServerConfig, directory: Any, restarts: int
+    ) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.index = index
+        self.restarts = restarts
         self.server_id = f"api-{index}-{uuid.uuid4().hex[:8]}"
         self.cluster_config = cluster_config
         self.server_config = server_config
@@ -64,13 +67,12 @@ class ApiServer:
 
         cluster = await AsyncCluster.join(self.cluster_config, self.directory, self.server_id)
         self.server = Server(cluster, self.server_config)
-        self.server.frontend.server_index = self.index
+        self.server.frontend.server_index, self.server.frontend.restarts = self.index, self.restarts
         await self.server.start()
         return os.getpid()
 
-    async def status(self) -> ApiServerStatus:
-        pending = self.server.frontend.num_pending if self.server is not None else 0
-        return ApiServerStatus(self.index, self.server_id, os.getpid(), pending, process_cpu_seconds())
+    async def alive(self) -> bool:
+        return True
 
     async def stop(self, drain_timeout: float = 0.0) -> None:
         if self.server is not None:
@@ -98,7 +100,7 @@ class ApiServerGroup:
 
     async def _start(self, index: int) -> None:
         actor = ApiServer.options(name=f"{self.cluster_config.name}-api-{index}-{time.monotonic_ns()}").remote(
-            index, self.cluster_config, self.server_config, self.directory
+            index, self.cluster_config, self.server_config, self.directory, self.restarts.get(index, 0)
         )
         pid = await asyncio.wait_for(actor.start.remote(), START_TIMEOUT_S)
         self.actors[index] = actor
@@ -109,7 +111,7 @@ class ApiServerGroup:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for index, actor in list(self.actors.items()):
                 try:
-                    await asyncio.wait_for(actor.status.remote(), WATCH_INTERVAL_S * 5)
+                    await asyncio.wait_for(actor.alive.remote(), WATCH_INTERVAL_S * 5)
                 except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
                     logger.error("API server %d is gone (%s): starting it again", index, type(e).__name__)
                     self.restarts[index] = self.restarts.get(index, 0) + 1
@@ -118,15 +120,6 @@ class ApiServerGroup:
                         await self._start(index)
                     except Exception:
                         logger.exception("API server %d could not start again", index)
-
-    async def statuses(self) -> list[ApiServerStatus]:
-        """Each server's status but the first's; one that cannot answer is left out."""
-        answers = await asyncio.gather(*(a.status.remote() for a in self.actors.values()), return_exceptions=True)
-        return [
-            dataclasses.replace(s, restarts=self.restarts.get(s.index, 0))
-            for s in answers
-            if isinstance(s, ApiServerStatus)
-        ]
 
     async def stop(self, drain_timeout: float) -> None:
         if self._watch is not None:

@@ -20,7 +20,7 @@ from distserve.core.request_limits import RequestLimits
 from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.slo import RequestSLO
-from distserve.entrypoints.api_servers import ApiServerGroup, ApiServerStatus, process_cpu_seconds
+from distserve.entrypoints.api_servers import ApiServerStatus, process_cpu_seconds
 from distserve.entrypoints.errors import (
     InvalidRequest,
     Overloaded,
@@ -47,14 +47,20 @@ class Frontend:
         self._idle = asyncio.Event()
         self._idle.set()
         self.started = time.time()
-        self.api_servers: ApiServerGroup | None = None  # the first server's: the cluster's others
         self.server_index = 0  # of the cluster's API servers; 0 manages it
+        self.restarts = 0  # times this server was started again
+
+    def server_status(self) -> ApiServerStatus:
+        return ApiServerStatus(self.server_index, self.cluster.orchestrator.server_id, os.getpid(), self.num_pending,
+                               process_cpu_seconds(), self.restarts)  # fmt: skip
 
     async def server_statuses(self) -> list[ApiServerStatus]:
-        """Every API server of the cluster this one sees: itself first, then (the first server) the others."""
-        own = ApiServerStatus(self.server_index, self.cluster.orchestrator.server_id, os.getpid(), self.num_pending,
-                              process_cpu_seconds())  # fmt: skip
-        return [own, *(await self.api_servers.statuses() if self.api_servers is not None else [])]
+        """Every API server of the cluster, by index: this one as it is now, the others as they
+        last reported to the directory."""
+        own = self.server_status()
+        directory = self.cluster.orchestrator.directory
+        others = [] if directory is None else await directory.statuses.remote()
+        return sorted([own, *(s for s in others if s.index != own.index)], key=lambda s: s.index)
 
     @property
     def tokenizer(self):
@@ -191,6 +197,7 @@ class Frontend:
         self.metrics.update_instances(
             infos, self.num_pending, self.cluster.role_changes, self.cluster.role_verdicts, tiers
         )
+        self.metrics.update_api_servers(await self.server_statuses())
         return infos
 
     async def set_roles(self, roles: dict[str, Role | str], role_control: str | None = None) -> list[RoleChangeRecord]:

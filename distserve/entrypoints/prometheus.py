@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -19,6 +20,9 @@ from distserve.cluster.role_changes import RoleChangeRecord
 from distserve.core.outputs import RequestOutput
 from distserve.core.role import ROLES
 from distserve.kv_tier.store import TierInfo
+
+if TYPE_CHECKING:
+    from distserve.entrypoints.api_servers import ApiServerStatus
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -54,6 +58,13 @@ class ServingMetrics:
         self.migrations = counter("kv_migrations", "KV caches moved from prefill to decode")
         self.local_prefills = counter("local_prefills", "requests their decode instance prefilled itself")
         self.pending = Gauge("distserve_pending_requests", "requests admitted and not finished", registry=registry)
+        server = ["server"]
+        self.server_pending = Gauge("distserve_api_server_pending_requests", "requests in flight through an API server",
+                                    server, registry=registry)  # fmt: skip
+        self.server_cpu = Gauge("distserve_api_server_cpu_seconds", "an API server process's user + system CPU time",
+                                server, registry=registry)  # fmt: skip
+        self.server_restarts = Gauge("distserve_api_server_restarts", "times an API server was started again",
+                                     server, registry=registry)  # fmt: skip
         self.waiting = instance_gauge("waiting_requests", "requests queued")
         self.running = instance_gauge("running_requests", "requests in the batch")
         self.held = instance_gauge("held_requests", "prefilled requests whose KV waits to be pulled")
@@ -124,6 +135,14 @@ class ServingMetrics:
 
     def observe_error(self, code_name: str) -> None:
         self.errors.labels(code_name).inc()
+
+    def update_api_servers(self, statuses: list[ApiServerStatus]) -> None:
+        """The cluster's API servers as the first sees them (another server: itself alone)."""
+        for status in statuses:
+            label = str(status.index)
+            self.server_pending.labels(label).set(status.num_pending_requests)
+            self.server_cpu.labels(label).set(status.cpu_seconds)
+            self.server_restarts.labels(label).set(status.restarts)
 
     def update_instances(
         self,

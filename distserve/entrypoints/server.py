@@ -4,12 +4,18 @@ process's also starts the others (``api_servers``) on its ports, and drains them
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
+from typing import Any
+
+import ray
 
 from distserve.cluster.api import AsyncCluster
 from distserve.cluster.background_loop import BackgroundLoop
 from distserve.cluster.config import ClusterConfig
+from distserve.cluster.directory import STATUS_REPORT_S
 from distserve.cluster.instance import InstanceInfo
 from distserve.entrypoints.api_servers import ApiServerGroup
 from distserve.entrypoints.frontend import Frontend
@@ -30,6 +36,7 @@ class Server:
         self.http_port: int | None = None
         self.shared_ports = cluster.config.api_servers > 1
         self.others: ApiServerGroup | None = None  # the first server's: the cluster's other API servers
+        self._reporting: asyncio.Task | None = None
 
     @property
     def grpc_address(self) -> str:
@@ -48,16 +55,28 @@ class Server:
         if self.shared_ports and orchestrator.manages:
             bound = dataclasses.replace(self.config, grpc_port=self.grpc.port, http_port=self.http_port)
             self.others = ApiServerGroup(self.cluster.config, bound, orchestrator.directory)
-            self.frontend.api_servers = self.others
             await self.others.start()
+        if self.shared_ports:  # listed by every server from its start on
+            directory = orchestrator.directory
+            await directory.report.remote(self.frontend.server_index, self.frontend.server_status())
+            self._reporting = asyncio.create_task(self._report_status(directory))
         logger.info("serving %s: gRPC on %s, HTTP on %s (API server %s)", self.frontend.model_name,
                     self.grpc_address, self.http_url, orchestrator.server_id or 0)  # fmt: skip
+
+    async def _report_status(self, directory: Any) -> None:
+        """Tell the cluster's directory how this server is, so that every server lists them all."""
+        while True:
+            await asyncio.sleep(STATUS_REPORT_S)
+            with contextlib.suppress(ray.exceptions.RayActorError):
+                await directory.report.remote(self.frontend.server_index, self.frontend.server_status())
 
     async def stop(self, drain_timeout: float = 0.0) -> None:
         """Refuse new requests, let those in flight finish for up to ``drain_timeout`` seconds, then
         cancel the rest (which frees their KV blocks) and close both servers."""
         if self.grpc is not None:
             await self.grpc.set_not_serving()
+        if self._reporting is not None:
+            self._reporting.cancel()
         if self.others is not None:
             await self.others.stop(drain_timeout)
         if not await self.frontend.drain(drain_timeout):
