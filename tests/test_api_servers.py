@@ -150,3 +150,23 @@ def test_an_instance_killed_under_load_with_two_servers_loses_no_request(ray_clu
         names = [s.name for s in server.cluster.orchestrator.instances]
         assert decode.name not in names and any(name.endswith("-r1") for name in names), names
         wait_nothing_in_use(server.info, server.frontend, timeout=30)
+
+
+def test_a_role_change_asked_of_another_server_is_made_by_the_first(ray_cluster, reference_model):
+    """Servers past the first pass role changes to it through the cluster's directory; every
+    server follows the new roles and serves on."""
+    with _server(ray_cluster, 2) as server:
+        orchestrator = server.cluster.orchestrator
+        names = [s.name for s in orchestrator.instances]
+        records = ray.get(orchestrator.directory.set_roles.remote({name: "colocated" for name in names}, None))
+        assert sorted(r.instance for r in records) == sorted(names) and not any(r.error for r in records)
+        assert all(s.role.value == "colocated" for s in orchestrator.instances)
+        refused = ray.get(orchestrator.directory.set_roles.remote({"no-such-instance": "decode"}, None))
+        assert isinstance(refused, Exception) and "no-such-instance" in str(refused)
+        prompts = random_prompts([5 + i % 7 for i in range(16)], 1024, seed=70)
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda p: _complete_over_http(server, p, 10), prompts))
+        model = reference_model(MODEL)
+        assert [ids for _, ids in answers] == [reference_greedy(model, p, 10) for p in prompts]
+        assert {index for index, _ in answers} == {0, 1}
+        wait_nothing_in_use(server.info, server.frontend)
