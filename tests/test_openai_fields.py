@@ -531,6 +531,7 @@ class ScriptedFrontend:
     draining = False
     sampling_defaults: dict = {}
     config = ServerConfig(enable_prompt_tokens_details=True)
+    server_index = 0
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
