@@ -141,14 +141,20 @@ def test_an_instance_killed_under_load_with_two_servers_loses_no_request(ray_clu
         decode = next(s for s in server.cluster.orchestrator.instances if s.role.value == "decode")
         with ThreadPoolExecutor(24) as pool:
             answers = [pool.submit(_complete_over_http, server, p, max_tokens) for p in prompts]
-            time.sleep(1.0)
+            deadline = time.monotonic() + 60
+            while ray.get(decode.handle.info.remote()).num_running < 8:  # under load: many of both servers' there
+                assert time.monotonic() < deadline, "the decode instance never ran 8 requests"
+                time.sleep(0.05)
             ray.kill(decode.handle)
             results = [a.result(timeout=180) for a in answers]
         model = reference_model(MODEL)
         assert [ids for _, ids in results] == [reference_greedy(model, p, max_tokens) for p in prompts]
         assert {index for index, _ in results} == {0, 1}
-        names = [s.name for s in server.cluster.orchestrator.instances]
-        assert decode.name not in names and any(name.endswith("-r1") for name in names), names
+        deadline = time.monotonic() + 60
+        while decode.name in (names := [s.name for s in server.cluster.orchestrator.instances]):
+            assert time.monotonic() < deadline, "the killed instance was not replaced"
+            time.sleep(0.1)
+        assert any(name.endswith("-r1") for name in names), names
         wait_nothing_in_use(server.info, server.frontend, timeout=30)
 
 

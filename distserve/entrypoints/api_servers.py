@@ -50,8 +50,16 @@ def process_cpu_seconds() -> float:
 @ray.remote(num_cpus=0)
 class ApiServer:
     def __init__(
-        self, index: int, cluster_config: ClusterConfig, server_config: ServerConfig, directory: Any, restarts: int
+        self,
+        index: int,
+        cluster_config: ClusterConfig,
+        server_config: ServerConfig,
+        directory: Any,
+        restarts: int,
+        server_cls: type,
     ) -> None:
+        """``server_cls``: ``entrypoints.server.Server``, the listeners it runs (given, not
+        imported: that module starts these)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.index = index
         self.restarts = restarts
@@ -59,14 +67,13 @@ class ApiServer:
         self.cluster_config = cluster_config
         self.server_config = server_config
         self.directory = directory
+        self.server_cls = server_cls
         self.server = None
 
     async def start(self) -> int:
         """Join the cluster and listen; returns this process's pid."""
-        from distserve.entrypoints.server import Server  # it imports this module
-
         cluster = await AsyncCluster.join(self.cluster_config, self.directory, self.server_id)
-        self.server = Server(cluster, self.server_config)
+        self.server = self.server_cls(cluster, self.server_config)
         self.server.frontend.server_index, self.server.frontend.restarts = self.index, self.restarts
         await self.server.start()
         return os.getpid()
@@ -85,7 +92,10 @@ class ApiServerGroup:
     """The first server's view of the others: starts them on its bound ports, starts again any
     that dies, and reports their status."""
 
-    def __init__(self, cluster_config: ClusterConfig, server_config: ServerConfig, directory: Any) -> None:
+    def __init__(
+        self, cluster_config: ClusterConfig, server_config: ServerConfig, directory: Any, server_cls: type
+    ) -> None:
+        self.server_cls = server_cls
         self.cluster_config = cluster_config
         self.server_config = server_config  # with the ports the first server bound
         self.directory = directory
@@ -100,7 +110,7 @@ class ApiServerGroup:
 
     async def _start(self, index: int) -> None:
         actor = ApiServer.options(name=f"{self.cluster_config.name}-api-{index}-{time.monotonic_ns()}").remote(
-            index, self.cluster_config, self.server_config, self.directory, self.restarts.get(index, 0)
+            index, self.cluster_config, self.server_config, self.directory, self.restarts.get(index, 0), self.server_cls
         )
         pid = await asyncio.wait_for(actor.start.remote(), START_TIMEOUT_S)
         self.actors[index] = actor

@@ -54,7 +54,7 @@ class Server:
         orchestrator = self.cluster.orchestrator
         if self.shared_ports and orchestrator.manages:
             bound = dataclasses.replace(self.config, grpc_port=self.grpc.port, http_port=self.http_port)
-            self.others = ApiServerGroup(self.cluster.config, bound, orchestrator.directory)
+            self.others = ApiServerGroup(self.cluster.config, bound, orchestrator.directory, type(self))
             await self.others.start()
         if self.shared_ports:  # listed by every server from its start on
             directory = orchestrator.directory
