@@ -409,7 +409,7 @@ class Orchestrator:
                 if output is None:
                     continue
                 yield output
-                if state.delivered:
+                if output.finished and state.delivered:
                     return
         finally:
             if not state.finished:

@@ -25,10 +25,10 @@ tokens until its first token.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 
+from distserve.cluster.output_queue import OutputQueue
 from distserve.cluster.routing import InstanceState
 from distserve.core.outputs import OutputBuilder, RequestMetrics, RequestOutput
 from distserve.core.sampling_params import SamplingParams
@@ -46,17 +46,24 @@ class SampleStream:
     delivered_end: bool = False
 
     def unseen(self, output: RequestOutput) -> RequestOutput | None:
-        """``output`` with only what the client does not have yet; None when that is nothing."""
-        if self.delivered_end or (len(output.output_token_ids) <= self.delivered_tokens and not output.finished):
+        """``output`` with only what the client does not have yet; None when that is nothing. The
+        client usually has exactly what came before it: then it is ``output`` as it is, and its
+        whole-so-far fields are not read."""
+        num_tokens = output.num_output_tokens
+        if self.delivered_end or (num_tokens <= self.delivered_tokens and not output.finished):
             return None
-        output = dataclasses.replace(
-            output,
-            new_token_ids=output.output_token_ids[self.delivered_tokens :],
-            new_text=output.text[self.delivered_text :],
-            new_logprobs=None if output.logprobs is None else output.logprobs[self.delivered_tokens :],
-        )
-        self.delivered_tokens = max(self.delivered_tokens, len(output.output_token_ids))
-        self.delivered_text = max(self.delivered_text, len(output.text))
+        if num_tokens - len(output.new_token_ids) == self.delivered_tokens:
+            # Its tokens follow the client's, and so does its text: the same tokens have the same text.
+            self.delivered_text += len(output.new_text)
+        else:  # a re-run's output overlapping what the client has from an earlier run
+            output = dataclasses.replace(
+                output,
+                new_token_ids=output.output_token_ids[self.delivered_tokens :],
+                new_text=output.text[self.delivered_text :],
+                new_logprobs=None if output.logprobs is None else output.logprobs[self.delivered_tokens :],
+            )
+            self.delivered_text = max(self.delivered_text, len(output.text))
+        self.delivered_tokens = max(self.delivered_tokens, num_tokens)
         self.delivered_end = output.finished
         return output
 
@@ -69,7 +76,7 @@ class RequestState:
     params: SamplingParams
     priority: int = 0
     slo: RequestSLO = RequestSLO()
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: OutputQueue = field(default_factory=OutputQueue)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     prefill: InstanceState | None = None  # the instance that prefills it (or does both, colocated)
     decode: InstanceState | None = None

@@ -9,6 +9,7 @@ message stays the same size however long the request grows. Whoever hands result
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from distserve.core.errors import RequestFault
 from distserve.core.handover import Handover
@@ -89,6 +90,11 @@ class RequestOutput:
     index: int = 0  # which of the request's n samples (SamplingParams.n) this output is
     error: str | None = None  # with finish_reason "error": what failed in its step, naming the request
 
+    @property
+    def num_output_tokens(self) -> int:
+        """``len(output_token_ids)``, without reading them (``StreamedOutput`` builds them when read)."""
+        return len(self.output_token_ids)
+
 
 # The RequestMetrics fields an engine stamps; a delta carries them as a tuple, which pickles in
 # about half the time of a dataclass.
@@ -167,7 +173,9 @@ def coalesce(deltas: list[RequestDelta]) -> list[RequestDelta]:
 
 
 class OutputBuilder:
-    """Adds up one sample's deltas, in one run, into the ``RequestOutput`` a caller sees."""
+    """Adds up one sample's deltas, in one run, into the ``RequestOutput``s a caller sees. Its lists
+    only grow, so each output reads its whole-so-far fields from them, cut at its own length, when
+    first asked (``StreamedOutput``): a delta costs its own size, however long the output has grown."""
 
     def __init__(
         self,
@@ -183,20 +191,21 @@ class OutputBuilder:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
-        self.text = ""
+        self.text_pieces: list[str] = []
         self.logprobs: list[TokenLogprobs] | None = None
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.metrics = metrics or RequestMetrics()  # shared with the caller, who may stamp more times
         self.num_cached_tokens = 0
 
     def add(self, delta: RequestDelta) -> RequestOutput:
-        """The whole output so far, ``delta`` included; its metrics are a snapshot."""
+        """The output so far, ``delta`` included; its metrics are a snapshot of the request's."""
         if not self.output_token_ids and delta.new_token_ids:
             # The prompt's hits where it was prefilled: a decode instance's deltas, and a recompute's,
             # count those of later allocations.
             self.num_cached_tokens = delta.num_cached_tokens
         self.output_token_ids += delta.new_token_ids
-        self.text += delta.new_text
+        if delta.new_text:
+            self.text_pieces.append(delta.new_text)
         self.finished = delta.finished
         for name, value in zip(STAGE_FIELDS, delta.stage_times):
             if value is not None:
@@ -205,24 +214,62 @@ class OutputBuilder:
             self.metrics.steps = delta.steps
             self.metrics.num_preemptions = delta.num_preemptions
         if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += delta.logprobs
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            output_token_ids=list(self.output_token_ids),
-            text=self.text,
-            new_token_ids=delta.new_token_ids,
-            new_text=delta.new_text,
-            finished=delta.finished,
-            finish_reason=delta.finish_reason,
-            num_cached_tokens=self.num_cached_tokens,
-            metrics=replace(self.metrics, token_times=list(self.metrics.token_times)),
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            new_logprobs=delta.logprobs,
-            prompt_logprobs=self.prompt_logprobs,
-            index=self.index,
-            error=None if delta.fault is None else str(delta.fault),
-        )
+        return StreamedOutput.of(self, delta)
+
+
+class StreamedOutput(RequestOutput):
+    """A ``RequestOutput`` as an ``OutputBuilder`` makes it. Its new_* fields are the delta's own; its
+    whole-so-far fields (``output_token_ids``, ``text``, ``logprobs``, ``metrics``) are copied from
+    the builder's lists, cut at this output's length, when first read, and kept. A streaming
+    consumer reading only the new fields and ``num_output_tokens`` never pays for the rest. A copy
+    (``dataclasses.replace``) has every field read."""
+
+    @classmethod
+    def of(cls, builder: OutputBuilder, delta: RequestDelta) -> StreamedOutput:
+        output = cls.__new__(cls)  # not the dataclass's __init__: the whole-so-far fields stay unread
+        output._builder = builder
+        output._num_pieces = len(builder.text_pieces)
+        output._num_logprobs = None if builder.logprobs is None else len(builder.logprobs)
+        output._num_token_times = len(builder.metrics.token_times)
+        output.num_output_tokens = len(builder.output_token_ids)
+        output.request_id = builder.request_id
+        output.prompt = builder.prompt
+        output.prompt_token_ids = builder.prompt_token_ids
+        output.new_token_ids = delta.new_token_ids
+        output.new_text = delta.new_text
+        output.finished = delta.finished
+        output.finish_reason = delta.finish_reason
+        output.num_cached_tokens = builder.num_cached_tokens
+        output.new_logprobs = delta.logprobs
+        output.prompt_logprobs = builder.prompt_logprobs
+        output.index = builder.index
+        output.error = None if delta.fault is None else str(delta.fault)
+        return output
+
+    @cached_property
+    def num_output_tokens(self) -> int:  # set by ``of``
+        return len(self.output_token_ids)
+
+    @cached_property
+    def output_token_ids(self) -> list[int]:
+        return self._builder.output_token_ids[: self.num_output_tokens]
+
+    @cached_property
+    def text(self) -> str:
+        return "".join(self._builder.text_pieces[: self._num_pieces])
+
+    @cached_property
+    def logprobs(self) -> list[TokenLogprobs] | None:
+        logprobs = self._builder.logprobs
+        return None if self._num_logprobs is None else logprobs[: self._num_logprobs]
+
+    @cached_property
+    def metrics(self) -> RequestMetrics:
+        """The request's metrics when first read, its token times as of this output."""
+        metrics = self._builder.metrics
+        return replace(metrics, token_times=metrics.token_times[: self._num_token_times])

@@ -148,7 +148,7 @@ def response_from_output(
     )
     if output.new_logprobs:
         response.logprobs.extend(logprobs_to_proto(output.new_logprobs))
-    if output.prompt_logprobs is not None and len(output.output_token_ids) == len(output.new_token_ids):
+    if output.prompt_logprobs is not None and output.num_output_tokens == len(output.new_token_ids):
         response.prompt_logprobs.extend(logprobs_to_proto(output.prompt_logprobs))  # the first message
     if output.finished and timeline:
         response.timeline.CopyFrom(timeline_to_proto(output.metrics))
@@ -158,7 +158,7 @@ def response_from_output(
         response.usage.CopyFrom(
             pb.Usage(
                 prompt_tokens=len(output.prompt_token_ids),
-                completion_tokens=len(output.output_token_ids),
+                completion_tokens=output.num_output_tokens,
                 cached_prompt_tokens=output.num_cached_tokens if cached_tokens else 0,
             )
         )

@@ -58,6 +58,12 @@ async def _run_choices(
             queue.put_nowait((index, e))
 
     with frontend.admission(sum(job.params.n for job in jobs)):
+        if len(jobs) == 1:  # one prompt (most calls): its outputs as they come, with no task and queue between
+            job = jobs[0]
+            async with aclosing(frontend.generate(job.prompt, job.params, f"{request_id}-0", priority, True)) as outs:
+                async for output in outs:
+                    yield output.index, output
+            return
         tasks = [asyncio.create_task(run(i, job)) for i, job in enumerate(jobs)]
         try:
             running = len(tasks)
@@ -91,14 +97,14 @@ def _usage(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
 def _call_usage(call: Call, finals: dict[int, RequestOutput], cached: bool) -> dict[str, Any]:
     # A prompt is counted once however many samples it has.
     prompts = [out for i, out in finals.items() if i % call.n == 0]
-    completion = sum(len(out.output_token_ids) for out in finals.values())
+    completion = sum(out.num_output_tokens for out in finals.values())
     num_cached = sum(out.num_cached_tokens for out in prompts) if cached else None
     return _usage(sum(len(out.prompt_token_ids) for out in prompts), completion, num_cached)
 
 
 def _choice_usage(output: RequestOutput, cached: bool) -> dict[str, Any]:
     num_cached = output.num_cached_tokens if cached else None
-    return _usage(len(output.prompt_token_ids), len(output.output_token_ids), num_cached)
+    return _usage(len(output.prompt_token_ids), output.num_output_tokens, num_cached)
 
 
 class _Formatter:
@@ -225,6 +231,8 @@ async def _respond(request: web.Request, frontend: Frontend, call: Call) -> web.
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
         head["object"] = "chat.completion.chunk" if call.chat else "text_completion"
+        # Every chunk is {**head, "choices": [choice]} (and its usage): the head is encoded once.
+        chunk_head = f"data: {json.dumps(head)[:-1]}, " + '"choices": ['
 
         async def send(index: int, output: RequestOutput) -> None:
             formatter.observe(index, output)
@@ -232,10 +240,8 @@ async def _respond(request: web.Request, frontend: Frontend, call: Call) -> web.
             if output.finished:
                 finals[index] = output
             if choice is not None:
-                chunk = {**head, "choices": [choice]}
-                if call.continuous_usage:
-                    chunk["usage"] = _choice_usage(output, cached)
-                await response.write(_sse(chunk))
+                usage = f', "usage": {json.dumps(_choice_usage(output, cached))}' if call.continuous_usage else ""
+                await response.write(f"{chunk_head}{json.dumps(choice)}]{usage}}}\n\n".encode())
 
         try:
             for item in started:

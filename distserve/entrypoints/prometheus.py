@@ -118,7 +118,7 @@ class ServingMetrics:
         m = output.metrics
         self.requests.labels(output.finish_reason).inc()
         self.prompt_tokens.inc(len(output.prompt_token_ids))
-        self.generation_tokens.inc(len(output.output_token_ids))
+        self.generation_tokens.inc(output.num_output_tokens)
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
         if len(m.token_times) > 1:  # a request of one token has no decode phase to time
