@@ -22,7 +22,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from distserve.cluster.output_queues import DEFAULT_SERVER, OutputQueues, ServerLoad
+from distserve.cluster.instance_outputs import DEFAULT_SERVER, OutputQueues, ServerLoad
 from distserve.core.config import EngineConfig
 from distserve.core.errors import InstanceFailure, InstanceStalled, RequestError
 from distserve.core.handover import Handover

@@ -39,9 +39,9 @@ from distserve.cluster.failover import Failover
 from distserve.cluster.fencing import fence
 from distserve.cluster.input_workers import InputWorkers
 from distserve.cluster.instance import InstanceInfo, launch_instance
+from distserve.cluster.instance_outputs import DEFAULT_SERVER
 from distserve.cluster.instance_pool import InstancePool
 from distserve.cluster.loop_lag import LoopLag
-from distserve.cluster.output_queues import DEFAULT_SERVER
 from distserve.cluster.request_table import RequestState, RequestTable
 from distserve.cluster.role_changes import RoleChanger, RoleChangeRecord
 from distserve.cluster.role_control.controller import RoleController
