@@ -77,6 +77,7 @@ async def waves(url: str, args: argparse.Namespace, first: int, count: int) -> i
 
 def measure(servers: int, args: argparse.Namespace, out: Path) -> dict:
     flags = ["--dtype", "float32", "--api-servers", str(servers), "--max-pending-requests", str(4 * args.streams)]
+    (out / f"servers-{servers}").mkdir(parents=True, exist_ok=True)
     server = LaunchedServer("disaggregated", MODEL, flags, out / f"servers-{servers}", None)
     try:
         server.wait_ready(args.launch_timeout)
