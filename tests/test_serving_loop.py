@@ -26,7 +26,9 @@ def test_input_workers_run_jobs_off_the_loop_in_order():
         jobs = {name: asyncio.ensure_future(workers.run(job, name)) for name in ("first", "dropped", "second")}
         await asyncio.sleep(0.05)
         assert not any(j.done() for j in jobs.values())  # the first runs, the others wait
-        jobs.pop("dropped").cancel()  # a job cancelled while it waits never runs
+        dropped = jobs.pop("dropped")
+        dropped.cancel()  # a job cancelled while it waits never runs
+        await asyncio.wait([dropped])  # the cancellation reaches the job's task
         release.set()
         threads = await asyncio.gather(*jobs.values())
         assert ran == ["first", "second"]

@@ -38,7 +38,12 @@ class InputWorkers:
         """``fn(*args, **kwargs)`` on a worker thread; its exception is raised here. A job cancelled
         while it waits never runs; one cancelled while it runs finishes (a thread cannot be
         stopped) and its result is dropped."""
-        return await asyncio.wrap_future(self._executor.submit(functools.partial(fn, *args, **kwargs)))
+        job = self._executor.submit(functools.partial(fn, *args, **kwargs))
+        try:
+            return await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            job.cancel()  # at once: the wrapper's own cancel of it comes a turn of the loop later
+            raise
 
     def shutdown(self) -> None:
         """Drop the waiting jobs; running ones end on their threads."""
