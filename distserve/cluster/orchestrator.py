@@ -268,7 +268,7 @@ class Orchestrator:
                 self._instance_failed(entry, InstanceFailure(v.failure))
         self.instance_pool.replacing = dict(view.replacing)
         self.instance_pool.changing_roles = view.changing_roles
-        if added and self.instances and hasattr(self, "input_processor"):
+        if added:
             self.spread_prompts()
 
     def _start_tier(self, resolved: ResolvedModel, configs: list[EngineConfig]) -> None:
