@@ -114,6 +114,7 @@ class Instance:
         self._next_lease_check = 0.0
         self._loads: dict[str, ServerLoad] = {}  # by API server: what its requests here hold; the step loop's
         self._next_load_count = 0.0
+        self._loads_asked = False  # a server routes by ``loads()``: the step loop counts them
         self._active: dict[str, int] = {}  # request id -> attempt, of runs queued or running; under _lock
         self._failure: str | None = None
         self._stopping = False
@@ -497,12 +498,14 @@ class Instance:
 
     def loads(self) -> dict[str, ServerLoad]:
         """What each API server's requests here hold, counted by the step loop at most
-        ``LOAD_COUNT_S`` ago: what every server routes by, its own requests and the others'."""
+        ``LOAD_COUNT_S`` ago: what every server routes by, its own requests and the others'. The
+        step loop counts only once some server has asked (a cluster of several servers)."""
+        self._loads_asked = True
         return self._loads
 
     def _count_loads(self) -> None:
         now = time.monotonic()
-        if now < self._next_load_count:
+        if not self._loads_asked or now < self._next_load_count:
             return
         self._next_load_count = now + LOAD_COUNT_S
         with self._lock:

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
-from bench_serving_cpu import stream
+from bench_serving_cpu import run_wave
 from peer_clients import LaunchedServer
 
 MODEL = "tiny-llama"
@@ -68,10 +68,7 @@ async def waves(url: str, args: argparse.Namespace, first: int, count: int) -> i
                  "stream_options": {"include_usage": True}}
                 for i in range(args.streams)
             ]  # fmt: skip
-            for got, _ in await asyncio.gather(*(stream(session, url, body) for body in bodies)):
-                if got != args.output_len:
-                    raise RuntimeError(f"a stream delivered {got} tokens, not {args.output_len}")
-                tokens += got
+            tokens += (await run_wave(session, url, bodies, args.output_len))[0]
     return tokens
 
 

@@ -105,11 +105,20 @@ async def waves(url: str, args: argparse.Namespace, first: int, count: int) -> t
                  "stream_options": {"include_usage": True}}
                 for i in range(args.streams)
             ]  # fmt: skip
-            for got, sent in await asyncio.gather(*(stream(session, url, body) for body in bodies)):
-                if got != args.output_len:
-                    raise RuntimeError(f"a stream delivered {got} tokens, not {args.output_len}")
-                tokens += got
-                events += sent
+            got, sent = await run_wave(session, url, bodies, args.output_len)
+            tokens += got
+            events += sent
+    return tokens, events
+
+
+async def run_wave(session: aiohttp.ClientSession, url: str, bodies: list[dict], output_len: int) -> tuple[int, int]:
+    """The streams of ``bodies`` at once, each checked to deliver ``output_len`` tokens; (tokens, events)."""
+    tokens = events = 0
+    for got, sent in await asyncio.gather(*(stream(session, url, body) for body in bodies)):
+        if got != output_len:
+            raise RuntimeError(f"a stream delivered {got} tokens, not {output_len}")
+        tokens += got
+        events += sent
     return tokens, events
 
 
