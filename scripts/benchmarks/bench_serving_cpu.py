@@ -1,10 +1,10 @@
 """What one streamed token costs the serving process: CPU time (user + system, every thread) of
 `distserve launch` (orchestrator, HTTP and gRPC servers; not the instances' Ray workers) against
 `vllm serve`'s API server process (not its EngineCore), divided by the tokens its clients got.
-One run, the same model, requests and load for both.
+One run, the same model, requests and load for both, under this script's client and vLLM's own.
 
-    python scripts/benchmarks/bench_serving_cpu.py                        # distserve, then vllm
-    python scripts/benchmarks/bench_serving_cpu.py --servers distserve    # where vLLM is not installed
+    python scripts/benchmarks/bench_serving_cpu.py                        # distserve, then vllm; both clients
+    python scripts/benchmarks/bench_serving_cpu.py --servers distserve --clients ours   # where vLLM is not installed
     python scripts/benchmarks/bench_serving_cpu.py --streams 32 --output-len 128 --waves 4 --dtype float32
 
 Model: the 58M dummy Llama (``llama-58m``, as bench_peer_serving.py), served by each system at its
@@ -16,13 +16,21 @@ seed each. Most of the dummy weights' tokens are past the built-in tokenizer's v
 text, which distserve sends no event for unless their ids are asked for (vLLM sends one per token
 either way): with ``return_token_ids`` both send an event per token, as for a real model's tokens.
 
-One wave first warms the server up unmeasured, then its CPU use idle is read over ``--idle``
-seconds. The serving process's CPU is read from ``/proc/PID/stat`` (and each of its threads' from
-``/proc/PID/task``) before the first measured wave and after the last; tokens delivered are the
-usage's ``completion_tokens`` of every stream (checked against the tokens asked for).
-``--profile`` runs ``py-spy record`` on the serving process over the measured waves: its
-collapsed stacks (``py-spy.txt`` beside its log, a line per stack and its samples) and the
-functions with the most samples, their own and with what they call.
+``--clients`` (default ``ours,vllm``, in that order, each against every server): ``ours`` is the
+load above from this process's aiohttp client; ``vllm`` is ``vllm bench serve`` (its random data
+set of ``--input-len``/``--output-len`` tokens, ``ignore_eos``, ``--streams`` at once,
+``--streams x --waves`` requests, ``return_token_ids`` as an extra body field, the same seed for
+every server: vllm_bench_client.py). Neither client is pinned: each is a process of its own (ours
+this one), where the OS puts it, and neither counts toward the serving process's CPU.
+
+One wave of ours first warms the server up unmeasured, then its CPU use idle is read over
+``--idle`` seconds. The serving process's CPU is read from ``/proc/PID/stat`` (and each of its
+threads' from ``/proc/PID/task``) before the first measured wave and after the last (for vllm
+bench: at its lines that start its main run and print its results); tokens delivered are the
+usage's ``completion_tokens`` of every stream (checked against the tokens asked for; vllm bench's
+``total_output_tokens``). ``--profile`` runs ``py-spy record`` on the serving process over each
+client's load: its collapsed stacks (``py-spy-CLIENT.txt`` beside its log, a line per stack and
+its samples) and the functions with the most samples, their own and with what they call.
 """
 
 from __future__ import annotations
@@ -43,8 +51,10 @@ from pathlib import Path
 import aiohttp
 from bench_peer_serving import DTYPES, MODEL, ran_as, start_server
 from peer_clients import ServerProcess, client_env, executable, model_files
+from vllm_bench_client import run_vllm_bench
 
 SERVERS = {"distserve": "disaggregated", "vllm": "vllm"}  # this script's names -> bench_peer_serving's
+CLIENTS = ("ours", "vllm")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -122,6 +132,34 @@ async def run_wave(session: aiohttp.ClientSession, url: str, bodies: list[dict],
     return tokens, events
 
 
+class Window:
+    """The CPU seconds of process ``pid`` (in all and by thread) and the wall seconds between
+    ``start()`` and ``stop()``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def start(self) -> None:
+        self.cpu, self.threads, self.started = cpu_seconds(self.pid), thread_seconds(self.pid), time.monotonic()
+
+    def stop(self) -> None:
+        self.cpu, self.wall = cpu_seconds(self.pid) - self.cpu, time.monotonic() - self.started
+        self.threads = {k: v - self.threads.get(k, 0.0) for k, v in thread_seconds(self.pid).items()}
+
+
+def load(client: str, server: ServerProcess, args: argparse.Namespace, out: Path, env: dict[str, str]) -> dict:
+    """``client``'s measured load on ``server``: the window's figures and the client's."""
+    window = Window(server.process.pid)
+    if client == "vllm":
+        figures = run_vllm_bench(server.url, args, out, env, window.start, window.stop)
+    else:
+        window.start()
+        tokens, events = asyncio.run(waves(server.url, args, 1, args.waves))
+        window.stop()
+        figures = {"tokens": tokens, "events": events, "client_tokens_per_s": tokens / window.wall}
+    return {"cpu_s": window.cpu, "wall_s": window.wall, "thread_cpu_s": window.threads, **figures}
+
+
 @contextlib.contextmanager
 def profiling(pid: int, path: Path, enabled: bool):
     """``py-spy record`` of process ``pid``'s busy threads while the block runs, collapsed stacks to ``path``."""
@@ -143,7 +181,8 @@ def profiling(pid: int, path: Path, enabled: bool):
         recorder.wait(timeout=120)
 
 
-def measure(name: str, args: argparse.Namespace, out: Path, env: dict[str, str]) -> dict:
+def measure(name: str, args: argparse.Namespace, out: Path, env: dict[str, str]) -> list[dict]:
+    """Server ``name`` under each of ``args.clients`` in turn: a row each."""
     server: ServerProcess = start_server(SERVERS[name], args, out / name, env)
     try:
         server.wait_ready(args.launch_timeout)
@@ -154,21 +193,21 @@ def measure(name: str, args: argparse.Namespace, out: Path, env: dict[str, str])
         idle = cpu_seconds(pid)
         time.sleep(args.idle)
         idle = cpu_seconds(pid) - idle
-        with profiling(pid, out / name / "py-spy.txt", args.profile):
-            cpu, threads, started = cpu_seconds(pid), thread_seconds(pid), time.monotonic()
-            tokens, events = asyncio.run(waves(server.url, args, 1, args.waves))
-            cpu, wall = cpu_seconds(pid) - cpu, time.monotonic() - started
-            threads = {k: v - threads.get(k, 0.0) for k, v in thread_seconds(pid).items()}
-        row = {"server": name, **ran, "process_threads": num_threads(pid), "tokens": tokens, "events": events,
-               "cpu_s": cpu, "wall_s": wall, "us_per_token": cpu / tokens * 1e6, "idle_use": idle / args.idle,
-               "thread_cpu_s": threads}  # fmt: skip
-        print(format_row(row), flush=True)
-        print(f"{name}: CPU seconds by thread over the measured waves:")
-        for thread, seconds in sorted(threads.items(), key=lambda item: -item[1])[:12]:
-            print(f"  {seconds:7.2f}  {thread}")
-        if args.profile:
-            print_profile(out / name / "py-spy.txt")
-        return row
+        rows = []
+        for client in args.clients:
+            with profiling(pid, out / name / f"py-spy-{client}.txt", args.profile):
+                figures = load(client, server, args, out / name, env)
+            row = {"server": name, "client": client, **ran, "process_threads": num_threads(pid), **figures,
+                   "us_per_token": figures["cpu_s"] / figures["tokens"] * 1e6,
+                   "idle_use": idle / args.idle}  # fmt: skip
+            print(format_row(row), flush=True)
+            print(f"{name}, {client} client: CPU seconds by thread over the measured load:")
+            for thread, seconds in sorted(row["thread_cpu_s"].items(), key=lambda item: -item[1])[:12]:
+                print(f"  {seconds:7.2f}  {thread}")
+            if args.profile:
+                print_profile(out / name / f"py-spy-{client}.txt")
+            rows.append(row)
+        return rows
     finally:
         server.stop()
 
@@ -192,22 +231,25 @@ def print_profile(path: Path, top: int = 25) -> None:
 
 
 HEADER = (
-    "| serving process | dtype | its threads | tokens | SSE events | wall s | CPU s | CPU use (idle) | us/token |\n"
-    "|---|---|---|---|---|---|---|---|---|"
+    "| serving process | client | dtype | its threads | tokens | SSE events | wall s | CPU s | CPU use (idle) "
+    "| us/token | client tokens/s | client mean TPOT ms |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def format_row(row: dict) -> str:
+    tpot = f"{row['client_mean_tpot_ms']:.1f}" if "client_mean_tpot_ms" in row else "-"  # ours does not time tokens
     return (
-        f"| {row['server']} | {row['dtype']} | {row['process_threads']} | {row['tokens']} | {row['events']} "
-        f"| {row['wall_s']:.1f} | {row['cpu_s']:.2f} | {row['cpu_s'] / row['wall_s']:.0%} ({row['idle_use']:.1%}) "
-        f"| {row['us_per_token']:.0f} |"
+        f"| {row['server']} | {row['client']} | {row['dtype']} | {row['process_threads']} | {row['tokens']} "
+        f"| {row['events']} | {row['wall_s']:.1f} | {row['cpu_s']:.2f} "
+        f"| {row['cpu_s'] / row['wall_s']:.0%} ({row['idle_use']:.1%}) | {row['us_per_token']:.0f} "
+        f"| {row['client_tokens_per_s']:.0f} | {tpot} |"
     )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", default="distserve,vllm", help="distserve, vllm or both, comma-separated")
+    parser.add_argument("--clients", default="ours,vllm", help="ours, vllm (vllm bench serve) or both, comma-separated")
     parser.add_argument("--dtype", choices=DTYPES, default=None, help="serve in this dtype (default: each its own)")
     parser.add_argument("--streams", type=int, default=32, help="requests at once")
     parser.add_argument("--waves", type=int, default=4, help="measured waves of --streams requests")
@@ -216,29 +258,36 @@ def main() -> int:
     parser.add_argument("--idle", type=float, default=5, help="seconds of idle CPU measured before the waves")
     parser.add_argument("--profile", action="store_true", help="py-spy record the serving process (SVG in --out)")
     parser.add_argument("--launch-timeout", type=float, default=900)
-    parser.add_argument("--client-timeout", type=float, default=600, help="seconds a wave may take")
+    parser.add_argument("--client-timeout", type=float, default=600, help="seconds a wave (vllm: its run) may take")
     parser.add_argument("--venvs", type=Path, default=Path.home() / "venvs")
     parser.add_argument("--out", type=Path, default=None, help="server logs (default: a temporary folder)")
     args = parser.parse_args()
     servers = [s.strip() for s in args.servers.split(",") if s.strip()]
     if unknown := [s for s in servers if s not in SERVERS]:
         parser.error(f"unknown servers {unknown}: choose from {', '.join(SERVERS)}")
-    if "vllm" in servers and executable(args.venvs, "vllm", "vllm") is None:
-        parser.error(f"no vllm in {args.venvs / 'vllm'} (docs/experiments/peer-clients.md): use --servers distserve")
+    args.clients = [c.strip() for c in args.clients.split(",") if c.strip()]
+    if unknown := [c for c in args.clients if c not in CLIENTS]:
+        parser.error(f"unknown clients {unknown}: choose from {', '.join(CLIENTS)}")
+    if "vllm" in servers + args.clients and executable(args.venvs, "vllm", "vllm") is None:
+        where = f"no vllm in {args.venvs / 'vllm'} (docs/experiments/peer-clients.md)"
+        parser.error(f"{where}: use --servers distserve --clients ours")
     out = args.out or Path(tempfile.mkdtemp(prefix="serving-cpu-"))
     out.mkdir(parents=True, exist_ok=True)
     args.tokenizer, args.api_key = model_files(MODEL, out)[0], None  # bench_peer_serving's start_server reads them
-    rows = [measure(name, args, out, client_env(args)) for name in servers]
+    rows = [row for name in servers for row in measure(name, args, out, client_env(args))]
 
     print(f"\n{args.waves} waves of {args.streams} streams at once, {args.input_len}-token prompts, "
           f"{args.output_len} tokens each (ignore_eos), {MODEL}; logs in {out}\n")  # fmt: skip
     print(HEADER)
     for row in rows:
         print(format_row(row))
-    if len(rows) == 2:
-        print(f"\n{rows[0]['server']} / {rows[1]['server']}: {rows[0]['us_per_token'] / rows[1]['us_per_token']:.2f}")
+    us = {(row["server"], row["client"]): row["us_per_token"] for row in rows}
+    if len(servers) == 2:
+        for client in args.clients:
+            ratio = us[servers[0], client] / us[servers[1], client]
+            print(f"\n{client} client: {servers[0]} / {servers[1]}: {ratio:.2f}")
     print("\nwhere each put its threads, as its log says:")
-    for row in rows:
+    for row in {row["server"]: row for row in rows}.values():
         print(f"  {row['server']}: {row['threads'] or 'no line on its threads'}")
     (out / "table.json").write_text(json.dumps(rows))
     return 0
