@@ -207,6 +207,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, p in pulls:
         rate = f"{p.bytes / p.seconds / 2**20:.0f} MiB/s" if p.seconds else "-"
         print(f"  {name} <- {p.source}: {p.transport}, {p.pulls}, {p.bytes / 2**20:.1f} MiB, {p.seconds:.2f} s, {rate}")
+    for i in info.instances:
+        if i.num_kv_checksum_mismatches:
+            print(f"  {i.name}: {i.num_kv_checksum_mismatches} pulls failed their checksum (each request ran again)")
     if info.kv_tiers:
         print("KV tier (node: blocks held, hits / lookups, from other nodes, evicted):")
     for t in info.kv_tiers:

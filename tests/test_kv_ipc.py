@@ -65,13 +65,13 @@ def _source(device: str, dtype: torch.dtype, publish: str, addresses: Queue, res
             cache = tensor.copy_(cache)
             if publish == "stale":
                 shared = dataclasses.replace(shared, inode=shared.inode + 1)
-        transfer = KVTransfer(cache, SOURCE, chunk_tokens=CHUNK, shared=shared)
+        transfer = KVTransfer(cache, SOURCE, chunk_tokens=CHUNK, shared=shared, checksum="on")
         address = transfer.store_address()
         addresses.put(address)
         transfer.connect(CHANNEL, True, address)
         part = _part()
         sent = transfer.send(CHANNEL, SRC_SLOTS, part.layers, part.kv_heads, DST_SLOTS)
-        results.put({"transport": transfer.transport(CHANNEL), "bytes": sent})
+        results.put({"transport": transfer.transport(CHANNEL), "bytes": sent.num_bytes, "digest": sent.digest})
         done.wait(TIMEOUT)
     except BaseException:
         results.put({"error": traceback.format_exc()})
@@ -82,14 +82,15 @@ def _destination(device: str, dtype: torch.dtype, in_place: bool, addresses: Que
     it held (and mapped) before and after dropping the prefill instance."""
     try:
         cache = _cache(DESTINATION, dtype, seed=2).to(device)
-        transfer = KVTransfer(cache, DESTINATION, chunk_tokens=CHUNK, in_place=in_place)
+        transfer = KVTransfer(cache, DESTINATION, chunk_tokens=CHUNK, in_place=in_place, checksum="on")
         transfer.connect(CHANNEL, False, addresses.get(timeout=TIMEOUT))
         part = _part()
         pull.wait(TIMEOUT)
         received = transfer.recv(CHANNEL, DST_SLOTS, part.layers, part.kv_heads, SRC_SLOTS)
         result = {
             "transport": transfer.transport(CHANNEL),
-            "bytes": received,
+            "bytes": received.num_bytes,
+            "digest": received.digest,
             "cache": transfer.kv_tensor.cpu().float().numpy(),  # exact for bfloat16; a plain array crosses safely
             "staging_bytes": transfer.peers()["staging_bytes"],
             "mapped": _mapped_caches(),
@@ -162,6 +163,7 @@ def _check_pulled(source: dict, destination: dict, dtype: torch.dtype, transport
     element = torch.empty((), dtype=dtype).element_size()
     num_bytes = len(part.layers) * 2 * len(SRC_SLOTS) * len(part.kv_heads) * HEAD_DIM * element
     assert source["bytes"] == destination["bytes"] == num_bytes
+    assert source["digest"] == destination["digest"] != ""  # the check a pull makes passes
     cache = torch.from_numpy(destination["cache"]).to(dtype)
     assert torch.equal(cache, _expected(dtype))  # the pulled slots, and every other slot unchanged
     assert not torch.equal(cache, _cache(DESTINATION, dtype, seed=2))  # (it did pull something)

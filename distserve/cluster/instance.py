@@ -36,6 +36,7 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.node_groups import ray_node_ids
 from distserve.engine.ray_runtime import cuda_actor_options
 from distserve.kv_tier.client import TierClient
+from distserve.kv_transfer.channel import Moved
 from distserve.kv_transfer.migrator import MigrationRecord, Migrator, PullTotals
 from distserve.kv_transfer.plan import KVEndpoint
 from distserve.model_executor.model_loader import resolve_model
@@ -71,6 +72,7 @@ class InstanceInfo:
     num_admission_waits: int  # decode: handed-over requests that had to wait for free blocks
     failure: str | None
     num_kv_pulls: int = 0  # decode: KV pulls done (one per hand-over, whatever its samples)
+    num_kv_checksum_mismatches: int = 0  # decode: pulls failed because what arrived differed from what was sent
     num_copied_blocks: int = 0  # blocks a request's samples shared and one of them copied to write into
     # (Ray node id, pid) of its processes: the actor's, then its ranks' when they run apart from it.
     processes: tuple[tuple[str, int], ...] = ()
@@ -242,13 +244,15 @@ class Instance:
             self._wakeup.set()  # the step loop frees the blocks
         return released
 
-    def send_kv(self, request_id: str, attempt: int, sends: list[tuple[int, tuple]], release: bool) -> tuple[int, bool]:
+    def send_kv(
+        self, request_id: str, attempt: int, sends: list[tuple[int, tuple]], release: bool
+    ) -> tuple[list[Moved], bool]:
         """Prefill: this instance's ranks send a run's KV at once (``sends``: each a rank and its
-        ``KVTransfer.send`` arguments); the bytes sent and, with ``release``, what ``release_kv``
-        answers once they are out. Over a group the blocks can go as soon as their sends are done,
-        which saves the pull a call."""
-        num_bytes = sum(self.engine.executor.call_kv_on([(rank, "send", args) for rank, args in sends]))
-        return num_bytes, self.release_kv(request_id, attempt) if release else True
+        ``KVTransfer.send`` arguments); what each sent (bytes, digest) and, with ``release``, what
+        ``release_kv`` answers once they are out. Over a group the blocks can go as soon as their
+        sends are done, which saves the pull a call."""
+        moved = self.engine.executor.call_kv_on([(rank, "send", args) for rank, args in sends])
+        return moved, self.release_kv(request_id, attempt) if release else True
 
     def kv(self, method: str, *args):
         """KV transfer calls to this instance's only rank, which runs in this actor."""
@@ -349,6 +353,7 @@ class Instance:
             num_admission_waits=stats.num_admission_waits,
             failure=self._failure,
             num_kv_pulls=self.migrator.num_pulls,
+            num_kv_checksum_mismatches=self.migrator.num_checksum_mismatches,
             num_copied_blocks=engine.block_manager.num_copied_blocks,
             processes=self._processes,
             kv_pulls_from=self.migrator.totals(),

@@ -24,6 +24,7 @@ ATTENTION_BACKENDS = ("auto", "cpp", "compiled", "triton", "sdpa")
 POLICIES = ("fcfs", "sjf", "priority", "deadline", "deadline-feasible")
 PLACEMENT_STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 KV_TRANSPORTS = ("auto", "group")
+KV_CHECKSUMS = ("auto", "on", "off")
 GENERATION_CONFIGS = ("auto", "vllm")
 
 
@@ -115,6 +116,14 @@ class CacheConfig:
         "node), else a two-rank group (NCCL on GPUs, gloo on CPU); 'group' always the group",
         KV_TRANSPORTS,
     )
+    kv_transfer_checksum: str = option(
+        "auto",
+        "check KV pulls: the source and destination ranks digest the KV sent and received and a mismatch "
+        "fails the pull (the request runs again, counted in kv_checksum_mismatches); 'auto' checks pulls "
+        "over a group (gloo, NCCL) and not those read in place, where on a CPU the check took longer than "
+        "the copy; 'on' checks every pull, 'off' none",
+        KV_CHECKSUMS,
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -126,6 +135,7 @@ class CacheConfig:
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check_choice("kv_transport", self.kv_transport, KV_TRANSPORTS)
+        _check_choice("kv_transfer_checksum", self.kv_transfer_checksum, KV_CHECKSUMS)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be at least 0 GiB, got {self.swap_space}")
         if self.kv_tier_space < 0:

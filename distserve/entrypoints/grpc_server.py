@@ -199,6 +199,7 @@ def instance_to_proto(info: InstanceInfo) -> pb.InstanceInfo:
         num_swapped=info.num_swapped,
         num_swap_outs=info.num_swap_outs,
         num_swap_ins=info.num_swap_ins,
+        num_kv_checksum_mismatches=info.num_kv_checksum_mismatches,
         swap_seconds=info.swap_seconds,
         prompt_tokens=info.prompt_tokens,
         cached_prompt_tokens=info.cached_prompt_tokens,

@@ -88,6 +88,8 @@ class ServingMetrics:
              "tier_hit_tokens"),
             (instance_gauge("tier_loaded_blocks", "KV blocks copied in from the prefix tier"), "tier_loaded_blocks"),
             (instance_gauge("tier_saved_blocks", "KV blocks copied out to the prefix tier"), "tier_saved_blocks"),
+            (instance_gauge("kv_checksum_mismatches", "KV pulls whose received KV differed from what was sent "
+                            "(each failed; its request ran again)"), "num_kv_checksum_mismatches"),
         ]  # fmt: skip
 
         def tier_gauge(name: str, doc: str) -> Gauge:

@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from distserve.kv_transfer.checksum import kv_digest
 from distserve.kv_transfer.plan import KVLayout
 from distserve.kv_transfer.shared_memory import SharedFile
 from distserve.kv_transfer.slot_copy import copy_slot_runs, copy_slots
@@ -149,6 +150,20 @@ def ray_node() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
 
+@dataclass(frozen=True)
+class Moved:
+    """What one end of a transfer moved: its bytes, and the digest of the KV it sent or received
+    (``checksum``), empty where transfers are not checked."""
+
+    num_bytes: int
+    digest: str = ""
+
+    def agrees(self, other: Moved) -> bool:
+        """Whether the two ends of a transfer moved the same KV, as far as both checked it (pools
+        may be told apart which pulls to check)."""
+        return not (self.digest and other.digest) or self.digest == other.digest
+
+
 @dataclass
 class IpcPeer:
     """A channel that reads the source's cache in place (CUDA IPC, or shared memory on CPU). The
@@ -173,7 +188,8 @@ class KVTransfer:
 
     ``in_place``: read a source's cache in place where both ends can (else always a group).
     ``shared``: on CPU, how another process maps this rank's cache; without it the cache is read
-    over gloo only."""
+    over gloo only. ``checksum``: which transfers each end digests the KV of (``checksum``), for the
+    puller to compare: "auto" those over a group, "on" all, "off" none."""
 
     def __init__(
         self,
@@ -182,6 +198,7 @@ class KVTransfer:
         chunk_tokens: int | None = None,
         shared: SharedFile | None = None,
         in_place: bool = True,
+        checksum: str = "auto",
     ) -> None:
         self.kv_tensor = kv_tensor  # the rank's cache, [layers, 2, slots, kv_heads, head_dim]
         self.layout = layout
@@ -190,6 +207,7 @@ class KVTransfer:
         self.chunk_tokens = chunk_tokens or message_tokens(heads, head_dim, kv_tensor.dtype, self.device.type)
         self.shared = shared
         self.in_place = in_place
+        self.checksum = checksum
         self._in_place_transport, self._group_transport = TRANSPORTS[self.device.type]
         self._store: dist.TCPStore | None = None
         self._groups: dict[str, dist.ProcessGroup | IpcPeer] = {}
@@ -463,9 +481,9 @@ class KVTransfer:
                     else:
                         yield view, index[start:stop]
 
-    def send(self, channel: str, slots: list[int], layers: range, heads: range, dst_slots: list[int]) -> int:
+    def send(self, channel: str, slots: list[int], layers: range, heads: range, dst_slots: list[int]) -> Moved:
         """Send the K and V of ``slots`` for ``layers`` x ``heads`` (to the destination's
-        ``dst_slots``); returns the bytes sent.
+        ``dst_slots``); returns the bytes sent and their digest.
 
         Messages in place are all posted at once; a staged one waits for its buffer's last send,
         so gathering one overlaps sending the other. In place the destination reads them itself;
@@ -473,7 +491,7 @@ class KVTransfer:
         """
         group = self._group(channel)
         if isinstance(group, IpcPeer):
-            return self._bytes(slots, layers, heads)
+            return self._moved(slots, layers, heads, in_place=True)
         num_bytes = 0
         with self._transfer_lock:
             pending: list[Pending] = []
@@ -488,11 +506,12 @@ class KVTransfer:
                 pending.append((group.send([data], 1, tag), None if index is None else buffer, None))
                 num_bytes += data.numel() * data.element_size()
             _drain(pending)
-        return num_bytes
+        return self._moved(slots, layers, heads, num_bytes=num_bytes)
 
-    def recv(self, channel: str, slots: list[int], layers: range, heads: range, src_slots: list[int]) -> int:
+    def recv(self, channel: str, slots: list[int], layers: range, heads: range, src_slots: list[int]) -> Moved:
         """Receive into ``slots`` what the source sends of its ``src_slots`` for ``layers`` x
-        ``heads``; returns the bytes. In place it copies them out of the source's cache itself.
+        ``heads``; returns the bytes and the digest of what is now in ``slots``. In place it copies
+        them out of the source's cache itself.
 
         Messages in place are all posted at once; a staged one is scattered into the cache once
         it is in, before its buffer takes another.
@@ -516,9 +535,9 @@ class KVTransfer:
                 pending.append((group.recv([data], 0, tag), buffer, scatter))
                 num_bytes += data.numel() * data.element_size()
             _drain(pending)
-        return num_bytes
+        return self._moved(slots, layers, heads, num_bytes=num_bytes)
 
-    def _pull(self, peer: IpcPeer, src_slots: list[int], slots: list[int], layers: range, heads: range) -> int:
+    def _pull(self, peer: IpcPeer, src_slots: list[int], slots: list[int], layers: range, heads: range) -> Moved:
         """Copy the source's ``src_slots`` into ``slots``, every layer at once (``slot_copy``: on
         CUDA GPU to GPU in one gather-scatter, on CPU a run of consecutive slots at a time); back
         once the copies are done, since the source may reuse its blocks as soon as the pull is
@@ -533,12 +552,22 @@ class KVTransfer:
                 # long as the copy itself for thousands of tokens.
                 index, src_index = torch.from_numpy(np.array((slots, src_slots), dtype=np.int64)).to(self.device)
                 copy_slots(here, index, there, src_index, self.chunk_tokens)
-        return self._bytes(slots, layers, heads)
+        return self._moved(slots, layers, heads, in_place=True)
 
-    def _bytes(self, slots: list[int], layers: range, heads: range) -> int:
-        """The K and V of ``slots`` for ``layers`` x ``heads``, in bytes."""
-        head_dim = self.kv_tensor.shape[4]
-        return len(layers) * 2 * len(slots) * len(heads) * head_dim * self.kv_tensor.element_size()
+    def _moved(
+        self, slots: list[int], layers: range, heads: range, num_bytes: int | None = None, in_place: bool = False
+    ) -> Moved:
+        """The K and V of ``slots`` for ``layers`` x ``heads``: their bytes (``num_bytes`` where the
+        messages counted them) and, where this transfer is checked, their digest as the cache holds
+        them (``in_place``: the destination reads the source's cache itself)."""
+        if num_bytes is None:
+            head_dim = self.kv_tensor.shape[4]
+            num_bytes = len(layers) * 2 * len(slots) * len(heads) * head_dim * self.kv_tensor.element_size()
+        if self.checksum == "off" or (self.checksum == "auto" and in_place):
+            return Moved(num_bytes)
+        # On the current stream, which a group's received messages were waited on and in-place
+        # copies were synchronized with already.
+        return Moved(num_bytes, kv_digest(_part(self.kv_tensor, self.layout, layers, heads), slots))
 
 
 def _pieces(buffer: torch.Tensor, piece_numel: int) -> list[tuple[int, torch.Tensor]]:

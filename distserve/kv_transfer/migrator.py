@@ -21,7 +21,8 @@ from typing import Any
 import ray
 
 from distserve.core.handover import Handover
-from distserve.kv_transfer.channel import IN_PLACE_TRANSPORTS, channel_peers
+from distserve.kv_transfer.channel import IN_PLACE_TRANSPORTS, Moved, channel_peers
+from distserve.kv_transfer.checksum import KVChecksumMismatch
 from distserve.kv_transfer.plan import KVEndpoint, TransferPart, plan_transfer, token_slots, transfer_rounds
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Migrator:
         self._records: OrderedDict[str, MigrationRecord] = OrderedDict()
         self._totals: dict[str, PullTotals] = {}  # by prefill instance
         self.num_pulls = 0
+        self.num_checksum_mismatches = 0  # pulls failed because what arrived was not what was sent
         self._records_lock = threading.Lock()
         self._sources: dict[str, tuple[Any, list[KVEndpoint], list[TransferPart]]] = {}
         self._connected: dict[str, str] = {}  # channel: its transport
@@ -108,7 +110,9 @@ class Migrator:
                 record = self._pull(handover, block_table)
             except Exception as e:  # the prefill side died or refused: the request cannot continue here
                 logger.exception("%s: pulling the KV of %s failed", self.name, handover.request_id)
-                if not isinstance(e, KVNoLongerHeld):  # the link broke: connect afresh next time
+                # The link broke: connect afresh next time. A refused or mismatched pull ran to its
+                # end over channels still in step.
+                if not isinstance(e, (KVNoLongerHeld, KVChecksumMismatch)):
                     self._forget(handover.prefill_instance, on_ranks=True)
                 error = f"KV migration from {handover.prefill_instance} failed: {e}"
                 self.on_done(handover.request_id, handover.attempt, None, error)
@@ -166,7 +170,7 @@ class Migrator:
         # Over groups the source frees its blocks in the call that sends the last of them; a
         # destination that reads them in place needs them until its copy is done.
         release_with_send = not transports & IN_PLACE_TRANSPORTS
-        num_bytes, held = 0, True
+        num_bytes, held, mismatched = 0, True, []
         for i, (round_, names) in enumerate(zip(rounds, channels)):
             recvs = [
                 self.endpoints[part.dst].call("recv", channel, dst_slots, part.layers, part.kv_heads, src_slots)
@@ -178,14 +182,20 @@ class Migrator:
             ]
             release = release_with_send and i == len(rounds) - 1
             sent = handle.send_kv.remote(handover.request_id, handover.attempt, sends, release)
-            num_bytes += sum(ray.get(recvs))
-            held = ray.get(sent)[1]
+            received: list[Moved] = ray.get(recvs)
+            sent_moved, held = ray.get(sent)
+            num_bytes += sum(m.num_bytes for m in received)
+            mismatched += [name for name, s, r in zip(names, sent_moved, received) if not s.agrees(r)]
         # Else the prefill instance frees its blocks now, unless it did so at its hold deadline
         # already, in which case they may have been reused during the pull.
         if not release_with_send:
             held = ray.get(handle.release_kv.remote(handover.request_id, handover.attempt))
         if not held:
             raise KVNoLongerHeld(f"{handover.prefill_instance} no longer held the KV (hold deadline or abort)")
+        if mismatched:
+            with self._records_lock:
+                self.num_checksum_mismatches += 1
+            raise KVChecksumMismatch(f"the KV received over {', '.join(mismatched)} is not what was sent")
         transport = "+".join(sorted(transports))
         record = MigrationRecord(handover.request_id, num_tokens, num_bytes, transport, start, time.time())
         with self._records_lock:

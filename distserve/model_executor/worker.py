@@ -160,7 +160,11 @@ class Worker:
         block_size = self.config.cache.block_size
         self.model_runner = ModelRunner(self.model, self.kv_cache, block_size, self.stage, backend)
         self.kv_transfer = KVTransfer(
-            self.kv_cache.tensor, self.kv_layout, shared=self.kv_cache.shared, in_place=in_place
+            self.kv_cache.tensor,
+            self.kv_layout,
+            shared=self.kv_cache.shared,
+            in_place=in_place,
+            checksum=self.config.cache.kv_transfer_checksum,
         )
         self.decode_graphs = None
         if use_graphs:

@@ -10,7 +10,9 @@ timed on the decode rank until its copies are done: on CUDA one Triton gather-sc
 layer, on CPU a copy per run of consecutive slots), then the same through torch's per-layer
 gather and scatter (the fallback without Triton), and then copies the same bytes in one
 contiguous piece out of the prefill rank's cache through the same mapping (``recv_probe``): the
-raw speed. Medians of the repeats, after one warm-up each.
+raw speed. The pull is timed with its check (``cache.kv_transfer_checksum``: the decode rank
+digests what it received, inside ``recv``) and without; the prefill rank's digest of what it sent is
+timed on the same slots. Medians of the repeats, after one warm-up each.
 
     python scripts/benchmarks/bench_kv_ipc.py [--tokens 512,2048,8192] [--repeats 10] [--json kv_ipc.json]
     python scripts/benchmarks/bench_kv_ipc.py --device cpu --dtype float32 --num-layers 8 --num-blocks 600 \
@@ -37,6 +39,7 @@ import torch
 import torch.multiprocessing as mp
 
 from distserve.kv_transfer.channel import NCCL_MESSAGE_TOKENS, KVTransfer
+from distserve.kv_transfer.checksum import kv_digest
 from distserve.kv_transfer.plan import KVLayout, token_slots
 from distserve.kv_transfer.shared_memory import shared_zeros
 from distserve.kv_transfer.slot_copy import copy_slots
@@ -133,17 +136,23 @@ def destination(args: argparse.Namespace, addresses: Queue, results: Queue) -> N
             # Blocks drawn at random on each side: a pull from and into a fragmented cache.
             src_slots = token_slots(rng.sample(range(args.num_blocks), num_blocks), tokens, args.block_size)
             dst_slots = token_slots(rng.sample(range(args.num_blocks), num_blocks), tokens, args.block_size)
-            num_bytes = transfer.recv(CHANNEL, dst_slots, layers, heads, src_slots)
+            num_bytes = transfer.recv(CHANNEL, dst_slots, layers, heads, src_slots).num_bytes
             # A check of what arrived, first and last layer: the source's cache is mapped here.
             src_cache = transfer._group(CHANNEL).tensor
             for layer in (0, args.num_layers - 1):
                 if not torch.equal(transfer.kv_tensor[layer][:, dst_slots], src_cache[layer][:, src_slots]):
                     raise RuntimeError(f"layer {layer} of a {tokens}-token pull differs from the source")
-            pull = median_seconds(partial(transfer.recv, CHANNEL, dst_slots, layers, heads, src_slots), args.repeats)
+            pull_once = partial(transfer.recv, CHANNEL, dst_slots, layers, heads, src_slots)
+            pull = median_seconds(pull_once, args.repeats)
+            transfer.checksum = False
+            unchecked = median_seconds(pull_once, args.repeats)
+            transfer.checksum = True
+            source_digest = median_seconds(partial(kv_digest, src_cache, src_slots), args.repeats)
             fallback = median_seconds(partial(torch_pull, transfer, dst_slots, src_slots), args.repeats)
             raw = median_seconds(partial(transfer.recv_probe, CHANNEL, num_bytes), args.repeats)
             row = {"tokens": tokens, "bytes": num_bytes, "pull_seconds": pull, "torch_seconds": fallback}
-            rows.append(row | {"raw_seconds": raw})
+            check = {"unchecked_seconds": unchecked, "source_digest_seconds": source_digest}
+            rows.append(row | check | {"raw_seconds": raw})
         if args.device == "cuda":
             where = f"{torch.cuda.get_device_name(0)}, two processes on one GPU over CUDA IPC"
         else:
@@ -186,13 +195,22 @@ def main() -> None:
         f"\n{answer['device']}: {args.num_layers} layers, {args.num_kv_heads} KV heads of {args.head_dim}, "
         f"{args.dtype}, blocks of {args.block_size}; medians of {args.repeats}\n"
     )
-    print("| tokens | KV MiB | pull ms | GB/s | torch per-layer ms | raw copy ms | raw GB/s | pull / raw speed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| tokens | KV MiB | pull ms | GB/s | unchecked pull ms | source digest ms | check's share | "
+        "torch per-layer ms | raw copy ms | raw GB/s | pull / raw speed |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in answer["rows"]:
         pull, raw, num_bytes = row["pull_seconds"], row["raw_seconds"], row["bytes"]
+        unchecked, source_digest = row["unchecked_seconds"], row["source_digest_seconds"]
+        # Both ends' digests against the pull without them (the source's runs in its own process,
+        # but the pull waits for its answer).
+        share = (pull - unchecked + source_digest) / unchecked
         row.update(pull_gb_per_s=num_bytes / pull / 1e9, raw_gb_per_s=num_bytes / raw / 1e9, ratio=raw / pull)
+        row.update(check_share=share)
         print(
             f"| {row['tokens']} | {num_bytes / 2**20:.1f} | {pull * 1e3:.2f} | {row['pull_gb_per_s']:.1f} "
+            f"| {unchecked * 1e3:.2f} | {source_digest * 1e3:.2f} | {share:.0%} "
             f"| {row['torch_seconds'] * 1e3:.2f} | {raw * 1e3:.2f} | {row['raw_gb_per_s']:.1f} | {row['ratio']:.2f} |"
         )
     if args.json:

@@ -14,7 +14,9 @@ at once. It also reports migration time as a share of each request's end-to-end 
 cache in place on one node (shared memory on CPU, CUDA IPC on GPUs), and so does the raw
 transfer (one contiguous copy out of it); ``group`` moves both over a two-rank group (gloo on
 CPU); ``both`` runs a cluster of each, one after the other, and adds a table of the in-place
-migration against the group's migration and raw transfer.
+migration against the group's migration and raw transfer. ``--checksums on,off`` runs a cluster
+of each ``cache.kv_transfer_checksum`` (for each transport) and adds what checking the pulls costs,
+as a share of the unchecked pull.
 
 With ``--nodes``, the prefill and the decode instance run on two Ray nodes (two raylets of a
 ``ray.cluster_utils.Cluster`` on this machine, labelled as plan node groups 0 and 1), so the KV
@@ -24,6 +26,7 @@ Run (about 2 minutes a cluster on 2 CPU cores):
 
     DISTSERVE_CACHE_DIR=/tmp/dscache python scripts/benchmarks/bench_migration.py
     python scripts/benchmarks/bench_migration.py --kv-transport both
+    python scripts/benchmarks/bench_migration.py --kv-transport both --checksums on,off --prompt-lens 128,512,2048,8192
     python scripts/benchmarks/bench_migration.py --nodes
     python scripts/benchmarks/bench_migration.py --device cuda --dtype bfloat16 --prompt-lens 512,2048,8192
 """
@@ -65,6 +68,11 @@ def parse_args() -> argparse.Namespace:
         default="auto",
         choices=(*KV_TRANSPORTS, "both"),
         help="the clusters' cache.kv_transport ('both': a cluster of each, compared)",
+    )
+    p.add_argument(
+        "--checksums",
+        default="auto",
+        help="the clusters' cache.kv_transfer_checksum, comma-separated (on,off: a cluster of each, compared)",
     )
     return p.parse_args()
 
@@ -121,7 +129,9 @@ class RawLink:
         return time.time() - start
 
 
-def run_cluster(args: argparse.Namespace, model_dir: Path, pools: dict, kv_transport: str) -> tuple[str, list[Row]]:
+def run_cluster(
+    args: argparse.Namespace, model_dir: Path, pools: dict, kv_transport: str, checksum: str
+) -> tuple[str, list[Row]]:
     """How the KV moved (the migration records' transport), and a row per prompt length. Each
     request is followed by the raw sends of its bytes, so that the two see the same machine."""
     lengths = [int(x) for x in args.prompt_lens.split(",")]
@@ -133,6 +143,7 @@ def run_cluster(args: argparse.Namespace, model_dir: Path, pools: dict, kv_trans
         num_kv_blocks=(max(lengths) + args.output_len) // 16 * 2 + 16,
         max_num_batched_tokens=max(lengths),
         kv_transport=kv_transport,
+        kv_transfer_checksum=checksum,
         **pools,
     )
     try:
@@ -162,7 +173,7 @@ def run_cluster(args: argparse.Namespace, model_dir: Path, pools: dict, kv_trans
             e2e = [o.metrics.finished_time - o.metrics.arrival_time for o in outputs]
             share = statistics.median((r.end - r.start) / t for r, t in zip(mig, e2e))
             rows.append(Row(length, num_bytes, seconds, *raw, statistics.median(e2e), share))
-            print(f"{kv_transport}: {length} tokens done", flush=True)
+            print(f"{kv_transport}, checksum {checksum}: {length} tokens done", flush=True)
     finally:
         cluster.shutdown()
     return "+".join(sorted(transports)), rows
@@ -200,6 +211,19 @@ def print_comparison(in_place: tuple[str, list[Row]], group: tuple[str, list[Row
         )
 
 
+def print_checksum_cost(transport: str, checked: list[Row], unchecked: list[Row]) -> None:
+    """The same pulls with and without their checks, length by length."""
+    print(f"\nchecked against unchecked pulls over {transport}\n")
+    print("| prompt tokens | KV MiB | checked ms | unchecked ms | check's share of the pull | of the request |")
+    print("|---|---|---|---|---|---|")
+    for c, u in zip(checked, unchecked):
+        extra = c.seconds - u.seconds
+        print(
+            f"| {c.length} | {c.num_bytes / 2**20:.1f} | {c.seconds * 1e3:.1f} | {u.seconds * 1e3:.1f} "
+            f"| {extra / u.seconds:.0%} | {extra / u.e2e:.2%} |"
+        )
+
+
 def main() -> None:
     args = parse_args()
     hf_logging.set_verbosity_error()
@@ -215,10 +239,11 @@ def main() -> None:
     else:
         ray.init(include_dashboard=False, log_to_driver=False, **one_gpu_shared_options())  # one GPU: both on it
     kv_transports = KV_TRANSPORTS if args.kv_transport == "both" else (args.kv_transport,)
+    checksums = args.checksums.split(",")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             model_dir = write_model_dir(Path(tmp), args)
-            results = [run_cluster(args, model_dir, pools, t) for t in kv_transports]
+            runs = {(t, c): run_cluster(args, model_dir, pools, t, c) for t in kv_transports for c in checksums}
     finally:
         if nodes is not None:
             ray.shutdown()
@@ -228,10 +253,13 @@ def main() -> None:
         f"\n{where}; model: Llama-shaped, {args.num_layers} layers, {args.num_kv_heads} KV heads of 128, {args.dtype} "
         f"on {args.device}; {args.output_len} output tokens; medians of {args.repeats}"
     )
-    for transport, rows in results:
-        print_rows(transport, rows)
-    if len(results) == 2:
-        print_comparison(*results)
+    for (_, checksum), (transport, rows) in runs.items():
+        print_rows(f"{transport}, checksum {checksum}", rows)
+    if len(kv_transports) == 2:
+        print_comparison(*(runs[t, checksums[0]] for t in kv_transports))
+    if {"on", "off"} <= set(checksums):
+        for t in kv_transports:
+            print_checksum_cost(runs[t, "on"][0], runs[t, "on"][1], runs[t, "off"][1])
 
 
 if __name__ == "__main__":
