@@ -65,7 +65,8 @@ def test_a_peer_replaced_again_and_again_leaves_no_channel_or_buffer_behind():
             (prefill.send, channel, src_slots, range(LAYERS), range(HEADS), dst_slots),
             (decode.recv, channel, dst_slots, range(LAYERS), range(HEADS), src_slots),
         )
-        assert sent == received == LAYERS * 2 * len(src_slots) * HEADS * DIM * 4
+        assert sent.num_bytes == received.num_bytes == LAYERS * 2 * len(src_slots) * HEADS * DIM * 4
+        assert sent.digest == received.digest != ""  # checked: a group's pulls are by default
         assert torch.equal(decode.kv_tensor[:, :, dst_slots], prefill.kv_tensor[:, :, src_slots])
         assert decode.peers()["channels"] == [channel]
         assert decode.drop_peer(f"prefill-r{round}") == [channel]  # the prefill instance is gone

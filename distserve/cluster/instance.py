@@ -36,9 +36,8 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.node_groups import ray_node_ids
 from distserve.engine.ray_runtime import cuda_actor_options
 from distserve.kv_tier.client import TierClient
-from distserve.kv_transfer.channel import Moved
-from distserve.kv_transfer.migrator import MigrationRecord, Migrator, PullTotals
 from distserve.kv_transfer.plan import KVEndpoint
+from distserve.kv_transfer.puller import KVPuller, MigrationRecord, PullTotals
 from distserve.model_executor.model_loader import resolve_model
 from distserve.parallel.ranks import check_parallel_config
 from distserve.scheduling.step_time import StepCost
@@ -122,13 +121,13 @@ class Instance:
         self._stopping = False
         self._role_change: RoleChange | None = None  # asked for, not yet done; set and read by the step loop
 
-        def make_migrator(executor: Executor) -> Migrator:
-            """The engine's KV puller: pulls into ``executor``'s ranks, each pull's end to ``_pulled``."""
+        def make_puller(executor: Executor) -> KVPuller:
+            """The engine's KV puller: pulls into ``executor``'s ranks; an answer wakes the step loop."""
             endpoints = executor.kv_endpoints(ray.get_runtime_context().current_actor)
-            self.migrator = Migrator(name, endpoints, config.cache.block_size, self._pulled)
-            return self.migrator
+            self.puller = KVPuller(name, endpoints, config.cache.block_size, self._wakeup.set)
+            return self.puller
 
-        self.engine = LLMEngine(config, max_step_records=RECENT_STEPS, name=name, make_kv_puller=make_migrator)
+        self.engine = LLMEngine(config, max_step_records=RECENT_STEPS, name=name, make_kv_puller=make_puller)
         node = ray.get_runtime_context().get_node_id()
         if config.cache.kv_tier_space and (store := (tier_stores or {}).get(node)) is not None:
             self._attach_tier(store)
@@ -244,16 +243,6 @@ class Instance:
             self._wakeup.set()  # the step loop frees the blocks
         return released
 
-    def send_kv(
-        self, request_id: str, attempt: int, sends: list[tuple[int, tuple]], release: bool
-    ) -> tuple[list[Moved], bool]:
-        """Prefill: this instance's ranks send a run's KV at once (``sends``: each a rank and its
-        ``KVTransfer.send`` arguments); what each sent (bytes, digest) and, with ``release``, what
-        ``release_kv`` answers once they are out. Over a group the blocks can go as soon as their
-        sends are done, which saves the pull a call."""
-        moved = self.engine.executor.call_kv_on([(rank, "send", args) for rank, args in sends])
-        return moved, self.release_kv(request_id, attempt) if release else True
-
     def kv(self, method: str, *args):
         """KV transfer calls to this instance's only rank, which runs in this actor."""
         return self.engine.executor.worker.kv(method, *args)
@@ -262,18 +251,18 @@ class Instance:
         return self.engine.executor.kv_endpoints(ray.get_runtime_context().current_actor)
 
     def forget_peer(self, name: str) -> None:
-        """Instance ``name`` is gone: drop every KV channel to or from it and what the migrator knows of it."""
-        self.migrator.forget(name)
+        """Instance ``name`` is gone: drop every KV channel to or from it and what the puller knows of it."""
+        self.puller.forget(name)
         self.engine.executor.call_kv("drop_peer", name)
 
     def kv_peers(self) -> dict[str, Any]:
-        """What this instance keeps for KV transfers: the migrator's prefill sources and their channels,
-        and each rank's channels and staging bytes."""
-        return {"sources": self.migrator.sources(), "ranks": self.engine.executor.call_kv("peers")}
+        """What this instance keeps for KV transfers: the puller's prefill sources, and each rank's
+        channels and staging bytes."""
+        return {"sources": self.puller.sources(), "ranks": self.engine.executor.call_kv("peers")}
 
     def migrations(self) -> dict[str, MigrationRecord]:
         """Decode: the latest KV pulls, by request id."""
-        return self.migrator.records()
+        return self.puller.records()
 
     def get_outputs(
         self,
@@ -352,11 +341,11 @@ class Instance:
             num_throttled_steps=stats.num_throttled_steps,
             num_admission_waits=stats.num_admission_waits,
             failure=self._failure,
-            num_kv_pulls=self.migrator.num_pulls,
-            num_kv_checksum_mismatches=self.migrator.num_checksum_mismatches,
+            num_kv_pulls=self.puller.num_pulls,
+            num_kv_checksum_mismatches=self.puller.num_checksum_mismatches,
             num_copied_blocks=engine.block_manager.num_copied_blocks,
             processes=self._processes,
-            kv_pulls_from=self.migrator.totals(),
+            kv_pulls_from=self.puller.totals(),
             **_swap_counts(scheduler.swap),
             prompt_tokens=engine.block_manager.prefix_cache_queried_tokens,
             cached_prompt_tokens=engine.block_manager.prefix_cache_hit_tokens,
@@ -373,7 +362,6 @@ class Instance:
         self._stopping = True
         self._wakeup.set()
         self._loop.join(timeout=30)
-        self.migrator.stop()
         self.engine.shutdown()
 
     # Bookkeeping of the runs queued here -----------------------------------------------------
@@ -455,8 +443,6 @@ class Instance:
                 deltas += self.engine.give_back(payload)
             elif kind == "abort":
                 deltas += self.engine.abort_request(*payload)
-            elif kind == "pulled":
-                deltas += self.engine.pull_done(*payload)
         self._publish(deltas)
 
     def _takes_prompt(self, seq: Sequence, local_prefill: bool) -> bool:
@@ -477,13 +463,6 @@ class Instance:
             change.error = e
         change.seconds = time.monotonic() - change.asked
         change.done.set()
-
-    def _pulled(self, request_id: str, attempt: int, record: MigrationRecord | None, error: str | None) -> None:
-        """Called on the migrator's thread; the step loop takes it from there."""
-        if error is not None:
-            logger.error("%s: %s: %s", self.name, request_id, error)
-        start, end = (record.start, record.end) if record is not None else (None, None)
-        self._send("pulled", (request_id, attempt, start, end, error))
 
     def _end_requests_of_silent_servers(self) -> None:
         """End the requests of an API server that has not polled for the lease it asked for (it

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Protocol
+from typing import Any, Protocol
 
 from distserve.core.handover import Handover
 from distserve.core.role import Role
@@ -26,9 +26,19 @@ from distserve.scheduling.block_manager import BlockManager
 RunKey = tuple[str, int]  # (request id, attempt)
 
 
+class PullEnded(Protocol):
+    request_id: str
+    attempt: int
+    record: Any  # with the pull's wall-clock ``start`` and ``end``; None when it failed
+    error: str | None
+
+
 class KVPuller(Protocol):
     def submit(self, handover: Handover, block_table: list[int]) -> None:
-        """Start pulling the prompt's KV into ``block_table``; its end is reported to ``DecodeRole.pull_done``."""
+        """Start pulling the prompt's KV into ``block_table``; its end comes out of ``poll``."""
+
+    def poll(self) -> list[PullEnded]:
+        """The pulls that ended since the last call, for ``DecodeRole.pull_done``."""
 
 
 class DecodeAdmission:

@@ -310,7 +310,8 @@ class LLMEngine:
 
     def tick(self) -> list[RequestDelta]:
         """Housekeeping between steps: held KV pulled (freed: the request goes on elsewhere) or past
-        its deadline (failed), then the role's own (decode: admissions)."""
+        its deadline (failed), then the role's own (decode: admissions, whose pulls start at once,
+        and the pulls that ended since, whose requests join the batch)."""
         self._free_released()
         deltas = [self.finish(seq, "error") for seq in self.kv_hold.expire(time.monotonic())]
         admitted = self.role.admit()
@@ -318,6 +319,10 @@ class LLMEngine:
             raise RuntimeError(f"{self.name}: a decode engine needs a KV puller to take requests over")
         for seq, handover in admitted:
             self.kv_puller.submit(handover, list(seq.block_table))
+        if self.kv_puller is not None:
+            for end in self.kv_puller.poll():
+                start, stop = (end.record.start, end.record.end) if end.record is not None else (None, None)
+                deltas += self.pull_done(end.request_id, end.attempt, start, stop, end.error)
         return deltas
 
     def _free_released(self) -> None:

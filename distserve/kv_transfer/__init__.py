@@ -1,2 +1,2 @@
 """How KV crosses between instances: which rank sends what to which (plan), the pair
-communicators that move it (channel), and the decode side's puller (migrator)."""
+communicators that move it (channel), their checks (checksum), and the decode side's puller."""

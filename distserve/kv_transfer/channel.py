@@ -41,6 +41,7 @@ over every layer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -59,8 +60,8 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from distserve.kv_transfer.checksum import kv_digest
-from distserve.kv_transfer.plan import KVLayout
+from distserve.kv_transfer.checksum import KVChecksumMismatch, kv_digest
+from distserve.kv_transfer.plan import KVEndpoint, KVLayout
 from distserve.kv_transfer.shared_memory import SharedFile
 from distserve.kv_transfer.slot_copy import copy_slot_runs, copy_slots
 from distserve.parallel.process_group import COLLECTIVE_TIMEOUT, create_store
@@ -77,7 +78,6 @@ PROBE_POOL_BYTES = 256 << 20
 # How a channel moves the KV, by device: in place (the destination reads the source's cache), or
 # over a two-rank group.
 TRANSPORTS = {"cuda": ("ipc", "nccl"), "cpu": ("shm", "gloo")}
-IN_PLACE_TRANSPORTS = {in_place for in_place, _ in TRANSPORTS.values()}
 
 # One message over gloo: TCP on loopback moved 8-64 MiB fastest in messages of 1-2 MiB, 1.5-2x as
 # fast as in one send (the sender's writes and the receiver's reads overlap).
@@ -157,6 +157,7 @@ class Moved:
 
     num_bytes: int
     digest: str = ""
+    transport: str = ""  # a destination's pull: how the channel moved it ("shm", "gloo", ...)
 
     def agrees(self, other: Moved) -> bool:
         """Whether the two ends of a transfer moved the same KV, as far as both checked it (pools
@@ -213,6 +214,9 @@ class KVTransfer:
         self._groups: dict[str, dist.ProcessGroup | IpcPeer] = {}
         self._groups_lock = threading.Lock()  # guards _groups: joins and drops come from any thread
         self._transfer_lock = threading.Lock()  # one transfer at a time through the staging buffers
+        # One pull at a time on each channel: a group matches messages by tag, so two transfers on it
+        # must go in the same order at both ends, which the destination keeps by driving both.
+        self._channel_locks: dict[str, threading.Lock] = {}
         self._buffers: list[torch.Tensor] = []
         self._probe_buffer: torch.Tensor | None = None  # the raw link's probes (benchmarks)
         self._probe_offset = 0  # where the next cold probe starts in it
@@ -379,6 +383,35 @@ class KVTransfer:
             yield
         stream.synchronize()
 
+    def pull(
+        self, channel: str, source: KVEndpoint, slots: list[int], layers: range, heads: range, src_slots: list[int]
+    ) -> Moved:
+        """Destination: pull the source rank's ``src_slots`` into ``slots`` for ``layers`` x
+        ``heads`` over ``channel``, joining it with the source first if new, and check that what
+        arrived is what was sent (raises KVChecksumMismatch where both ends digested it)."""
+        import ray  # only a rank inside Ray pulls: tests move KV between bare processes too
+
+        with self._channel_lock(channel):
+            if not self._has(channel):
+                address = ray.get(source.call("store_address"))
+                joined = source.call("connect", channel, True, address)
+                self.connect(channel, False, address)
+                ray.get(joined)
+            sent = source.call("send", channel, src_slots, layers, heads, slots)
+            received = self.recv(channel, slots, layers, heads, src_slots)
+            sent = ray.get(sent)
+        if not sent.agrees(received):
+            raise KVChecksumMismatch(f"the KV received over {channel} is not what was sent")
+        return dataclasses.replace(received, transport=self.transport(channel))
+
+    def _channel_lock(self, channel: str) -> threading.Lock:
+        with self._groups_lock:
+            return self._channel_locks.setdefault(channel, threading.Lock())
+
+    def _has(self, channel: str) -> bool:
+        with self._groups_lock:
+            return channel in self._groups
+
     def transport(self, channel: str) -> str:
         """How ``channel`` moves the KV: "ipc" or "shm" (in place), "nccl" or "gloo" (a group)."""
         in_place = isinstance(self._group(channel), IpcPeer)
@@ -389,6 +422,8 @@ class KVTransfer:
         with self._groups_lock:
             dropped = [c for c in self._groups if instance in channel_peers(c)]
             groups = [self._groups.pop(c) for c in dropped]
+            for c in [c for c in self._channel_locks if instance in channel_peers(c)]:
+                del self._channel_locks[c]
         for group in groups:
             # NCCL holds device resources until its communicator is aborted; an in-place peer's
             # mapping of the source's cache goes with the last reference to its tensor, here.
