@@ -160,3 +160,23 @@ def test_the_runtime_reads_model_shapes_in_one_place():
         if fields:
             readers[str(path.relative_to(ROOT))] = sorted(fields)
     assert set(readers) <= {SHAPE_READER}, f"model shape read outside {SHAPE_READER}: {readers}"
+
+
+# The only places KV movement calls another process: a rank's KV calls and the holder's release, the
+# seam an instance implements (``kv_transfer/plan.py``). Nothing there looks an actor up by name.
+KV_CALL_SEAM = {("KVEndpoint", "call"), ("KVSource", "release")}
+
+
+def test_kv_transfer_calls_no_actor_but_through_its_own_seam():
+    calls = []
+    for path in _modules("distserve/kv_transfer"):
+        tree = ast.parse(path.read_text())
+        for cls in [None, *(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef))]:
+            scope = tree if cls is None else cls
+            for func in (n for n in ast.iter_child_nodes(scope) if isinstance(n, ast.FunctionDef)):
+                where = (cls.name if cls else "", func.name)
+                for node in ast.walk(func):
+                    if isinstance(node, ast.Attribute) and node.attr in ("remote", "get_actor"):
+                        calls.append((path.name, *where, node.attr))
+    assert calls and all((cls, func) in KV_CALL_SEAM for _, cls, func, _ in calls), calls
+    assert not [c for c in calls if c[-1] == "get_actor"]

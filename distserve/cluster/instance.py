@@ -36,7 +36,7 @@ from distserve.engine.llm_engine import LLMEngine
 from distserve.engine.node_groups import ray_node_ids
 from distserve.engine.ray_runtime import cuda_actor_options
 from distserve.kv_tier.client import TierClient
-from distserve.kv_transfer.plan import KVEndpoint
+from distserve.kv_transfer.plan import KVEndpoint, KVSource
 from distserve.kv_transfer.puller import KVPuller, MigrationRecord, PullTotals
 from distserve.model_executor.model_loader import resolve_model
 from distserve.parallel.ranks import check_parallel_config
@@ -102,12 +102,46 @@ class RoleChange:
     error: Exception | None = None
 
 
+@dataclass
+class AddRequest:
+    """A new request to queue (``local_prefill``: a decode instance is to prefill it itself)."""
+
+    seq: Sequence
+    local_prefill: bool
+
+
+@dataclass
+class TakeOver:
+    """A prefilled request to take over from the instance holding its KV."""
+
+    handover: Handover
+
+
+@dataclass
+class GiveBack:
+    """Runs (request id, attempt) to give back if their prompts have not started here."""
+
+    runs: list[tuple[str, int]]
+
+
+@dataclass
+class Abort:
+    """Stop a request (``attempt``: only that run)."""
+
+    request_id: str
+    attempt: int | None
+
+
+# What the call threads send the step loop.
+InboxMessage = AddRequest | TakeOver | RoleChange | GiveBack | Abort
+
+
 class Instance:
     def __init__(self, config: EngineConfig, name: str, tier_stores: dict[str, Any] | None = None) -> None:
         """``tier_stores``: the prefix tier's store on each Ray node, by node id; this instance uses
         its own node's when ``cache.kv_tier_space`` is set."""
         self.name = name
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[InboxMessage] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._lock = threading.Lock()
         self._outputs_ready = threading.Condition(self._lock)
@@ -121,13 +155,15 @@ class Instance:
         self._stopping = False
         self._role_change: RoleChange | None = None  # asked for, not yet done; set and read by the step loop
 
+        actor = ray.get_runtime_context().current_actor
+
         def make_puller(executor: Executor) -> KVPuller:
             """The engine's KV puller: pulls into ``executor``'s ranks; an answer wakes the step loop."""
-            endpoints = executor.kv_endpoints(ray.get_runtime_context().current_actor)
-            self.puller = KVPuller(name, endpoints, config.cache.block_size, self._wakeup.set)
+            self.puller = KVPuller(name, executor.kv_endpoints(actor), config.cache.block_size, self._wakeup.set)
             return self.puller
 
         self.engine = LLMEngine(config, max_step_records=RECENT_STEPS, name=name, make_kv_puller=make_puller)
+        self.engine.kv_source = KVSource(self.puller.endpoints, actor)  # this actor answers release_kv
         node = ray.get_runtime_context().get_node_id()
         if config.cache.kv_tier_space and (store := (tier_stores or {}).get(node)) is not None:
             self._attach_tier(store)
@@ -176,7 +212,7 @@ class Instance:
         else:
             seq = self.engine.make_sequence(prompt, params, request_id, priority, attempt, ttft_deadline, tpot_slo)
         self._claim(seq.request_id, attempt, server)
-        self._send("add", (seq, local_prefill))
+        self._send(AddRequest(seq, local_prefill))
         return seq.request_id
 
     def add_handover(self, handover: Handover, server: str = DEFAULT_SERVER) -> None:
@@ -187,7 +223,7 @@ class Instance:
         if handover.prefill_instance != self.name:  # the holder has claimed the run already
             self._compile_grammar(handover.sampling_params)
             self._claim(handover.request_id, handover.attempt, server)
-        self._send("handover", handover)
+        self._send(TakeOver(handover))
 
     def _compile_grammar(self, params: SamplingParams) -> None:
         """Compile a request's grammar on the call's thread (it may take seconds), so that the step
@@ -201,7 +237,7 @@ class Instance:
         role cannot serve leaves with a delta (``LLMEngine.change_role``). A decode instance first
         finishes pulling the KV it has started to take over."""
         change = RoleChange(Role.parse(role), time.monotonic())
-        self._send("role", change)
+        self._send(change)
         change.done.wait()
         if change.error is not None:
             raise change.error
@@ -226,13 +262,13 @@ class Instance:
     def give_back(self, runs: list[tuple[str, int]]) -> None:
         """Give back those of these runs (request id, attempt) whose prompts have not started here:
         each ends with ``finish_reason="requeue"`` and the orchestrator sends it on."""
-        self._send("give_back", runs)
+        self._send(GiveBack(runs))
 
     def abort_request(self, request_id: str, attempt: int | None = None) -> None:
         """Stop a request (``attempt``: only that run) and free its blocks; its last delta says
         ``finish_reason="abort"``."""
         self._forget(request_id, attempt)
-        self._send("abort", (request_id, attempt))
+        self._send(Abort(request_id, attempt))
 
     def release_kv(self, request_id: str, attempt: int) -> bool:
         """Prefill: a decode instance has pulled the run's KV; its blocks can go. False when they went
@@ -388,8 +424,8 @@ class Instance:
 
     # The step loop ---------------------------------------------------------------------------
 
-    def _send(self, kind: str, payload: Any) -> None:
-        self._inbox.put((kind, payload))
+    def _send(self, message: InboxMessage) -> None:
+        self._inbox.put(message)
         self._wakeup.set()
 
     def _run(self) -> None:
@@ -424,25 +460,27 @@ class Instance:
         deltas: list[RequestDelta] = []
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add" and not self._takes_prompt(*payload):  # sent before a change to decode
-                deltas.append(RequestDelta(payload[0].request_id, payload[0].attempt, [], "", True, "requeue", 0))
-            elif kind == "add":
-                self.engine.add_sequence(*payload)
-            elif kind == "handover" and self._takes_over(payload):
-                self.engine.add_handover(payload)
-            elif kind == "handover":  # sent before a role change: back to the orchestrator
-                if payload.prefill_instance != self.name:
-                    self._forget(payload.request_id, payload.attempt)
-                deltas.append(RequestDelta(payload.request_id, payload.attempt, [], "", False, None, 0, payload))
-            elif kind == "role":
-                self._role_change = payload
-            elif kind == "give_back":
-                deltas += self.engine.give_back(payload)
-            elif kind == "abort":
-                deltas += self.engine.abort_request(*payload)
+            match message:
+                case AddRequest(seq, local_prefill) if not self._takes_prompt(seq, local_prefill):
+                    # Sent before a change to decode: back to the orchestrator.
+                    deltas.append(RequestDelta(seq.request_id, seq.attempt, [], "", True, "requeue", 0))
+                case AddRequest(seq, local_prefill):
+                    self.engine.add_sequence(seq, local_prefill)
+                case TakeOver(handover) if self._takes_over(handover):
+                    self.engine.add_handover(handover)
+                case TakeOver(handover):  # sent before a role change: back to the orchestrator
+                    if handover.prefill_instance != self.name:
+                        self._forget(handover.request_id, handover.attempt)
+                    deltas.append(RequestDelta(handover.request_id, handover.attempt, [], "", False, None, 0, handover))
+                case RoleChange():
+                    self._role_change = message
+                case GiveBack(runs):
+                    deltas += self.engine.give_back(runs)
+                case Abort(request_id, attempt):
+                    deltas += self.engine.abort_request(request_id, attempt)
         self._publish(deltas)
 
     def _takes_prompt(self, seq: Sequence, local_prefill: bool) -> bool:

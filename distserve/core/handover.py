@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from distserve.core.sampling_params import SamplingParams
 
@@ -45,6 +46,8 @@ class Handover:
     # once it has arrived.
     sample_index: int = 0
     siblings: list[HandedSample] = field(default_factory=list)
+    # How the decode instance reaches the KV: the source's ranks and holder (kv_transfer's KVSource).
+    kv_source: Any = None
 
     @property
     def carrier(self) -> HandedSample:

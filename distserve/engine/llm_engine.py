@@ -26,6 +26,7 @@ from distserve.engine.input_processor import InputProcessor
 from distserve.engine.kv_hold import KVHold
 from distserve.engine.prefill_role import PrefillRole
 from distserve.engine.role import ColocatedRole, InstanceRole, RoleContext
+from distserve.kv_transfer.plan import KVSource
 from distserve.model_executor.model_loader import default_sampling_params, eos_token_ids, load_tokenizer, resolve_model
 from distserve.model_executor.model_runner import BatchInput, SeqInput
 from distserve.model_executor.token_bitmask import allocate_bitmask
@@ -100,6 +101,7 @@ class LLMEngine:
         self._set_role(scheduler.role)
         self._warm_up()
         self.kv_puller = make_kv_puller(self.executor) if make_kv_puller is not None else None
+        self.kv_source: KVSource | None = None  # how a decode instance reaches this one's KV, carried in its hand-overs
 
     def _warm_up(self) -> None:
         """Run one decode step of two throw-away sequences, so that its one-time costs (with the
@@ -261,6 +263,7 @@ class LLMEngine:
             seq.tpot_slo,
             seq.sample_index,
             [HandedSample(s.sample_index, s.output_token_ids, s.num_text_sent) for s in siblings],
+            self.kv_source,
         )
 
     def release_kv(self, request_id: str, attempt: int) -> bool:

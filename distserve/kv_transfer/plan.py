@@ -125,3 +125,16 @@ class KVEndpoint:
 
     def call(self, method: str, *args):
         return self.handle.kv.remote(method, *args)
+
+
+@dataclass
+class KVSource:
+    """How a puller reaches the KV an instance holds for it, carried in each hand-over: the
+    instance's ranks, and its holder, which answers ``release_kv(request_id, attempt)`` (True: the
+    KV was still held, so what was pulled is valid; its blocks go now)."""
+
+    endpoints: list[KVEndpoint]
+    holder: Any
+
+    def release(self, request_id: str, attempt: int):
+        return self.holder.release_kv.remote(request_id, attempt)

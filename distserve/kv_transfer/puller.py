@@ -20,14 +20,20 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any
 
 import ray
 
 from distserve.core.handover import Handover
 from distserve.kv_transfer.channel import Moved
 from distserve.kv_transfer.checksum import KVChecksumMismatch
-from distserve.kv_transfer.plan import KVEndpoint, TransferPart, plan_transfer, token_slots, transfer_rounds
+from distserve.kv_transfer.plan import (
+    KVEndpoint,
+    KVSource,
+    TransferPart,
+    plan_transfer,
+    token_slots,
+    transfer_rounds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -69,11 +75,10 @@ class PullEnd:
 
 @dataclass
 class Source:
-    """A prefill instance as this puller knows it: its handle, its ranks, and which of them send
-    what to which of ours."""
+    """A prefill instance as this puller knows it: how to reach its KV, and which of its ranks
+    send what to which of ours."""
 
-    handle: Any
-    endpoints: list[KVEndpoint]
+    kv: KVSource
     plan: list[TransferPart]
 
 
@@ -109,7 +114,6 @@ class KVPuller:
         self._records: OrderedDict[str, MigrationRecord] = OrderedDict()
         self._totals: dict[str, PullTotals] = {}  # by prefill instance
         self._sources: dict[str, Source] = {}
-        self._looking_up: set[str] = set()  # sources whose ranks are being asked for
         self._pulls: list[_Pull] = []
         self._ended: list[PullEnd] = []  # pulls that ended as they started, for the next poll
         self._busy = [0] * len(endpoints)  # rank pulls in each destination rank's hands
@@ -217,7 +221,7 @@ class KVPuller:
     def _pull(self, pull: _Pull, block_table: list[int]) -> Generator[Waits, list, MigrationRecord]:
         """One pull, as the calls it waits for in turn; its record."""
         handover, start = pull.handover, time.time()
-        source = yield from self._source(handover.prefill_instance)
+        source = self._source(handover)
         num_tokens = handover.num_kv_tokens
         src_slots = token_slots(handover.block_table, num_tokens, handover.block_size)
         dst_slots = token_slots(block_table, num_tokens, self.block_size)
@@ -230,7 +234,7 @@ class KVPuller:
                 self._busy[rank] += 1
             received += yield [
                 self.endpoints[part.dst].call(
-                    "pull", self._channel(handover, part), source.endpoints[part.src],
+                    "pull", self._channel(handover, part), source.kv.endpoints[part.src],
                     dst_slots, part.layers, part.kv_heads, src_slots,
                 )
                 for part in round_
@@ -238,7 +242,7 @@ class KVPuller:
             self._release_ranks(pull)
         # The prefill instance frees its blocks now, unless it did so at its hold deadline already,
         # in which case they may have been reused during the pull.
-        (held,) = yield [source.handle.release_kv.remote(handover.request_id, handover.attempt)]
+        (held,) = yield [source.kv.release(handover.request_id, handover.attempt)]
         if not held:
             raise KVNoLongerHeld(f"{handover.prefill_instance} no longer held the KV (hold deadline or abort)")
         return self._record(handover, received, start)
@@ -246,22 +250,16 @@ class KVPuller:
     def _channel(self, handover: Handover, part: TransferPart) -> str:
         return f"{handover.prefill_instance}.{part.src}>{self.name}.{part.dst}"
 
-    def _source(self, name: str) -> Generator[Waits, list, Source]:
-        """The prefill instance ``name``, asked for its ranks on first use (by one pull; the others
-        from it wait for the answer)."""
-        while name in self._looking_up:
-            yield []
-        if name not in self._sources:
-            self._looking_up.add(name)
-            try:
-                handle = ray.get_actor(name)
-                (endpoints,) = yield [handle.kv_endpoints.remote()]
-            finally:
-                self._looking_up.discard(name)
-            plan = plan_transfer([e.layout for e in endpoints], [e.layout for e in self.endpoints])
+    def _source(self, handover: Handover) -> Source:
+        """The hand-over's source instance, with the plan of which of its ranks send what to ours."""
+        name, kv_source = handover.prefill_instance, handover.kv_source
+        source = self._sources.get(name)  # an instance's name is its own: a replacement has another
+        if source is None:
+            plan = plan_transfer([e.layout for e in kv_source.endpoints], [e.layout for e in self.endpoints])
+            source = Source(kv_source, plan)
             with self._lock:
-                self._sources[name] = Source(handle, endpoints, plan)
-        return self._sources[name]
+                self._sources[name] = source
+        return source
 
     def _record(self, handover: Handover, received: list[Moved], start: float) -> MigrationRecord:
         transport = "+".join(sorted({m.transport for m in received}))

@@ -95,9 +95,12 @@ def burst(args: argparse.Namespace) -> dict:
 
 
 def run_tree(tree: str, args: argparse.Namespace) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tree).resolve()), os.environ.get("PYTHONPATH", "")])}
-    argv = [sys.executable, __file__, "--json", *sys.argv[1:]]
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
+    """One burst in a process of its own with ``tree``'s code: first on its path, and its working
+    directory, which Ray puts first on its workers' paths too."""
+    root = Path(tree).resolve()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, str(Path(__file__).resolve()), "--json", *sys.argv[1:]]
+    done = subprocess.run(argv, env=env, cwd=root, capture_output=True, text=True, check=False)
     if done.returncode:
         sys.exit(f"the burst with {tree} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
