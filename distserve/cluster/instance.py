@@ -37,7 +37,7 @@ from distserve.engine.node_groups import ray_node_ids
 from distserve.engine.ray_runtime import cuda_actor_options
 from distserve.kv_tier.client import TierClient
 from distserve.kv_transfer.plan import KVEndpoint, KVSource
-from distserve.kv_transfer.puller import KVPuller, MigrationRecord, PullTotals
+from distserve.kv_transfer.puller import RANK_PULLS, KVPuller, MigrationRecord, PullTotals
 from distserve.model_executor.model_loader import resolve_model
 from distserve.parallel.ranks import check_parallel_config
 from distserve.scheduling.step_time import StepCost
@@ -48,7 +48,8 @@ logger = logging.getLogger(__name__)
 IDLE_HEALTH_CHECK_S = 1.0  # an idle instance pings its workers this often, so a death is seen without traffic
 LEASE_CHECK_S = 0.5  # how often the step loop looks for API servers past their lease
 LOAD_COUNT_S = 0.1  # how often the step loop counts what each API server's requests hold
-MAX_CONCURRENT_CALLS = 16  # threads serving actor calls: long polls must not block submissions
+# Threads serving actor calls: long polls must not block submissions, nor the KV pulls its rank holds.
+MAX_CONCURRENT_CALLS = 16 + RANK_PULLS
 # Steps an instance keeps for recent_steps(): a few minutes of a loaded instance's, a few MB.
 RECENT_STEPS = 8192
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from distserve.core.config import EngineConfig
 from distserve.core.errors import InstanceFailure
 from distserve.kv_transfer.plan import KVEndpoint
+from distserve.kv_transfer.puller import RANK_PULLS
 from distserve.model_executor.model_runner import BatchInput
 from distserve.model_executor.worker import ModelOutput, Worker
 
@@ -29,7 +30,7 @@ HEALTH_TIMEOUT_S = 30.0
 # After one worker's call fails, how long the others' get to end: a killed worker's peers fail in
 # their collectives at once, often before Ray reports the death that is the cause.
 FAILURE_SETTLE_S = 2.0
-WORKER_CONCURRENCY = 4  # a step, plus KV transfers and health pings beside it
+WORKER_CONCURRENCY = RANK_PULLS + 3  # a step, the KV pulls a rank may hold, a send and a health ping beside them
 
 
 class Executor(Protocol):

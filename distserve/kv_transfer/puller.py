@@ -7,8 +7,9 @@ The decode engine starts a pull as soon as it has allocated a handed-over reques
 receives and checks the digests), so a pull is a few Ray calls: a round of rank pulls (more than one
 round only where tensor-parallel layouts differ), then the prefill instance's release of its blocks.
 Pulls are bounded by the links, not by a queue: each destination rank has at most
-``RANK_PULLS`` pulls in its hands, one moving and one ready behind it, so its link never waits for
-this loop and its call threads stay free for the steps and health checks beside them.
+``RANK_PULLS`` pulls in its hands, one moving and the others ready behind it, so its link does not
+wait for this loop between two steps, and its call threads stay free for the steps and health
+checks beside them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from distserve.kv_transfer.plan import (
 
 logger = logging.getLogger(__name__)
 
-RANK_PULLS = 2  # rank pulls in a destination rank's hands at once: one moving, the next ready behind it
+# Rank pulls in a destination rank's hands at once: one moving, the rest ready behind it, enough that
+# its link keeps moving through a decode step (the step loop hands out the next ones between steps).
+RANK_PULLS = 8
 
 # What a pull waits for: Ray calls whose answers it is resumed with, in order, or (empty) a free rank.
 Waits = list[ray.ObjectRef]
@@ -136,8 +139,10 @@ class KVPuller:
         progressed = True
         while progressed:  # a pull that ends frees a rank another one waits for
             progressed = False
+            waiting = [ref for pull in self._pulls for ref in pull.waits]
+            done = set(ray.wait(waiting, num_returns=len(waiting), timeout=0)[0]) if waiting else set()
             for pull in list(self._pulls):
-                if pull.waits and not all(ref.future().done() for ref in pull.waits):
+                if not all(ref in done for ref in pull.waits):
                     continue
                 try:
                     answers = ray.get(pull.waits)

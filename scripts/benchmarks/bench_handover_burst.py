@@ -3,9 +3,10 @@ until the last of them has had its first decode step.
 
 A 1 prefill + 1 decode cluster of a dummy Llama shape prefills ``--requests`` prompts of
 ``--prompt-len`` tokens in one batch, so that their hand-overs reach the decode instance together,
-and decodes ``--output-len`` tokens of each. The figure: from the first hand-over to the last
-request's second token (its first decode step), and the pulls' own span (first pull start to last
-pull end, from the decode instance's records).
+and decodes ``--output-len`` tokens of each. The figures, over the requests of the largest prefill
+batch (the first to arrive may be prefilled alone before the others): from their first hand-over
+to the last one's second token (its first decode step), and to the end of the last pull (from the
+decode instance's records).
 
 With ``--trees A,B`` it runs the same burst with the code of each source tree in turn (each in a
 process of its own with that tree first on its path, ``--repeats`` times, alternating), so that two
@@ -35,7 +36,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--num-layers", type=int, default=8)
-    p.add_argument("--num-kv-heads", type=int, default=8)
+    p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--kv-transport", default="auto", choices=("auto", "group"))
     p.add_argument("--trees", default="", help="source trees to compare, comma-separated (default: this one only)")
     p.add_argument("--repeats", type=int, default=3, help="bursts per tree")
@@ -82,13 +83,17 @@ def burst(args: argparse.Namespace) -> dict:
         finally:
             cluster.shutdown()
             ray.shutdown()
-    pulls = [records[o.request_id] for o in outputs]
-    handed = min(o.metrics.handover_time for o in outputs)
+    by_client_id = {run_id.rsplit("-", 1)[0]: record for run_id, record in records.items()}  # "<client id>-<run>"
+    # The burst: the requests of the largest prefill batch (the first arrival may run alone before it).
+    largest = max(o.metrics.prefill_batch_size or 0 for o in outputs)
+    batch = [o for o in outputs if o.metrics.prefill_batch_size == largest]
+    pulls = [by_client_id[o.request_id] for o in batch]
+    handed = min(o.metrics.handover_time for o in batch)
     return {
-        "burst_seconds": max(o.metrics.token_times[1] for o in outputs) - handed,
-        "pulls_seconds": max(p.end for p in pulls) - min(p.start for p in pulls),
+        "burst_seconds": max(o.metrics.token_times[1] for o in batch) - handed,
+        "pulls_seconds": max(p.end for p in pulls) - handed,
         "pull_mean_seconds": statistics.mean(p.end - p.start for p in pulls),
-        "prefill_batch": max(o.metrics.prefill_batch_size or 0 for o in outputs),
+        "prefill_batch": largest,
         "mib_per_pull": pulls[0].num_bytes / 2**20,
         "transport": pulls[0].transport,
     }
@@ -125,7 +130,7 @@ def main() -> None:
         f"Llama shape {args.num_layers} layers x {args.num_kv_heads} KV heads of 128, float32, CPU; "
         f"medians of {args.repeats}\n"
     )
-    print("| tree | first hand-over to the last first decode step, s | pulls' span, s | mean pull, s |")
+    print("| tree | first hand-over to the last first decode step, s | to the last pull's end, s | mean pull, s |")
     print("|---|---|---|---|")
     for tree, rows in runs.items():
         median = {key: statistics.median(r[key] for r in rows) for key in ("burst_seconds", "pulls_seconds")}

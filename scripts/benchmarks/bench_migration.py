@@ -104,6 +104,12 @@ def write_model_dir(root: Path, args: argparse.Namespace) -> Path:
     )
 
 
+def pull_records(decode) -> dict:
+    """The decode instance's pull records by the client's request id (it keys them by run:
+    "<client id>-<run>")."""
+    return {run_id.rsplit("-", 1)[0]: record for run_id, record in ray.get(decode.migrations.remote()).items()}
+
+
 class RawLink:
     """A pair communicator of its own between the two instances' first ranks: one contiguous
     tensor sent over it, timed from a call to each side until both answered, as a pull is."""
@@ -157,7 +163,7 @@ def run_cluster(
             outputs, probes = [], []
             for i in range(args.repeats + 1):  # the first one warms the raw sends' buffers up
                 outputs += cluster.generate([[(7 + i + j) % 30000 + 3 for j in range(length)]], params)
-                num_bytes = ray.get(decode.migrations.remote())[outputs[-1].request_id].num_bytes
+                num_bytes = pull_records(decode)[outputs[-1].request_id].num_bytes
                 probes.append(
                     (
                         link.seconds(num_bytes),
@@ -166,7 +172,7 @@ def run_cluster(
                     )
                 )
             outputs, raw = outputs[1:], [statistics.median(p) for p in zip(*probes[1:])]
-            records = ray.get(decode.migrations.remote())
+            records = pull_records(decode)
             mig = [records[o.request_id] for o in outputs]
             transports |= {r.transport for r in mig}
             seconds = statistics.median(r.end - r.start for r in mig)
