@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from distserve.core.beams import BeamState
 from distserve.core.sampling_params import SamplingParams
 
 
@@ -45,6 +46,9 @@ class Handover:
     # once it has arrived.
     sample_index: int = 0
     siblings: list[HandedSample] = field(default_factory=list)
+    # A beam search crosses the same way, after its first step: the carrier and the siblings are
+    # its beams, best first, and this is the rest of where the search stands.
+    beams: BeamState | None = None
 
     @property
     def carrier(self) -> HandedSample:
