@@ -4,8 +4,7 @@ sequence scores) on every tiny family, under KV pressure too (beams preempted to
 or swapped), with every block back at the end or on a cancel."""
 
 import pytest
-import torch
-from conftest import FAMILIES, assert_engine_idle, random_prompts
+from conftest import FAMILIES, assert_engine_idle, random_prompts, reference_beams
 
 from distserve import LLM, BeamSearchParams, RequestError, SamplingParams
 from distserve.core.request_limits import RequestLimits
@@ -31,31 +30,6 @@ def llms():
 
 def stop_ids(llm: LLM, params: SamplingParams) -> list[int]:
     return list(llm.engine.input_processor.resolve(params).all_stop_token_ids)
-
-
-def reference(model, prompt: list[int], params: SamplingParams, stops: list[int]) -> list[tuple[list[int], float]]:
-    """transformers' beam search of ``prompt``: each returned sequence's output tokens (to its first
-    stop token) and score."""
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            num_beams=params.beam_width,
-            num_return_sequences=params.n,
-            length_penalty=params.length_penalty,
-            early_stopping=params.early_stopping,
-            do_sample=False,
-            max_new_tokens=params.max_tokens,
-            eos_token_id=stops or None,
-            pad_token_id=stops[0] if stops else 0,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    results = []
-    for row, score in zip(out.sequences, out.sequences_scores):
-        tokens = row[len(prompt) :].tolist()
-        end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
-        results.append((tokens[:end], float(score)))
-    return results
 
 
 def assert_equal_to_reference(outputs, expected) -> None:
@@ -88,11 +62,11 @@ def test_equal_to_transformers(llms, reference_model, family, width, length_pena
         best = llm.generate([prompt], params)[0]
         for token in reversed(best.output_token_ids):
             params = SamplingParams(**{**vars(params), "stop_token_ids": [token]})
-            expected = reference(model, prompt, params, stop_ids(llm, params))
+            expected = reference_beams(model, prompt, params, stop_ids(llm, params))
             if any(tokens[-1] == token for tokens, _ in expected):
                 break
     else:
-        expected = reference(model, prompt, params, stop_ids(llm, params))
+        expected = reference_beams(model, prompt, params, stop_ids(llm, params))
     outputs = llm.generate([prompt], params)
     assert_equal_to_reference(outputs, expected)
     if stop_likely:
@@ -115,7 +89,9 @@ def test_equal_under_kv_pressure(llms, reference_model, family, swap_space):
     if swap_space:
         assert llm.engine.scheduler.swap.num_swap_outs > 0
     for i, prompt in enumerate(prompts):
-        assert_equal_to_reference(outputs[2 * i : 2 * i + 2], reference(model, prompt, params, stop_ids(llm, params)))
+        assert_equal_to_reference(
+            outputs[2 * i : 2 * i + 2], reference_beams(model, prompt, params, stop_ids(llm, params))
+        )
     assert_engine_idle(llm.engine)
 
 
@@ -160,7 +136,7 @@ def test_llm_beam_search_as_vllm_names_it(llms, reference_model):
     assert len(results) == 2
     for prompt, result in zip(prompts, results):
         sampling = params.sampling_params()
-        expected = reference(model, prompt, sampling, stop_ids(llm, sampling))
+        expected = reference_beams(model, prompt, sampling, stop_ids(llm, sampling))
         assert [s.tokens for s in result.sequences] == [prompt + tokens for tokens, _ in expected]
         assert [s.score for s in result.sequences] == pytest.approx([score for _, score in expected], abs=1e-4)
         for seq in result.sequences:
@@ -180,9 +156,9 @@ def test_llm_beam_search_as_vllm_names_it(llms, reference_model):
         ({"beam_width": 2, "length_penalty": float("nan")}, "length_penalty must be a finite number"),
         (
             {"beam_width": 2, "logprobs": 1, "stop": ["x"]},
-            r"stop, logprobs: beam search \(beam_width\) does not take it",
+            r"stop does not apply to beam search \(beam_width\): leave out stop, logprobs",
         ),
-        ({"beam_width": 2, "repetition_penalty": 1.2}, "repetition_penalty: beam search"),
+        ({"beam_width": 2, "repetition_penalty": 1.2}, "repetition_penalty does not apply to beam search"),
     ],
 )
 def test_refused_params(fields, message):

@@ -253,7 +253,7 @@ class SamplingParams:
         }
         given = [name for name, is_set in refused.items() if is_set]
         if given:  # the message begins with the field, which the HTTP server names as the param at fault
-            raise RequestError(f"{', '.join(given)}: beam search (beam_width) does not take it; leave it out")
+            raise RequestError(f"{given[0]} does not apply to beam search (beam_width): leave out {', '.join(given)}")
 
     @property
     def num_beam_candidates(self) -> int:
