@@ -95,6 +95,22 @@ def test_equal_under_kv_pressure(llms, reference_model, family, swap_space):
     assert_engine_idle(llm.engine)
 
 
+def test_equal_with_chunked_prefill(llms, reference_model):
+    # Prompts in chunks beside decoding beams, and beams recomputed in chunks after preemption: a
+    # beam that has its candidates runs its newest token again until its siblings have theirs.
+    llm = llms("tiny-llama", block_size=4, num_kv_blocks=24, enable_chunked_prefill=True, max_num_batched_tokens=8)
+    model = reference_model("tiny-llama")
+    prompts = random_prompts([10, 19, 11], model.config.vocab_size, seed=8)
+    params = SamplingParams(max_tokens=12, beam_width=4, n=4, early_stopping=True)
+    before = llm.engine.scheduler.num_preemptions
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > before
+    stops = stop_ids(llm, params)
+    for i, prompt in enumerate(prompts):
+        assert_equal_to_reference(outputs[4 * i : 4 * i + 4], reference_beams(model, prompt, params, stops))
+    assert_engine_idle(llm.engine)
+
+
 def test_beams_share_blocks_and_free_them(llms):
     llm = llms("tiny-llama")
     engine, bm = llm.engine, llm.engine.block_manager

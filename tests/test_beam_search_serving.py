@@ -91,6 +91,17 @@ def test_grpc_returns_the_n_best(server, llama):
     wait_nothing_in_use(server.info, server.frontend)
 
 
+def test_a_search_that_ends_at_its_first_step_ends_on_the_prefill_instance(server, llama):
+    (prompt,) = random_prompts([9], llama.config.vocab_size, seed=5)
+    pulls = decode_pulls(server)
+    with Client(server.grpc_address, api_key=KEY) as client:
+        results = client.complete_samples(prompt, n=3, max_tokens=1, beam_width=3)
+    want = expected(server, llama, prompt, SamplingParams(max_tokens=1, beam_width=3, n=3))
+    assert [r.token_ids for r in results] == [tokens for tokens, _ in want]
+    assert decode_pulls(server) == pulls  # nothing was handed over
+    wait_nothing_in_use(server.info, server.frontend)
+
+
 def test_http_completion_and_stream(server, llama):
     (prompt,) = random_prompts([12], llama.config.vocab_size, seed=11)
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "n": 4, "use_beam_search": True,

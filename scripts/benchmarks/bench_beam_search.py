@@ -13,14 +13,17 @@ dtype: bfloat16 on x86), then both in float32, where both are exact: those runs'
 compared, beam by beam. Each line says the dtype and threads it ran with: torch's threads in this
 process for distserve, for vLLM the cores its log says its engine's threads are bound to
 (``VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)``, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: the same cores).
-A warmup of two requests precedes each timed run. The two systems score hypotheses differently
-(distserve as transformers: the output's length; vLLM: the prompt's and output's, less an EOS, and
-its own pruning), so equal results are counted, not expected.
+A warmup of two requests precedes each timed run. vLLM gets ``gpu_memory_utilization=0.3`` (on
+CPU: the share of memory it reserves; its default, 0.92, fails on a machine with other work), as
+bench_offline gives it; distserve a KV cache sized for every search at once. The two systems score
+hypotheses differently (distserve as transformers: by the output's length; vLLM: by the prompt's
+and output's, less an EOS, with its own pruning), so equal results are counted, not expected.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -36,6 +39,7 @@ from transformers import AutoConfig
 from distserve.model_executor.model_loader import resolve_dtype
 
 VOCAB_SIZE = 32000
+BLOCK_SIZE = 16
 # Run by the vLLM virtualenv's python: the spec's prompts through LLM.beam_search, warmup first.
 VLLM_RUNNER = """
 import json, sys, time
@@ -43,7 +47,7 @@ from vllm import LLM
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import BeamSearchParams
 spec = json.load(open(sys.argv[1]))
-llm = LLM(spec["model"], seed=0, **spec["options"])
+llm = LLM(spec["model"], seed=0, gpu_memory_utilization=0.3, **spec["options"])
 params = BeamSearchParams(beam_width=spec["beam_width"], max_tokens=spec["max_tokens"])
 def run(prompts):
     start = time.perf_counter()
@@ -79,7 +83,11 @@ def run_distserve(model_dir: Path, prompts, warmup, args, dtype: str | None) -> 
     from distserve import LLM, BeamSearchParams
 
     torch.set_num_threads(args.threads)
-    llm = LLM(str(model_dir), dtype=dtype or "auto", device="cpu", seed=0)
+    # Blocks for every search at once, each beam's own beside its prompt's (as bench_offline sizes
+    # its cache): sized from free memory, the cache would leave none to the vLLM run after it.
+    blocks = sum(-(-len(p) // BLOCK_SIZE) + args.beam_width * (-(-args.max_tokens // BLOCK_SIZE) + 1) for p in prompts)
+    llm = LLM(str(model_dir), dtype=dtype or "auto", device="cpu", seed=0, block_size=BLOCK_SIZE,
+              num_kv_blocks=blocks + 64)  # fmt: skip
     try:
         params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens)
         llm.beam_search(warmup, params)
@@ -93,6 +101,8 @@ def run_distserve(model_dir: Path, prompts, warmup, args, dtype: str | None) -> 
         return wall, results, resolved, str(torch.get_num_threads())
     finally:
         llm.shutdown()
+        del llm
+        gc.collect()
 
 
 def run_vllm(model_dir: Path, prompts, warmup, args, dtype: str | None) -> Result:
@@ -107,7 +117,9 @@ def run_vllm(model_dir: Path, prompts, warmup, args, dtype: str | None) -> Resul
         run = subprocess.run([args.vllm_python, "-c", VLLM_RUNNER, str(spec_path), str(out_path)], env=env,
                              capture_output=True, text=True)  # fmt: skip
         if run.returncode != 0:
-            raise RuntimeError(f"vLLM failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+            log = Path(tempfile.gettempdir()) / "bench-beams-vllm.log"
+            log.write_text(run.stdout + run.stderr)
+            raise RuntimeError(f"vLLM failed (exit {run.returncode}), its log in {log}:\n{run.stderr[-2000:]}")
         out = json.loads(out_path.read_text())
     bound = VLLM_BOUND_CORES.search(run.stdout + run.stderr)
     threads = str(len(bound.group(1).split(","))) if bound else "?"
