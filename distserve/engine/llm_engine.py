@@ -512,8 +512,6 @@ class LLMEngine:
                     beam.status = SequenceStatus.RUNNING
                     self.scheduler.running.add(beam)
             return []
-        for beam in beams:
-            beam.metrics.prefill_end = seq.metrics.prefill_end
         # After the prompt: the role runs the forks beside the prompt's sequence, or hands them all over.
         if self.role.after_prefill_samples(seq, beams):
             carrier, *siblings = beams
@@ -577,7 +575,7 @@ class LLMEngine:
                 samples_left=len(best) - 1 - j,
                 cumulative_logprob=hyp.cumulative_logprob,
                 beam_score=hyp.score,
-            )  # fmt: skip
+            )
             for j, hyp in enumerate(best)
         ]
 
