@@ -5,6 +5,7 @@ the decode instance pulls it once and forks the beams from it. HTTP (vLLM's ``us
 beam comes whole at the end, then the usage."""
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -15,7 +16,7 @@ from conftest import random_prompts, reference_beams, wait_nothing_in_use
 
 from distserve import SamplingParams
 from distserve.cluster.api import make_cluster_config
-from distserve.entrypoints.client import CallError, Client
+from distserve.entrypoints.client import CallError, Client, make_request
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ServerConfig
 from distserve.v1 import distserve_pb2 as pb
@@ -99,6 +100,19 @@ def test_a_search_that_ends_at_its_first_step_ends_on_the_prefill_instance(serve
     want = expected(server, llama, prompt, SamplingParams(max_tokens=1, beam_width=3, n=3))
     assert [r.token_ids for r in results] == [tokens for tokens, _ in want]
     assert decode_pulls(server) == pulls  # nothing was handed over
+    wait_nothing_in_use(server.info, server.frontend)
+
+
+def test_cancel_mid_search_frees_both_instances(server):
+    (prompt,) = random_prompts([20], 1000, seed=9)
+    with Client(server.grpc_address, api_key=KEY) as client:
+        request = make_request(prompt, max_tokens=400, beam_width=4, ignore_eos=True)
+        call = client.stub.Generate(request, metadata=client.metadata)
+        deadline = time.monotonic() + 30
+        while not any(i.role == "decode" and i.num_running == 4 for i in server.info()):  # the beams decode there
+            assert time.monotonic() < deadline, "the search never decoded on the decode instance"
+            time.sleep(0.01)
+        call.cancel()
     wait_nothing_in_use(server.info, server.frontend)
 
 
