@@ -60,6 +60,10 @@ def sampling_params_from_proto(
     limits.check_params(message)
     options = {name: getattr(message, name) for name in _OPTIONAL_PARAMS if message.HasField(name)}
     if message.early_stopping:
+        if message.early_stopping not in _EARLY_STOPPING:  # proto3 enums take any number
+            raise InvalidRequest(
+                f"early_stopping must be EARLY_STOPPING_FALSE, _TRUE or _NEVER, got {message.early_stopping}"
+            )
         options["early_stopping"] = _EARLY_STOPPING[message.early_stopping]
     if "beam_width" not in options:  # the model's defaults pick among tokens, which beams do not
         options = {**(defaults or {}), **options}
