@@ -17,6 +17,7 @@ _EXPORTS = {
     "ModelConfig": "distserve.core.config",
     "RequestOutput": "distserve.core.outputs",
     "SamplingParams": "distserve.core.sampling_params",
+    "BeamSearchParams": "distserve.core.beams",
     "SchedulerConfig": "distserve.core.config",
     "Role": "distserve.core.role",
     "RequestError": "distserve.core.errors",

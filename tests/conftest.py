@@ -41,6 +41,32 @@ def reference_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def reference_beams(model, prompt: list[int], params, stops: list[int]) -> list[tuple[list[int], float]]:
+    """transformers' beam search of ``prompt`` as ``params`` (SamplingParams) ask for it, with
+    ``stops`` as its eos tokens: each returned sequence's output tokens (to its first stop token) and
+    score, best first."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            num_beams=params.beam_width,
+            num_return_sequences=params.n,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+            do_sample=False,
+            max_new_tokens=params.max_tokens,
+            eos_token_id=stops or None,
+            pad_token_id=stops[0] if stops else 0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    results = []
+    for row, score in zip(out.sequences, out.sequences_scores):
+        tokens = row[len(prompt) :].tolist()
+        end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+        results.append((tokens[:end], float(score)))
+    return results
+
+
 def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]

@@ -190,7 +190,13 @@ VALUES: dict[str, Values] = {
         st.text(st.characters(min_codepoint=48, max_codepoint=122), min_size=1, max_size=20),
         st.text(max_size=200) | st.sampled_from(["", "a/b", "a@b", "x" * 129]),
     ),
+    "beam_width": Values(st.integers(1, 3), st.integers(-(2**63), 0) | st.sampled_from([MAX_N + 1, 2**62])),
+    # Alone (no beam_width) only their neutral values are taken; with it, any.
+    "length_penalty": Values(st.just(1.0), ANY_FLOAT),
+    "early_stopping": Values(st.just(0), st.integers(0, 2**31 - 1)),  # the proto's enum: 0, 1, 2 are known
 }
+# SamplingParams fields that HTTP sets under another name: vLLM's use_beam_search asks for n beams.
+HTTP_NAMES = {"beam_width": "use_beam_search"}
 SAMPLING_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if not f.metadata.get("internal")]
 
 
@@ -260,8 +266,9 @@ def test_every_sampling_field_is_fuzzed():
     assert sorted(VALUES) == sorted(SAMPLING_FIELDS), set(VALUES) ^ set(SAMPLING_FIELDS)
     proto = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields}
     assert proto == set(SAMPLING_FIELDS), proto ^ set(SAMPLING_FIELDS)
+    http_fields = {HTTP_NAMES.get(name, name) for name in SAMPLING_FIELDS}
     for table in HTTP_TABLES.values():
-        assert set(SAMPLING_FIELDS) <= set(table), set(SAMPLING_FIELDS) - set(table)
+        assert http_fields <= set(table), http_fields - set(table)
     for route in HTTP_TABLES:
         http_values(route)  # every field of the route has values, or this names the one without
 
@@ -429,6 +436,9 @@ _HTTP_VALUES = {
         st.just({}), st.fixed_dictionaries({}, optional={"include_usage": JSON, "continuous_usage_stats": JSON})
     ),
     "priority": Values(st.just(0), st.one_of(INT64, st.integers(2**63, 2**70))),  # any other is refused under fcfs
+    "use_beam_search": Values(st.booleans(), st.booleans()),
+    "length_penalty": Values(st.floats(-2, 2), ANY_FLOAT),  # ignored without use_beam_search, as vLLM
+    "early_stopping": Values(st.sampled_from([False, True, "never"]), st.sampled_from([1, "always", 0.5])),
 }
 
 
@@ -453,11 +463,12 @@ def _bodies(route: str, about: str) -> st.SearchStrategy[bytes | str]:
     others), with an unknown field now and then; any JSON document; bytes that are not JSON."""
     values = http_values(route)
     required = REQUIRED[route]
+    sampling = {name for name in values if name in VALUES or name in HTTP_NAMES.values()}
     body = st.builds(
         lambda first, sampling, more, unknown: {**first, **more, **unknown, **sampling},
         Values(st.fixed_dictionaries({required: values[required].any()}), st.just({})).any(),
-        sampling_fields({name: v for name, v in values.items() if name in VALUES}, about),
-        fields_of({name: v for name, v in values.items() if name not in VALUES and name != required}, most=2),
+        sampling_fields({name: values[name] for name in sampling}, HTTP_NAMES.get(about, about)),
+        fields_of({name: v for name, v in values.items() if name not in sampling and name != required}, most=2),
         Values(st.just({}), st.dictionaries(st.text(max_size=8), JSON, max_size=1)).any(),
     )
     return Values(body.map(json.dumps), JSON.map(json.dumps) | st.binary(max_size=40)).any()

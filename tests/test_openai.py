@@ -264,7 +264,7 @@ BAD_REQUESTS = [
     _case(C, _with(COMPLETION, echo="yes"), 400, "echo", "echo-string"),
     _case(C, _with(COMPLETION, best_of=3), 400, "best_of", "best_of"),
     _case(C, _with(COMPLETION, suffix="end"), 400, "suffix", "suffix"),
-    _case(C, _with(COMPLETION, use_beam_search=True), 400, "use_beam_search", "use_beam_search"),
+    _case(C, _with(COMPLETION, use_beam_search=True, stop=["x"]), 400, "stop", "use_beam_search-with-stop"),
     _case(C, _with(COMPLETION, logit_bias={"5": "x"}), 400, "logit_bias", "logit_bias-string"),
     _case(C, _with(COMPLETION, logit_bias={"5000": 1}), 400, "logit_bias", "logit_bias-out-of-vocab"),
     _case(C, _with(COMPLETION, frequency_penalty=3), 400, "frequency_penalty", "frequency_penalty"),

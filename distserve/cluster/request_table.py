@@ -98,9 +98,9 @@ class RequestState:
 
     @property
     def load(self) -> int:
-        """Tokens it may occupy on an instance: the prompt, which its samples share, and the most
-        each of its samples may generate."""
-        return len(self.prompt_token_ids) + self.params.n * self.params.max_tokens
+        """Tokens it may occupy on an instance: the prompt, which its samples (beams) share, and the
+        most each of its samples (each beam of a beam search) may generate."""
+        return len(self.prompt_token_ids) + (self.params.beam_width or self.params.n) * self.params.max_tokens
 
     def instances(self) -> list[InstanceState]:
         """Where its current run may have blocks."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from distserve.core.beams import BeamState
 from distserve.core.sampling_params import SamplingParams
 
 
@@ -48,6 +49,9 @@ class Handover:
     siblings: list[HandedSample] = field(default_factory=list)
     # How the decode instance reaches the KV: the source's ranks and holder (kv_transfer's KVSource).
     kv_source: Any = None
+    # A beam search crosses the same way, after its first step: the carrier and the siblings are
+    # its beams, best first, and this is the rest of where the search stands.
+    beams: BeamState | None = None
 
     @property
     def carrier(self) -> HandedSample:

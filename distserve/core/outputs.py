@@ -89,6 +89,10 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     index: int = 0  # which of the request's n samples (SamplingParams.n) this output is
     error: str | None = None  # with finish_reason "error": what failed in its step, naming the request
+    # Beam search (SamplingParams.beam_width), once finished: the hypothesis' summed token logprobs,
+    # and its score, that over its length to the length_penalty (transformers' sequences_scores).
+    cumulative_logprob: float | None = None
+    beam_score: float | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -128,6 +132,8 @@ class RequestDelta:
     # With finish_reason "error": the request's own step failed (it ends, not re-run); None: the run
     # could not go on there for the instance's or a transfer's fault (it runs again elsewhere).
     fault: RequestFault | None = None
+    cumulative_logprob: float | None = None  # a beam search's hypothesis, with its final delta
+    beam_score: float | None = None
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -196,6 +202,8 @@ class OutputBuilder:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.metrics = metrics or RequestMetrics()  # shared with the caller, who may stamp more times
         self.num_cached_tokens = 0
+        self.cumulative_logprob: float | None = None
+        self.beam_score: float | None = None
 
     def add(self, delta: RequestDelta) -> RequestOutput:
         """The output so far, ``delta`` included; its metrics are a snapshot of the request's."""
@@ -219,6 +227,8 @@ class OutputBuilder:
             self.logprobs += delta.logprobs
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
+        if delta.beam_score is not None:
+            self.cumulative_logprob, self.beam_score = delta.cumulative_logprob, delta.beam_score
         return StreamedOutput.of(self, delta)
 
 
@@ -249,6 +259,7 @@ class StreamedOutput(RequestOutput):
         output.prompt_logprobs = builder.prompt_logprobs
         output.index = builder.index
         output.error = None if delta.fault is None else str(delta.fault)
+        output.cumulative_logprob, output.beam_score = builder.cumulative_logprob, builder.beam_score
         return output
 
     @cached_property

@@ -33,7 +33,7 @@ UTF8_MAX_BYTES = 4  # bytes of one character in UTF-8, at most
 
 @dataclass(frozen=True)
 class RequestLimits:
-    max_n: int = option(16, "samples per request (n)")
+    max_n: int = option(16, "samples per request (n), and beams of a beam search (beam_width)")
     max_tokens: int | None = option(None, "max_tokens of a request (default: the model's context length)")
     max_prompt_bytes: int | None = option(
         None,
@@ -99,7 +99,11 @@ class RequestLimits:
         measured before they are copied and checked entry by entry (a 16 MiB message's logit_bias
         takes a second to); unset numbers there read 0, and a structured output is left to the
         SamplingParams' own check."""
-        scalars = (("n", "max_n", params.n, "samples"), ("max_tokens", "max_tokens", params.max_tokens, "tokens"))
+        scalars = (
+            ("n", "max_n", params.n, "samples"),
+            ("beam_width", "max_n", params.beam_width or 0, "beams"),  # a beam holds KV as a sample does
+            ("max_tokens", "max_tokens", params.max_tokens, "tokens"),
+        )
         for field, limit, value, unit in scalars:
             if value > getattr(self, limit):
                 raise self._exceeded(limit, f"{field} is {value}", unit)

@@ -123,7 +123,23 @@ class SamplingParams:
             "parse": json.loads,
         },
     )
-    n: int = field(default=1, metadata={"help": "samples of the prompt"})
+    n: int = field(default=1, metadata={"help": "samples of the prompt (with beam_width: the best beams returned)"})
+    beam_width: int | None = field(
+        default=None,
+        metadata={"help": "beam search of this many beams, returning the n best (None: sample instead)"},
+    )
+    length_penalty: float = field(
+        default=1.0,
+        metadata={"help": "beam search: a hypothesis scores its summed logprob over its length to this power"},
+    )
+    early_stopping: bool | str = field(
+        default=False,
+        metadata={
+            "help": "beam search: stop once width hypotheses are done (true), once no beam is likely to beat "
+            "them (false), or once none can (never), as transformers' early_stopping",
+            "parse": lambda v: v if v == "never" else json.loads(v),
+        },
+    )
     cache_salt: str | None = field(
         default=None,
         metadata={
@@ -193,6 +209,7 @@ class SamplingParams:
             raise RequestError("structured_outputs must be a StructuredOutputsParams")
         if not _int(self.n) or self.n < 1:
             raise RequestError(f"n must be an integer >= 1, got {self.n!r}")
+        self._check_beam_search()
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str)
             or not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS
@@ -202,6 +219,47 @@ class SamplingParams:
                 f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters without "
                 "'@', '/', '\\' or NUL"
             )
+
+    def _check_beam_search(self) -> None:
+        """Beam search's own fields, and the options it refuses. Its beams are scored by the model's
+        own logprobs, as vLLM's beam search and transformers' do: what only picks among tokens
+        (temperature, top_k, top_p, min_p, seed) has nothing to act on and is ignored, as vLLM ignores
+        it; what changes the distribution or the output (penalties, biases, bans, allowed tokens,
+        min_tokens, structured outputs, stop strings, logprobs) is refused."""
+        if self.beam_width is None:
+            if self.length_penalty != 1.0 or self.early_stopping is not False:
+                raise RequestError("length_penalty and early_stopping apply only to beam search: set beam_width")
+            return
+        if not _int(self.beam_width) or self.beam_width < 1:
+            raise RequestError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if self.n > self.beam_width:
+            raise RequestError(f"n must be at most beam_width={self.beam_width} (the beams returned), got {self.n}")
+        if not _number(self.length_penalty):
+            raise RequestError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise RequestError(f'early_stopping must be true, false or "never", got {self.early_stopping!r}')
+        refused = {
+            "stop": bool(self.stop),
+            "min_tokens": self.min_tokens > 0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "logit_bias": bool(self.logit_bias),
+            "allowed_token_ids": self.allowed_token_ids is not None,
+            "bad_words": bool(self.bad_words),
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "structured_outputs": self.structured_outputs is not None,
+        }
+        given = [name for name, is_set in refused.items() if is_set]
+        if given:  # the message begins with the field, which the HTTP server names as the param at fault
+            raise RequestError(f"{given[0]} does not apply to beam search (beam_width): leave out {', '.join(given)}")
+
+    @property
+    def num_beam_candidates(self) -> int:
+        """The continuations a beam search step ranks: transformers' ``max(2, 1 + stop tokens)``
+        per beam, so that ``beam_width`` of them go on whichever stop tokens the others take."""
+        return max(2, 1 + len(self.all_stop_token_ids)) * self.beam_width
 
     @staticmethod
     def _checked_bias(bias: dict) -> dict[int, float]:
@@ -221,7 +279,7 @@ class SamplingParams:
     def sample_params(self, index: int) -> SamplingParams:
         """What sample ``index`` of the ``n`` draws with: one sample, seeded ``seed + index`` (as vLLM
         seeds a request's samples). The prompt's logprobs come once, with sample 0."""
-        if index == 0:
+        if index == 0 or self.beam_width is not None:  # beams share the request's params
             return self
         seed = None if self.seed is None else self.seed + index
         return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=None)

@@ -51,6 +51,9 @@ class Sequence:
         # forked from it at its end (``fork``), sharing its KV blocks.
         self.sample_index = 0
         self.request_params = sampling_params  # the request's, of which this sample's are derived
+        # A beam of a beam search: its request's live beams, one list that they all share (the
+        # scheduler preempts them together); None for any other request.
+        self.beams: list[Sequence] | None = None
         self.prompt = prompt
         self.all_token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -104,12 +107,13 @@ class Sequence:
         return seq
 
     def fork(self, index: int) -> Sequence:
-        """Sample ``index`` of this request, at the end of its prompt: the same prompt and timeline,
-        no block yet (``BlockManager.fork`` shares them)."""
+        """Sample (or beam) ``index`` of this request, with this one's tokens so far (a sample's:
+        its prompt) and timeline, no block yet (``BlockManager.fork`` shares them)."""
         params = self.request_params.sample_params(index)
         child = Sequence(self.prompt_token_ids, params, self.request_id, self.prompt, self.priority,
                          self.arrival_time, self.attempt, self.ttft_deadline, self.tpot_slo)  # fmt: skip
-        child.sample_index, child.request_params = index, self.request_params
+        child.all_token_ids = list(self.all_token_ids)
+        child.sample_index, child.request_params, child.beams = index, self.request_params, self.beams
         child.status = self.status
         child.num_cached_tokens = self.num_cached_tokens
         child.metrics = dataclasses.replace(self.metrics, steps=[], token_times=[])

@@ -74,7 +74,9 @@ class DecodeAdmission:
         while self.pending:
             seq, handover = self.pending[0]
             room = num_running + len(self.pulling) < self.max_num_seqs
-            if not room or not self.block_manager.can_allocate(seq, share_cached=False):
+            # A beam search's beams each write a block of their own (or a copy) at their first step.
+            reserve = len(seq.beams) if seq.beams is not None else 0
+            if not room or not self.block_manager.can_allocate(seq, share_cached=False, reserve=reserve):
                 if self._waiting_head is not seq:
                     self._waiting_head = seq
                     self.num_waits += 1

@@ -35,6 +35,14 @@ class Detokenizer:
         seq.output_text += delta
         return delta
 
+    def text_of(self, prompt_token_ids: list[int], output_token_ids: list[int], skip_special_tokens: bool) -> str:
+        """The whole text of ``output_token_ids`` after the prompt, as ``step`` adds it up (a beam
+        search's hypotheses are detokenized once, at its end)."""
+        context = prompt_token_ids[-_CONTEXT_TOKENS:]
+        prefix = self.tokenizer.decode(context, skip_special_tokens=skip_special_tokens)
+        full = self.tokenizer.decode(context + output_token_ids, skip_special_tokens=skip_special_tokens)
+        return full[len(prefix) :]
+
 
 def find_stop_string(seq: Sequence, delta: str) -> str | None:
     """If a stop string ends inside the newest ``delta``, cut ``seq.output_text`` there and return it."""

@@ -93,10 +93,30 @@ class InputProcessor:
                 f"the request may grow to {longest} tokens, more than the KV cache's "
                 f"{self.num_kv_blocks * self.block_size}: lower max_tokens or give the cache more blocks"
             )
+        if params.beam_width is not None:
+            self._check_beams(len(token_ids), params)
         return Sequence(
             token_ids, params, request_id=request_id, prompt=text, priority=priority, attempt=attempt,
             ttft_deadline=ttft_deadline, tpot_slo=tpot_slo,
         )  # fmt: skip
+
+    def _check_beams(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """A beam search's candidates must fit the vocabulary, and its beams grown to their longest
+        the KV cache (their prompt's blocks shared, each beam's own beside them): a search that can
+        never hold all its beams at once would wait for ever."""
+        if params.num_beam_candidates > self.vocab_size:
+            raise RequestError(
+                f"beam_width={params.beam_width} ranks {params.num_beam_candidates} candidates a step, more than "
+                f"the vocabulary's {self.vocab_size} tokens: lower beam_width"
+            )
+        longest = min(params.max_tokens, self.max_model_len - num_prompt_tokens)
+        need = num_prompt_tokens // self.block_size + params.beam_width * (-(-longest // self.block_size) + 1)
+        if need > self.num_kv_blocks:
+            raise RequestError(
+                f"beam_width={params.beam_width} beams of up to {longest} tokens each may hold {need} KV blocks, "
+                f"more than the cache's {self.num_kv_blocks}: lower beam_width or max_tokens, or give the cache more "
+                "blocks"
+            )
 
     def resolve(self, params: SamplingParams) -> SamplingParams:
         """``params`` with the model's stop tokens and the bad words' token ids filled in, and every

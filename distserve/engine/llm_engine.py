@@ -19,6 +19,7 @@ from distserve.core.role import Role
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.sequence import Sequence, SequenceStatus
 from distserve.core.step_metrics import StepRecord, StepStats, StepTimer
+from distserve.engine.beam_search import BeamSearch
 from distserve.engine.decode_role import DecodeRole, KVPuller
 from distserve.engine.detokenizer import Detokenizer, find_stop_string
 from distserve.engine.executor import Executor, make_executor
@@ -84,6 +85,7 @@ class LLMEngine:
         )  # fmt: skip
         # Every request this engine has, by id (one run each), and its samples here by index.
         self.requests: dict[str, dict[int, Sequence]] = {}
+        self.beam_searches: dict[str, BeamSearch] = {}  # the beam searches among them, by request id
         self.stats = StepStats(max_step_records)
         self.step_time = StepTimeModel()  # kept across role changes: the machine and model stay
         # The batch on the executor now: (time.monotonic() it began, its tokens), None between
@@ -143,8 +145,8 @@ class LLMEngine:
                 requeued.append(seq)  # part-way through its prompt's (or a recompute's) chunks
             elif finish_here:
                 finishing = True  # it decodes on here
-            elif seq.num_samples > 1:
-                requeued.append(seq)  # its samples hold their KV apart: they cross as a new run
+            elif seq.num_samples > 1 or seq.beams is not None:
+                requeued.append(seq)  # its samples (beams) hold their KV apart: they cross as a new run
             else:
                 self.scheduler.finish_running(seq)  # its blocks go to the hold, not back to the pool
                 deltas.append(self._delta(seq, [], "", self.hand_off(seq)))
@@ -190,9 +192,10 @@ class LLMEngine:
             if current.attempt >= seq.attempt:
                 raise RequestError(f"request id '{seq.request_id}' is already in use")
             self.abort_request(seq.request_id, current.attempt)
-        self.detokenizer.start(seq)
-        if seq.num_output_tokens:  # handed over: its text so far, of which num_text_sent was sent
-            self.detokenizer.step(seq)
+        if seq.beams is None:  # a beam search detokenizes its hypotheses once, at its end
+            self.detokenizer.start(seq)
+            if seq.num_output_tokens:  # handed over: its text so far, of which num_text_sent was sent
+                self.detokenizer.step(seq)
         structured = seq.sampling_params.structured_outputs
         if structured is not None and seq.grammar is None:  # its place in the grammar, from its tokens
             seq.grammar = self.input_processor.grammars.matcher(structured, seq.output_token_ids)
@@ -202,6 +205,9 @@ class LLMEngine:
         """Queue a new request from its prompt; ``local_prefill``: a decode role's own to prefill."""
         seq.metrics.prefill_queued = time.time()
         self.register(seq)
+        if seq.sampling_params.beam_width is not None:
+            self.beam_searches[seq.request_id] = BeamSearch(seq.sampling_params, seq.num_prompt_tokens,
+                                                            self.max_model_len, [seq])  # fmt: skip
         try:
             self.role.add(seq, local_prefill)
         except BaseException:
@@ -234,6 +240,11 @@ class LLMEngine:
             self.register(seq)
             for sibling in siblings:
                 self.register(sibling, sibling=True)
+            if handover.beams is not None:
+                self.beam_searches[seq.request_id] = BeamSearch(
+                    handover.sampling_params, handover.num_prompt_tokens, self.max_model_len, [seq, *siblings],
+                    handover.beams,
+                )  # fmt: skip
         except BaseException:
             self.role.cancel(seq)
             raise
@@ -241,8 +252,9 @@ class LLMEngine:
     def hand_off(self, seq: Sequence, siblings: list[Sequence] = ()) -> Handover:
         """Hold ``seq``'s KV for a decode instance to pull, and the hand-over that says where it is.
         The caller has taken ``seq`` out of its scheduler; the hold frees its blocks after the pull.
-        ``siblings``, samples of the same request at the end of its prompt, share its KV: they go
-        with it, and leave here now."""
+        ``siblings``, samples of the same request at the end of its prompt (or beams after the first
+        step of its beam search), share its KV: they go with it, and leave here now."""
+        search = self.beam_searches.get(seq.request_id)
         self.kv_hold.hold(seq, time.monotonic())
         for sibling in siblings:
             self.block_manager.free(sibling)
@@ -264,6 +276,7 @@ class LLMEngine:
             seq.sample_index,
             [HandedSample(s.sample_index, s.output_token_ids, s.num_text_sent) for s in siblings],
             self.kv_source,
+            search.state if search is not None else None,
         )
 
     def release_kv(self, request_id: str, attempt: int) -> bool:
@@ -345,6 +358,7 @@ class LLMEngine:
             del samples[seq.sample_index]
             if not samples:
                 del self.requests[seq.request_id]
+                self.beam_searches.pop(seq.request_id, None)
 
     # Stepping -----------------------------------------------------------------------------
 
@@ -441,6 +455,10 @@ class LLMEngine:
         """``seq``'s part of the step (the ``i``-th of ``batch``): its ``tokens``, or its prompt chunk."""
         if output.prompt_logprobs and output.prompt_logprobs[i]:
             seq.prompt_logprobs += output.prompt_logprobs[i]
+        if seq_input.beam_candidates:
+            if seq_input.start + len(seq_input.input_token_ids) < seq.num_tokens:
+                return []  # a sibling's report earlier in this step moved the search on: this one is stale
+            return self._beam_step(seq, output.beam_candidates[i])
         if seq_input.sibling_params:
             return self._start_samples(seq, tokens, logprobs)
         if seq_input.sample:
@@ -482,6 +500,92 @@ class LLMEngine:
             carrier, *siblings = (s for s, _ in going_on)
             going_on[0][1].handover = self.hand_off(carrier, siblings)
         return deltas
+
+    def _beam_step(self, seq: Sequence, candidates: tuple[list[int], list[float]]) -> list[RequestDelta]:
+        """A beam's candidates for its next token. Once all of its request's beams have theirs, one
+        step of the search: the beams that go on are forked (sharing blocks) or kept, the others
+        dropped, their blocks freed; at the search's end, its best hypotheses' final deltas."""
+        search = self.beam_searches[seq.request_id]
+        seq.num_computed_tokens = seq.num_tokens - 1  # it runs its newest token again until the step selects
+        if not search.report(seq, *candidates):
+            return []
+        at_prompt_end = not seq.num_output_tokens
+        selected, done = search.select()
+        if done:
+            return self._end_beam_search(search)
+        beams = self._continue_beams(search, selected)
+        if not at_prompt_end:
+            for beam in beams:
+                if beam.status is not SequenceStatus.RUNNING:  # forked from a running beam: new here
+                    beam.status = SequenceStatus.RUNNING
+                    self.scheduler.running.add(beam)
+            return []
+        # After the prompt: the role runs the forks beside the prompt's sequence, or hands them all over.
+        if self.role.after_prefill_samples(seq, beams):
+            carrier, *siblings = beams
+            handover = self.hand_off(carrier, siblings)
+            return [RequestDelta(seq.request_id, seq.attempt, [], "", False, None, seq.num_cached_tokens, handover,
+                                 tuple(getattr(seq.metrics, name) for name in STAGE_FIELDS))]  # fmt: skip
+        return []
+
+    def _continue_beams(self, search: BeamSearch, selected: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """The next beams of ``search``: each (parent, token) of ``selected`` continues its parent's
+        sequence, or a fork of it when the parent goes on already; parents that do not go on are
+        dropped, and their blocks freed."""
+        kept: set[int] = set()
+        beams = []
+        for parent, token in selected:
+            if parent.seq_id in kept:
+                beam = parent.fork(search.next_index())
+                beam.status = SequenceStatus.WAITING  # not in the scheduler yet
+                self.block_manager.fork(parent, beam)
+                self.register(beam, sibling=True)
+            else:
+                kept.add(parent.seq_id)
+                beam = parent
+            beams.append((beam, token))
+        for old in search.beams:
+            if old.seq_id not in kept:
+                self._finish(old, "stop")  # a dropped beam: no output of its own
+        for beam, token in beams:
+            beam.append_token(token)
+            beam.num_computed_tokens = beam.num_tokens - 1
+        search.beams[:] = [beam for beam, _ in beams]
+        return search.beams
+
+    def _end_beam_search(self, search: BeamSearch) -> list[RequestDelta]:
+        """Free every beam of ``search`` and return its ``n`` best hypotheses as final deltas."""
+        first = search.beams[0]
+        request_id, attempt, metrics = first.request_id, first.attempt, first.metrics
+        cached, preemptions = first.num_cached_tokens, sum(b.num_preemptions for b in search.beams)
+        prompt, params = first.prompt_token_ids, first.sampling_params
+        for beam in list(search.beams):
+            self._finish(beam, "stop")
+        best = search.best()
+        if len(best) < params.n:
+            raise RuntimeError(f"beam search ended with {len(best)} hypotheses, fewer than n={params.n}")
+        stages = tuple(getattr(metrics, name) for name in STAGE_FIELDS)
+        return [
+            RequestDelta(
+                request_id,
+                attempt,
+                hyp.token_ids,
+                self.detokenizer.text_of(prompt, hyp.token_ids, params.skip_special_tokens),
+                True,
+                hyp.finish_reason,
+                cached,
+                None,
+                stages,
+                metrics.steps,
+                preemptions,
+                first=True,
+                index=j,
+                samples_left=len(best) - 1 - j,
+                cumulative_logprob=hyp.cumulative_logprob,
+                beam_score=hyp.score,
+            )
+            for j, hyp in enumerate(best)
+        ]
 
     def _constrain(self, seqs: list[Sequence], inputs: list[SeqInput]) -> dict[int, RequestFault]:
         """Give each sampling input of a constrained request its row of the grammar's bitmask; the
@@ -593,6 +697,6 @@ class LLMEngine:
             first,
             logprobs,
             prompt_logprobs,
-            seq.sample_index,
+            seq.sample_index if seq.beams is None else 0,  # a beam's end is no output of its own
             len(self.requests.get(seq.request_id, ())) if finished else 0,  # it is forgotten by then
         )

@@ -130,6 +130,9 @@ class Completion:
     timeline: pb.Timeline | None = None  # when asked for (``timeline=True``)
     logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # when asked for, one per token
     prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # one per prompt token after the first
+    # A beam search's result: its tokens' summed logprob, and its score under the length penalty.
+    cumulative_logprob: float | None = None
+    beam_score: float | None = None
 
     def add(self, chunk: pb.GenerateResponse) -> None:
         self.request_id, self.index = chunk.request_id, chunk.index
@@ -142,6 +145,8 @@ class Completion:
             self.usage, self.timings = chunk.usage, chunk.timings
             if chunk.HasField("timeline"):
                 self.timeline = chunk.timeline
+            if chunk.HasField("beam_score"):
+                self.cumulative_logprob, self.beam_score = chunk.cumulative_logprob, chunk.beam_score
 
     @classmethod
     def from_chunks(cls, chunks: Iterable[pb.GenerateResponse]) -> Completion:

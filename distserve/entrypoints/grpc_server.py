@@ -46,8 +46,9 @@ _ROLES = {Role.PREFILL: pb.ROLE_PREFILL, Role.DECODE: pb.ROLE_DECODE, Role.COLOC
 _OPTIONAL_PARAMS = (
     "max_tokens", "temperature", "top_k", "top_p", "seed", "skip_special_tokens", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs", "truncate_prompt_tokens", "n",
-    "cache_salt",
+    "cache_salt", "beam_width", "length_penalty",
 )  # fmt: skip
+_EARLY_STOPPING = {pb.EARLY_STOPPING_TRUE: True, pb.EARLY_STOPPING_NEVER: "never"}
 
 
 def sampling_params_from_proto(
@@ -58,7 +59,14 @@ def sampling_params_from_proto(
     sizes. Set is proto3's field presence: a field sent at its zero value (temperature 0) is set."""
     limits.check_params(message)
     options = {name: getattr(message, name) for name in _OPTIONAL_PARAMS if message.HasField(name)}
-    options = {**(defaults or {}), **options}
+    if message.early_stopping:
+        if message.early_stopping not in _EARLY_STOPPING:  # proto3 enums take any number
+            raise InvalidRequest(
+                f"early_stopping must be EARLY_STOPPING_FALSE, _TRUE or _NEVER, got {message.early_stopping}"
+            )
+        options["early_stopping"] = _EARLY_STOPPING[message.early_stopping]
+    if "beam_width" not in options:  # the model's defaults pick among tokens, which beams do not
+        options = {**(defaults or {}), **options}
     if message.logit_bias:
         options["logit_bias"] = dict(message.logit_bias)
     if message.allowed_token_ids:
@@ -148,6 +156,8 @@ def response_from_output(
     )
     if output.new_logprobs:
         response.logprobs.extend(logprobs_to_proto(output.new_logprobs))
+    if output.finished and output.beam_score is not None:
+        response.cumulative_logprob, response.beam_score = output.cumulative_logprob, output.beam_score
     if output.prompt_logprobs is not None and output.num_output_tokens == len(output.new_token_ids):
         response.prompt_logprobs.extend(logprobs_to_proto(output.prompt_logprobs))  # the first message
     if output.finished and timeline:

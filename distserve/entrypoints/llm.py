@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from distserve.core.beams import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from distserve.core.config import EngineConfig
 from distserve.core.errors import RequestError
 from distserve.core.outputs import OutputBuilder, RequestOutput
@@ -113,3 +114,23 @@ class LLM:
                 if seq.request_id in self.engine.requests:
                     self.engine.abort_request(seq.request_id)
         return [results[key] for key in builders]
+
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search of each prompt, as vLLM's method of the name: its ``beam_width`` results, best
+        first. The same as ``generate`` with ``params.sampling_params()``: the beams run in the
+        engine, sharing their KV blocks."""
+        outputs = self.generate(prompts, params.sampling_params())
+        results = []
+        for i in range(0, len(outputs), params.beam_width):
+            sequences = [
+                BeamSearchSequence(
+                    [*o.prompt_token_ids, *o.output_token_ids],
+                    o.text,
+                    o.cumulative_logprob,
+                    o.beam_score,
+                    o.finish_reason,
+                )  # fmt: skip
+                for o in outputs[i : i + params.beam_width]
+            ]
+            results.append(BeamSearchOutput(sequences))
+        return results

@@ -263,9 +263,24 @@ FIELDS: tuple[Field, ...] = (
         "keep only the prompt's last N tokens; -1: the context's length",
     ),
     _field("truncation_side", neutral(_STRING, "left"), "truncation keeps the prompt's last tokens"),
-    _field("use_beam_search", neutral(_BOOL, False), "beam search is not implemented"),
-    _field("length_penalty", ignored(_NUMBER), "beam search's only"),
-    _field("early_stopping", ignored(_EARLY_STOPPING), "beam search's only"),
+    _field(
+        "use_beam_search",
+        request(_BOOL),
+        "beam search of `n` beams (vLLM's mapping: `n` is the beam width), all `n` returned, best first, each "
+        "with its `cumulative_logprob`; streamed, every choice comes whole at the end (below)",
+    ),
+    _field(
+        "length_penalty",
+        sets(_NUMBER),
+        "with `use_beam_search`: a hypothesis scores its summed logprob over its length to this power (default 1); "
+        "ignored without it, as vLLM",
+    ),
+    _field(
+        "early_stopping",
+        sets(_EARLY_STOPPING),
+        'with `use_beam_search`: `true`, `false` (default) or `"never"`, as transformers\' `early_stopping`; '
+        "ignored without it, as vLLM",
+    ),
     _field("watermarking", neutral(_BOOL, False), "not implemented"),
     _field("repetition_detection", neutral(_OBJECT), "not implemented"),
     _field("thinking_token_budget", neutral(_INT, -1), "no reasoning parser"),

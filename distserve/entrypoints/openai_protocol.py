@@ -51,6 +51,7 @@ class Call:
     logprobs: int | None = None  # top logprobs per output token; None: no logprobs
     prompt_logprobs: bool = False
     tokens_as_ids: bool = False
+    beam_search: bool = False  # use_beam_search: each job's n choices are its beams
     request_id: str | None = None
     priority: int = 0
 
@@ -91,7 +92,7 @@ def parse_completion(frontend: Frontend, body: Any) -> Call:
     # The model's max_new_tokens is not read here: a completion leaving max_tokens out asks for 16,
     # as in vLLM (whose null, unlike this server's, would read it). The limits bound the rest.
     max_tokens = fields.get("max_tokens", DEFAULT_COMPLETION_MAX_TOKENS)
-    params = _sampling_params(frontend, kwargs, sources, "max_tokens", max_tokens, call.n)
+    params = _sampling_params(frontend, kwargs, sources, "max_tokens", max_tokens, call)
     call.logprobs = params.logprobs
     add_special_tokens = fields.get("add_special_tokens", True)
     jobs: list[tuple[str | list[int], str | None]] = []
@@ -135,7 +136,7 @@ def parse_chat(frontend: Frontend, body: Any) -> Call:
         # about its length rather than about max_tokens.
         room = max(1, frontend.max_request_tokens - len(prompt))
         max_tokens = min(room, frontend.sampling_defaults.get("max_tokens", room), frontend.limits.max_tokens)
-    params = _sampling_params(frontend, kwargs, sources, name, max_tokens, call.n)
+    params = _sampling_params(frontend, kwargs, sources, name, max_tokens, call)
     call.logprobs = params.logprobs
     call.jobs = [Job(prompt, params, text)]
     return call
@@ -174,6 +175,7 @@ def _call(chat: bool, fields: dict[str, Any]) -> Call:
         return_token_ids=fields.get("return_token_ids", False),
         prompt_logprobs="prompt_logprobs" in fields,
         tokens_as_ids=fields.get("return_tokens_as_token_ids", False),
+        beam_search=fields.get("use_beam_search", False),
         request_id=fields.get("request_id"),
         priority=priority,
     )
@@ -216,14 +218,27 @@ def check_prompt(frontend: Frontend, prompt: str | list[int], field: str) -> Non
 
 
 def _sampling_params(
-    frontend: Frontend, kwargs: dict[str, Any], sources: dict[str, str], max_tokens_field: str, max_tokens: int, n: int
+    frontend: Frontend,
+    kwargs: dict[str, Any],
+    sources: dict[str, str],
+    max_tokens_field: str,
+    max_tokens: int,
+    call: Call,
 ) -> SamplingParams:
-    """The SamplingParams of the keywords for ``n`` samples, within the cluster's limits; a value
-    they refuse is answered naming the field that set it."""
+    """The SamplingParams of the keywords for the call's ``n`` samples, or with ``use_beam_search``
+    its beam search of ``n`` beams, within the cluster's limits; a value they refuse is answered
+    naming the field that set it."""
     if max_tokens < 1:
         raise HTTPError(f"'{max_tokens_field}' must be >= 1, got {max_tokens}", param=max_tokens_field)
+    if call.beam_search:
+        # Only what the body sets: the model's sampling defaults pick among tokens, which beams do not.
+        kwargs = {key: value for key, value in kwargs.items() if key in sources}
+        kwargs["beam_width"], sources["beam_width"] = call.n, "n"
+    else:  # vLLM ignores them without beam search
+        kwargs.pop("length_penalty", None)
+        kwargs.pop("early_stopping", None)
     try:
-        params = SamplingParams(max_tokens=max_tokens, n=n, **kwargs)
+        params = SamplingParams(max_tokens=max_tokens, n=call.n, **kwargs)
         frontend.limits.check_params(params)
         return params
     except RequestError as e:

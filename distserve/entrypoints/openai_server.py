@@ -166,6 +166,8 @@ class _Formatter:
                 choice["prompt_logprobs"] = self._prompt_logprobs(index)
         if call.return_token_ids:
             choice.update(prompt_token_ids=output.prompt_token_ids, token_ids=output.output_token_ids)
+        if output.cumulative_logprob is not None:  # a beam of a beam search
+            choice["cumulative_logprob"] = output.cumulative_logprob
         return choice
 
     def chunk_choice(self, index: int, output: RequestOutput) -> dict[str, Any] | None:
@@ -191,6 +193,8 @@ class _Formatter:
             choice["token_ids"] = output.new_token_ids
             if first:
                 choice["prompt_token_ids"] = output.prompt_token_ids
+        if output.finished and output.cumulative_logprob is not None:  # a beam, whole at the end
+            choice["cumulative_logprob"] = output.cumulative_logprob
         return choice
 
 

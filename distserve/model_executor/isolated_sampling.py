@@ -38,6 +38,7 @@ class SampledStep:
     logprobs: list[TokenLogprobs | None] | None = None  # per sampled row, where its request asks
     prompt_logprobs: list[list[TokenLogprobs] | None] | None = None  # per sequence of the batch
     faults: dict[int, RequestFault] = field(default_factory=dict)  # by index in the batch
+    beam_candidates: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # by index in the batch
 
 
 def sample_step(sampler: Sampler, logits: torch.Tensor, batch: BatchInput) -> SampledStep:
@@ -55,6 +56,7 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, batch: BatchInput) -> Sa
             faults[sampling[row]] = RequestFault("its logits hold NaN or infinity: there is nothing to sample from")
     healthy = [row for row, i in enumerate(sampling) if i not in faults]
     seqs = [batch.seqs[sampling[row]] for row in healthy]
+    beams = beam_candidates(logits, [(row, sampling[row], seqs[j].beam_candidates) for j, row in enumerate(healthy)])
     try:
         sampled = _sample(sampler, logits if not faults else logits[healthy], seqs)
     except Exception:
@@ -62,7 +64,7 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, batch: BatchInput) -> Sa
         rows = _sample_each(sampler, logits, healthy, seqs, sampling, faults)
     else:
         if not faults:
-            return SampledStep(sampled.token_ids, sampled.logprobs, prompt_logprobs)
+            return SampledStep(sampled.token_ids, sampled.logprobs, prompt_logprobs, beam_candidates=beams)
         rows = dict(zip(healthy, _split(sampled, seqs)))
     token_ids: list[int] = []
     logprobs: list[TokenLogprobs | None] = []
@@ -71,7 +73,21 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, batch: BatchInput) -> Sa
         tokens, row_logprobs = rows.get(row, ([FAILED_TOKEN] * count, [None] * count))
         token_ids += tokens
         logprobs += row_logprobs
-    return SampledStep(token_ids, logprobs if any(logprobs) else None, prompt_logprobs, faults)
+    return SampledStep(token_ids, logprobs if any(logprobs) else None, prompt_logprobs, faults, beams)
+
+
+def beam_candidates(logits: torch.Tensor, rows: list[tuple[int, int, int]]) -> dict[int, tuple[list[int], list[float]]]:
+    """For each (row, batch index, count) of a beam that asks for ``count`` candidates: its ``count``
+    likeliest tokens and their log-softmax in float32, as transformers' beam search scores them
+    (of the model's own logits), by batch index."""
+    wanted = [(row, i, count) for row, i, count in rows if count]
+    if not wanted:
+        return {}
+    index = torch.tensor([row for row, _, _ in wanted], device=logits.device)
+    logprobs = logits[index].float().log_softmax(dim=-1)
+    values, ids = logprobs.topk(max(count for _, _, count in wanted), dim=-1)
+    values, ids = values.tolist(), ids.tolist()
+    return {i: (ids[r][:count], values[r][:count]) for r, (_, i, count) in enumerate(wanted)}
 
 
 Row = tuple[list[int], list[TokenLogprobs | None]]  # a row's tokens (several at a prompt's end) and their logprobs

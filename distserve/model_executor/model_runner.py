@@ -24,6 +24,10 @@ from distserve.model_executor.attention import (
 from distserve.model_executor.kv_cache import KVCache
 from distserve.parallel.pipeline_parallel import PipelineStage, StageDone
 
+# What a beam's row is sampled with: greedy, untouched by any logits processor (the engine picks
+# its next token among its candidates, not the sampler).
+BEAM_ROW_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
+
 
 @dataclass
 class SeqInput:
@@ -43,6 +47,9 @@ class SeqInput:
     # At the prompt's end of a request of n samples: the params of samples 1..n-1, which draw
     # their first tokens from the same logits (``fan_out_samples``).
     sibling_params: list[SamplingParams] | None = None
+    # A beam of a beam search: how many of its likeliest next tokens the step returns, with their
+    # logprobs (``ModelOutput.beam_candidates``); 0 otherwise.
+    beam_candidates: int = 0
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -67,6 +74,9 @@ class SeqInput:
         params = seq.sampling_params
         needs_history = params.penalized or (is_prefill and params.prompt_logprobs is not None)
         sample = end == seq.num_tokens
+        if params.beam_width is not None:  # its token is chosen from the candidates, not sampled
+            return cls(tokens, start, list(seq.block_table), BEAM_ROW_PARAMS, seq.num_output_tokens, sample,
+                       beam_candidates=params.num_beam_candidates if sample else 0)  # fmt: skip
         forks = sample and params.n > 1 and not seq.num_output_tokens
         return cls(
             tokens,

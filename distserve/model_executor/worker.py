@@ -67,6 +67,8 @@ class ModelOutput:
     # Sequences (by index in the batch) whose own part of the step failed: their tokens are
     # placeholders, and they end with the fault (``isolated_sampling``).
     faults: dict[int, RequestFault] = field(default_factory=dict)
+    # Beam search: each beam's best next tokens and their logprobs, by index in the batch.
+    beam_candidates: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
 
 
 class Worker:
@@ -228,7 +230,10 @@ class Worker:
             return None
         sampled = sample_step(self.sampler, out, batch)  # a request's fault there is its own
         timer.lap("sample")
-        return ModelOutput(sampled.token_ids, timer.seconds, sampled.logprobs, sampled.prompt_logprobs, sampled.faults)
+        return ModelOutput(
+            sampled.token_ids, timer.seconds, sampled.logprobs, sampled.prompt_logprobs, sampled.faults,
+            sampled.beam_candidates,
+        )  # fmt: skip
 
     def _forward(self, batch: BatchInput, timer: StepTimer) -> torch.Tensor | None:
         """Run the batch eagerly: the logits on the last stage, None on an earlier one (its

@@ -162,10 +162,11 @@ class BlockManager:
 
     # Allocation ---------------------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence, share_cached: bool = True) -> bool:
+    def can_allocate(self, seq: Sequence, share_cached: bool = True, reserve: int = 0) -> bool:
+        """Whether ``seq``'s blocks can be allocated with ``reserve`` more left free."""
         hits = self._cached_prefix(seq) if share_cached else []
         reused_free = sum(1 for b in hits if self._used[b].ref_count == 0)
-        return seq.num_blocks(self.block_size) - len(hits) + reused_free <= self.num_free_blocks
+        return seq.num_blocks(self.block_size) - len(hits) + reused_free + reserve <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, register: bool = True, share_cached: bool = True) -> None:
         """Give ``seq`` blocks for all its tokens, sharing cached prefix blocks unless not
@@ -200,6 +201,23 @@ class BlockManager:
             self.prefix_cache_hit_tokens += seq.num_cached_tokens
             self.tier_hit_tokens += len(tier_slots) * self.block_size
 
+    def allocate_shared(self, seqs: list[Sequence], tables: list[list[int]]) -> dict[int, int]:
+        """Give ``seqs`` blocks whose KV is to be copied in whole, one block for each distinct entry of
+        their ``tables`` (keys of the source's blocks: the beams of a beam search swapped out share
+        them), shared as the entries are. Returns {device block: source key}. Nothing is cached yet."""
+        if any(seq.block_table for seq in seqs):
+            raise RuntimeError(f"{seqs} already hold blocks")
+        keys = list(dict.fromkeys(key for table in tables for key in table))
+        # In ascending ids, as ``allocate`` takes them: runs of consecutive blocks copy whole.
+        device = dict(zip(keys, sorted(self._take_free_block() for _ in keys)))  # source key -> device block
+        for block in device.values():
+            self._used[block].ref_count = 0  # one per table that names it, below
+        for seq, table in zip(seqs, tables):
+            seq.block_table = [device[key] for key in table]
+            for block in seq.block_table:
+                self._used[block].ref_count += 1
+        return {block: key for key, block in device.items()}
+
     def _tier_prefix(self, seq: Sequence, start: int) -> list[int]:
         """Tier slots of the blocks of ``seq`` that follow its ``start`` cached ones, as far as the
         tier holds them."""
@@ -229,6 +247,13 @@ class BlockManager:
         """Whether the slot of ``seq``'s last token needs a block: past its blocks, or in one it shares."""
         index = (seq.num_tokens - 1) // self.block_size
         return index >= len(seq.block_table) or self._used[seq.block_table[index]].ref_count > 1
+
+    def drop_copies(self, seq: Sequence) -> None:
+        """Forget the copies on write still to be made into ``seq``'s blocks: it is freed before them."""
+        blocks = set(seq.block_table)
+        kept = [(src, dst) for src, dst in self.pending_copies if dst not in blocks]
+        self.num_copied_blocks -= len(self.pending_copies) - len(kept)
+        self.pending_copies = kept
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the KV of ``seq``'s last token has a slot (possibly after taking one new block)."""

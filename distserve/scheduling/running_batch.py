@@ -67,27 +67,41 @@ class RunningBatch:
                 others.append(seq)
                 continue
             while not self.block_manager.can_append(seq):
-                victim = queue.pop() if queue else others.pop() if others else seq
-                if not self.preempt(victim):
-                    preempted.append(victim)
-                if victim is seq:
+                victim = queue[-1] if queue else others[-1] if others else seq
+                gone = self.preempt(victim, slotted=batch)
+                for out, swapped in gone:
+                    for seqs in (queue, others, batch):
+                        if out in seqs:
+                            seqs.remove(out)
+                    if not swapped:
+                        preempted.append(out)
+                if any(out is seq for out, _ in gone):
                     break
             else:
                 self.block_manager.append_slot(seq)
                 batch.append(seq)
         return batch, others, preempted
 
-    def preempt(self, seq: Sequence) -> bool:
-        """Take ``seq`` out and free its blocks: swapped out (True) where that costs less, else to be
-        recomputed from its tokens when it runs again (False)."""
-        self.seqs.remove(seq)
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        if self.swap is not None:
-            if self.swap.should_swap(seq):
-                self.swap.swap_out(seq)
-                return True
-            self.swap.num_recomputes += 1
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
-        return False
+    def preempt(self, seq: Sequence, slotted: list[Sequence] = ()) -> list[tuple[Sequence, bool]]:
+        """Take ``seq`` out and free its blocks, with the other beams of its beam search running here
+        (a beam search steps only with all its beams): each swapped out (True) where that costs less,
+        else to be recomputed from its tokens when it runs again (False). A beam among ``slotted``
+        (given its slot in this step already) may wait for a copy on write into its newest block: its
+        beams are recomputed, and that copy dropped, since a swap out is copied before it is made."""
+        group = [seq] if seq.beams is None else [beam for beam in self.seqs if beam.beams is seq.beams]
+        copying = [out for out in group if out in slotted]
+        for out in copying:
+            self.block_manager.drop_copies(out)
+        swap = self.swap is not None and not copying and self.swap.should_swap(*group)
+        if self.swap is not None and not swap:
+            self.swap.num_recomputes += len(group)
+        for out in group:
+            self.seqs.remove(out)
+            out.num_preemptions += 1
+            self.num_preemptions += 1
+            if not swap:
+                self.block_manager.free(out)
+                out.status = SequenceStatus.WAITING
+        if swap:
+            self.swap.swap_out(*group)
+        return [(out, swap) for out in group]

@@ -169,7 +169,8 @@ class Scheduler:
         free; until they are all back, no prompt is admitted (``waiting`` sees no free slot)."""
         swap = self.swap
         while swap is not None and self.running.free_seq_slots and swap.can_swap_in(reserve=len(self.running)):
-            self.running.add(swap.swap_in())
+            for seq in swap.swap_in():
+                self.running.add(seq)
 
     def running_seqs(self) -> list[Sequence]:
         """Sequences with blocks in the running batch."""

@@ -34,11 +34,17 @@ class SwapCopy:
 
 @dataclass
 class Swapped:
-    """A sequence whose KV is in the host pool: its host blocks, and the tokens their KV covers."""
+    """Sequences whose KV is in the host pool, swapped out together: one, or the beams of a beam
+    search, whose shared blocks are copied once. Each one's host blocks, and the tokens their KV covers."""
 
-    seq: Sequence
-    host_blocks: list[int]
-    num_computed_tokens: int
+    seqs: list[Sequence]
+    host_tables: list[list[int]]
+    num_computed_tokens: list[int]
+
+    @property
+    def host_blocks(self) -> list[int]:
+        """Every host block it holds, once."""
+        return list(dict.fromkeys(block for table in self.host_tables for block in table))
 
 
 class SwapSpace:
@@ -64,55 +70,67 @@ class SwapSpace:
         return len(self._free)
 
     def seqs(self) -> list[Sequence]:
-        return [entry.seq for entry in self.queue]
+        return [seq for entry in self.queue for seq in entry.seqs]
 
-    def should_swap(self, seq: Sequence) -> bool:
-        """Whether copying ``seq``'s KV out and back costs less than computing it again."""
-        blocks = len(seq.block_table)
+    def should_swap(self, *seqs: Sequence) -> bool:
+        """Whether copying the KV of ``seqs`` (one sequence, or the beams of a beam search, which go
+        together) out and back costs less than computing it again."""
+        blocks = len({block for seq in seqs for block in seq.block_table})
         if not blocks or blocks > len(self._free):
             return False
         line = self.step_time.line() if self.step_time is not None else None
         if line is None or self.seconds_per_block is None:
             return True
-        shared = self.block_manager.num_shared_tokens(seq)
-        recompute = line.seconds(max(1, seq.num_computed_tokens - shared))
+        shared = [self.block_manager.num_shared_tokens(seq) for seq in seqs]
+        recompute = sum(line.seconds(max(1, seq.num_computed_tokens - s)) for seq, s in zip(seqs, shared))
         return 2 * blocks * self.seconds_per_block < recompute
 
-    def swap_out(self, seq: Sequence) -> None:
-        """Copy ``seq``'s blocks out to host blocks and free them on the device."""
-        host = [self._free.pop() for _ in seq.block_table]
-        self._copy(True, list(zip(seq.block_table, host)))
-        self.queue.append(Swapped(seq, host, seq.num_computed_tokens))
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.SWAPPED
-        self.num_swap_outs += 1
+    def swap_out(self, *seqs: Sequence) -> None:
+        """Copy the blocks of ``seqs`` (a block they share, once) out to host blocks and free them on
+        the device."""
+        host: dict[int, int] = {}
+        for seq in seqs:
+            for block in seq.block_table:
+                if block not in host:
+                    host[block] = self._free.pop()
+        self._copy(True, list(host.items()))
+        tables = [[host[block] for block in seq.block_table] for seq in seqs]
+        self.queue.append(Swapped(list(seqs), tables, [seq.num_computed_tokens for seq in seqs]))
+        for seq in seqs:
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.SWAPPED
+        self.num_swap_outs += len(seqs)
 
     def can_swap_in(self, reserve: int) -> bool:
-        """Whether the oldest swapped sequence's blocks fit, ``reserve`` blocks left over."""
+        """Whether the oldest swapped sequences' blocks fit, ``reserve`` blocks left over."""
         if not self.queue:
             return False
-        seq = self.queue[0].seq
-        return seq.num_blocks(self.block_manager.block_size) + reserve <= self.block_manager.num_free_blocks
+        return len(self.queue[0].host_blocks) + reserve <= self.block_manager.num_free_blocks
 
-    def swap_in(self) -> Sequence:
-        """Give the oldest swapped sequence device blocks and copy its KV back into them."""
+    def swap_in(self) -> list[Sequence]:
+        """Give the oldest swapped sequences device blocks (shared again where they shared them) and
+        copy their KV back into them."""
         entry = self.queue.popleft()
-        seq = entry.seq
-        cached = seq.num_cached_tokens  # its prompt's prefix-cache hit, as reported; not this allocation's
-        self.block_manager.allocate(seq, register=False, share_cached=False)
-        self._copy(False, list(zip(seq.block_table, entry.host_blocks)))
+        device = self.block_manager.allocate_shared([seq for seq in entry.seqs], entry.host_tables)
+        self._copy(False, list(device.items()))
         self._free += reversed(entry.host_blocks)
-        seq.num_computed_tokens, seq.num_cached_tokens = entry.num_computed_tokens, cached
-        self.block_manager.register_computed(seq, 0, save=False)  # saved to the tier when first computed
-        self.num_swap_ins += 1
-        return seq
+        for seq, computed in zip(entry.seqs, entry.num_computed_tokens):
+            seq.num_computed_tokens = computed
+            self.block_manager.register_computed(seq, 0, save=False)  # saved to the tier when first computed
+        self.num_swap_ins += len(entry.seqs)
+        return entry.seqs
 
     def drop(self, seq: Sequence) -> bool:
-        """Forget a swapped sequence (finished or aborted) and free its host blocks."""
+        """Forget a swapped sequence (finished or aborted), and free the host blocks no other
+        sequence swapped out with it holds."""
         for entry in self.queue:
-            if entry.seq is seq:
-                self.queue.remove(entry)
-                self._free += reversed(entry.host_blocks)
+            if seq in entry.seqs:
+                i = entry.seqs.index(seq)
+                before = set(entry.host_blocks)
+                del entry.seqs[i], entry.host_tables[i], entry.num_computed_tokens[i]
+                self._free += sorted(before - set(entry.host_blocks), reverse=True)
+                if not entry.seqs:
+                    self.queue.remove(entry)
                 return True
         return False
 

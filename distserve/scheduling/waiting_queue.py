@@ -38,6 +38,14 @@ def policy_key(config: SchedulerConfig) -> Callable[[Sequence], tuple]:
     return lambda s: (s.arrival_time, s.seq_id)
 
 
+def beam_reserve(seq: Sequence) -> int:
+    """Blocks a beam search's prompt is admitted with beside its own: one for each beam's first
+    token (a block of its own, or its copy of the prompt's last one), so that its beams start
+    together. A beam recomputed after preemption reserves none."""
+    width = seq.sampling_params.beam_width
+    return width if width is not None and not seq.num_output_tokens else 0
+
+
 class WaitingQueue:
     def __init__(
         self,
@@ -98,7 +106,7 @@ class WaitingQueue:
             new_tokens = seq.num_tokens - self.block_manager.num_cached_tokens(seq)
             if batch and num_tokens + new_tokens > self.config.max_num_batched_tokens:
                 break
-            if not self.block_manager.can_allocate(seq):
+            if not self.block_manager.can_allocate(seq, reserve=beam_reserve(seq)):
                 break
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
@@ -114,7 +122,9 @@ class WaitingQueue:
         is computed. As in ``schedule``, the head is never overtaken."""
         batch: list[tuple[Sequence, int]] = []
         for seq in self._in_order(max_seqs):
-            if len(batch) == max_seqs or budget <= 0 or not self.block_manager.can_allocate(seq):
+            if len(batch) == max_seqs or budget <= 0:
+                break
+            if not self.block_manager.can_allocate(seq, reserve=beam_reserve(seq)):
                 break
             self.block_manager.allocate(seq, register=False)
             seq.status = SequenceStatus.RUNNING
