@@ -28,10 +28,11 @@ those simulated. Around it, each rule is the engine's (module or function in
   blocks at once.
 * Decode instances (``engine/decode_role.py`` ``DecodeAdmission.admit``): hand-overs are admitted in
   arrival order while ``running + pulling < max_num_seqs`` and blocks for the prompt and the first
-  token (``Sequence.from_handover``) can be allocated; no prefix cache. The ``Migrator``
-  (``kv_transfer/migrator.py``) pulls one request at a time, in admission order, taking
-  ``transfer_time(prompt_len)``; at the pull's end the prefill instance frees the KV and the request
-  joins the running batch. Preempted requests are recomputed there (``PREFILL_FIRST``, or
+  token (``Sequence.from_handover``) can be allocated; no prefix cache. The ``KVPuller``
+  (``kv_transfer/puller.py``) starts every admitted pull at once, but a channel moves one at a time
+  (a rank's transfers take turns), so the link moves them one after another, in admission order,
+  each taking ``transfer_time(prompt_len)``; at the pull's end the prefill instance frees the KV and
+  the request joins the running batch. Preempted requests are recomputed there (``PREFILL_FIRST``, or
   ``CHUNKED`` with ``chunked_prefill``).
 * Per-request disaggregation (``core/local_prefill.py``, ``Router.pick_local_prefill``): with
   ``local_prefill`` on, an arriving request the rule keeps local goes to the least loaded decode
@@ -182,7 +183,7 @@ class _Decode(_Engine):
         super().__init__(name, config, manager, latency, contention, None, clock)
         self.pending: deque[tuple[SimSequence, _Prefill]] = deque()  # hand-overs, with where their KV is held
         self.pulling = 0
-        self.puller_free = 0.0  # when the migrator's thread is done with the pulls it was given
+        self.puller_free = 0.0  # when the link is done with the pulls it was given
 
 
 @dataclass

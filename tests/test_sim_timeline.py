@@ -60,7 +60,7 @@ def expected(request_id, prompt_len, output_len, arrival, **fields):
 
 def test_disaggregated_timeline_by_hand():
     # A and B arrive together and share a prefill batch (30 tokens: 1.3 s); C arrives during it and waits.
-    # Decode admits A and B at 1.3, but its migrator pulls one at a time: A 1.3-1.8, B 1.8-2.3. A decodes
+    # Decode admits A and B at 1.3, but its link moves one pull at a time: A 1.3-1.8, B 1.8-2.3. A decodes
     # alone from 1.8; B joins at 2.3, the instant A's fifth step ends. C's prefill ends at 2.45, during
     # B's step, so decode admits it at that step's end (2.5).
     reqs = [SimRequest(Fraction(0), 10, 7), SimRequest(Fraction(0), 20, 3), SimRequest(Fraction(3, 10), 15, 2)]
