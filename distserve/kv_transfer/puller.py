@@ -121,9 +121,6 @@ class KVPuller:
         self._ended: list[PullEnd] = []  # pulls that ended as they started, for the next poll
         self._busy = [0] * len(endpoints)  # rank pulls in each destination rank's hands
 
-    def __len__(self) -> int:
-        return len(self._pulls)
-
     def submit(self, handover: Handover, block_table: list[int]) -> None:
         """Start pulling the prompt's KV into ``block_table``; its end comes out of ``poll``."""
         pull = _Pull(handover)

@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
-import re
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from bench_offline import run_vllm_script
 from transformers import AutoConfig
 
 from distserve.model_executor.model_loader import resolve_dtype
@@ -59,7 +57,6 @@ wall, results = run(spec["prompts"])
 dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
 json.dump({"wall_s": wall, "results": results, "dtype": dtype}, open(sys.argv[2], "w"))
 """
-VLLM_BOUND_CORES = re.compile(r"local_rank=0, core ids=\[([^\]]*)\]")
 
 Result = tuple[float, list[list[tuple[list[int], float]]], str, str]  # wall, beams per prompt, dtype, threads
 
@@ -108,21 +105,7 @@ def run_distserve(model_dir: Path, prompts, warmup, args, dtype: str | None) -> 
 def run_vllm(model_dir: Path, prompts, warmup, args, dtype: str | None) -> Result:
     spec = {"model": str(model_dir), "beam_width": args.beam_width, "max_tokens": args.max_tokens,
             "options": {"dtype": dtype} if dtype else {}, "prompts": prompts, "warmup": warmup}  # fmt: skip
-    cores = "0" if args.threads == 1 else f"0-{args.threads - 1}"
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": cores,
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="bench-beams-vllm-") as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        run = subprocess.run([args.vllm_python, "-c", VLLM_RUNNER, str(spec_path), str(out_path)], env=env,
-                             capture_output=True, text=True)  # fmt: skip
-        if run.returncode != 0:
-            log = Path(tempfile.gettempdir()) / "bench-beams-vllm.log"
-            log.write_text(run.stdout + run.stderr)
-            raise RuntimeError(f"vLLM failed (exit {run.returncode}), its log in {log}:\n{run.stderr[-2000:]}")
-        out = json.loads(out_path.read_text())
-    bound = VLLM_BOUND_CORES.search(run.stdout + run.stderr)
-    threads = str(len(bound.group(1).split(","))) if bound else "?"
+    out, _, threads = run_vllm_script(VLLM_RUNNER, spec, args.vllm_python, args.threads, "bench-beams-")
     results = [[(tokens, cum) for tokens, cum in beams] for beams in out["results"]]
     return out["wall_s"], results, out["dtype"], threads
 

@@ -611,24 +611,33 @@ def bench_vllm(model_dir: Path, requests: list[Request], warmup: list[Request], 
         "warmup": [(r.prompt, r.max_tokens) for r in warmup],
         "requests": [(r.prompt, r.max_tokens) for r in requests],
     }
-    cores = "0" if args.threads == 1 else f"0-{args.threads - 1}"
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": cores,
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
-        run = subprocess.run([args.vllm_python, "-c", VLLM_RUNNER, str(spec_path), str(out_path)], env=env,
-                             capture_output=True, text=True)  # fmt: skip
-        if run.returncode != 0:
-            raise RuntimeError(f"vLLM failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
-        result = json.loads(out_path.read_text())
+    result, cores, threads = run_vllm_script(VLLM_RUNNER, spec, args.vllm_python, args.threads, "bench-vllm-")
     outputs = result["outputs"]
-    bound = VLLM_BOUND_CORES.search(run.stdout + run.stderr)
-    threads = str(len(bound.group(1).split(","))) if bound else "?"
     note = f"vLLM-CPU, bound to cores {cores}, none reserved"
     return Result(
         "vllm", result["wall_s"], sum(map(len, outputs)), outputs, note=note, dtype=result["dtype"], threads=threads
     )
+
+
+def run_vllm_script(runner: str, spec: dict, vllm_python: str, threads: int, prefix: str) -> tuple[dict, str, str]:
+    """Run ``runner`` (Python source, given the paths of ``spec`` as JSON and of its answer) with
+    vLLM's interpreter, its OpenMP threads bound to cores 0..``threads``-1 with none reserved;
+    its answer, the cores asked for, and the threads vLLM says it bound ("?" if it does not say)."""
+    cores = "0" if threads == 1 else f"0-{threads - 1}"
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": cores,
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        run = subprocess.run([vllm_python, "-c", runner, str(spec_path), str(out_path)], env=env,
+                             capture_output=True, text=True)  # fmt: skip
+        if run.returncode != 0:
+            log = Path(tempfile.gettempdir()) / f"{prefix}vllm.log"
+            log.write_text(run.stdout + run.stderr)
+            raise RuntimeError(f"vLLM failed (exit {run.returncode}), its log in {log}:\n{run.stderr[-2000:]}")
+        answer = json.loads(out_path.read_text())
+    bound = VLLM_BOUND_CORES.search(run.stdout + run.stderr)
+    return answer, cores, str(len(bound.group(1).split(","))) if bound else "?"
 
 
 # Reporting --------------------------------------------------------------------------------------
