@@ -279,7 +279,10 @@ class Orchestrator:
         engine = configs[0]
         shape = resolved.shape
         dtype = resolve_dtype(engine.model.dtype, resolved.hf_config, torch.device(cluster_device(engine)))
-        geometry = KVCacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, engine.cache.block_size, dtype)
+        geometry = KVCacheShape(
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, engine.cache.block_size, dtype,
+            engine.cache.kv_cache_dtype,
+        )  # fmt: skip
         blocks = tier_blocks(space, geometry)
         if blocks < 1:
             raise ValueError(f"kv_tier_space {space} GiB holds no block of {geometry.bytes_per_block} bytes")

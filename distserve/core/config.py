@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from distserve.core.cpu_cores import UNBOUND, parse_cores
+from distserve.core.kv_cache_dtype import KV_CACHE_DTYPES
 from distserve.core.role import ROLES, Role
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -109,6 +110,15 @@ class CacheConfig:
         "up in before computing them (another node's tier is asked on a miss); the largest value of any "
         "pool sizes it, and an instance with 0 leaves it alone; 0 everywhere: no tier",
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "what the KV cache stores (vLLM's flag): 'auto' the model's dtype; 'int8' (any device) or 'fp8' "
+        "(e4m3: CUDA, and CPU through the C++ kernel) one byte a value and a float32 scale per token and KV "
+        "head, about half a bfloat16 cache's bytes: twice the tokens in the same memory and half the bytes "
+        "a decode step and a hand-over read; the model's weights keep their dtype. Every instance of a "
+        "cluster must use the same",
+        KV_CACHE_DTYPES,
+    )
     kv_transport: str = option(
         "auto",
         "how a pull moves KV between two instances' ranks: 'auto' reads the source's cache in place when "
@@ -134,6 +144,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("kv_transport", self.kv_transport, KV_TRANSPORTS)
         _check_choice("kv_transfer_checksum", self.kv_transfer_checksum, KV_CHECKSUMS)
         if self.swap_space < 0:

@@ -52,7 +52,7 @@ class KVTierStore:
     def __init__(self, geometry: KVCacheShape, num_blocks: int) -> None:
         self.geometry = geometry
         self.node_id = ray.get_runtime_context().get_node_id()
-        self.pool, self.shared = shared_zeros(geometry.dims(num_blocks), geometry.dtype)
+        self.pool, self.shared = shared_zeros(geometry.dims(num_blocks), geometry.storage_dtype)
         self.index = TierIndex(num_blocks)
         self._lock = threading.Lock()
         self._peers: list[Any] = []
@@ -109,7 +109,7 @@ class KVTierStore:
         geometry = self.geometry
         count = len(best) // geometry.bytes_per_block
         # A copy: the object store's buffer is read-only, which torch does not take without a warning.
-        data = torch.from_numpy(best.copy()).view(geometry.dtype).view(geometry.dims(count))
+        data = torch.from_numpy(best.copy()).view(geometry.storage_dtype).view(geometry.dims(count))
         fetcher = f"fetch:{holder}"
         with self._lock:
             slots = self.index.lease(fetcher, count)

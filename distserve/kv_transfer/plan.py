@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from distserve.core.kv_cache_dtype import is_quantized, slot_width
 from distserve.parallel.ranks import ParallelRank, stage_layers
 
 
@@ -24,16 +25,27 @@ class KVCacheShape:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's
+    cache_dtype: str = "auto"  # what the cache stores: the model's dtype, or 8-bit codes and scales
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The cache tensor's element type."""
+        return torch.int8 if is_quantized(self.cache_dtype) else self.dtype
+
+    @property
+    def slot_width(self) -> int:
+        """Elements of one KV head in a slot (``head_dim``, and an 8-bit cache's 4 scale bytes)."""
+        return slot_width(self.head_dim, self.cache_dtype)
 
     @property
     def bytes_per_block(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * element
+        element = torch.empty((), dtype=self.storage_dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.slot_width * element
 
     def dims(self, num_blocks: int) -> tuple[int, ...]:
-        """A cache tensor's: ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]``."""
-        return (self.num_layers, 2, num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        """A cache tensor's: ``[layers, 2, num_blocks * block_size, kv_heads, slot_width]``."""
+        return (self.num_layers, 2, num_blocks * self.block_size, self.num_kv_heads, self.slot_width)
 
     def block_slots(self, blocks: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
         """The slots of ``blocks`` on a cache tensor's slot axis, in order."""

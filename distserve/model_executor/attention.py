@@ -33,7 +33,9 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from distserve.core.kv_cache_dtype import is_quantized
 from distserve.model_executor.cpu_kernel import KERNEL_DTYPES, kernel_available, load_kernel, paged_attention_cpu
+from distserve.model_executor.kv_quant import dequantize_kv, quantize_kv
 
 ATTN_IMPLEMENTATION = "distserve_paged"
 NO_WINDOW = 1 << 30  # a sliding window wider than any context
@@ -156,9 +158,10 @@ class GatherBuffers:
 @dataclass
 class ForwardContext:
     metadata: AttentionMetadata
-    kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer index -> (k, v) of [slots, kv_heads, head_dim]
+    kv_caches: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer index -> (k, v) of [slots, kv_heads, slot_width]
     buffers: GatherBuffers
     attention_backend: str = "sdpa"  # a resolved attention backend: cpp, compiled, triton or sdpa
+    cache_dtype: str = "auto"  # what the cache stores (``core/kv_cache_dtype.py``)
 
 
 _context: ForwardContext | None = None
@@ -194,6 +197,9 @@ def paged_attention(
     k_cache, v_cache = _context.kv_caches[module.layer_idx]
     new_k = key[0].transpose(0, 1)  # [tokens, kv_heads, dim]
     new_v = value[0].transpose(0, 1)
+    cache_dtype = _context.cache_dtype
+    if is_quantized(cache_dtype):
+        new_k, new_v = quantize_kv(new_k, cache_dtype), quantize_kv(new_v, cache_dtype)
     k_cache.index_copy_(0, meta.slot_mapping, new_k)
     v_cache.index_copy_(0, meta.slot_mapping, new_v)
     gqa = query.shape[1] != key.shape[1]
@@ -203,7 +209,7 @@ def paged_attention(
         window = NO_WINDOW if sliding_window is None else sliding_window
         p = meta.paged
         out = paged_attention_cpu(q.transpose(0, 1), k_cache, v_cache, p.block_tables, p.query_starts, p.query_lens,
-                                  p.context_lens, meta.block_size, scale, window)  # fmt: skip
+                                  p.context_lens, meta.block_size, scale, window, cache_dtype)  # fmt: skip
     elif not meta.is_prefill:
         out = _decode_attention(q, k_cache, v_cache, scaling, sliding_window, gqa)
     else:
@@ -226,7 +232,7 @@ def _prefill_attention(q, k, v, k_cache, v_cache, scaling, sliding_window, gqa, 
         if not cached:  # the fresh K/V are the whole context
             ks, vs = k[:, s.query_start : end], v[:, s.query_start : end]
         else:
-            ks, vs = _context.buffers.gather(k_cache, v_cache, s.block_ids, meta.block_size)
+            ks, vs = _gather_values(k_cache, v_cache, s.block_ids, q.dtype)
             ks = ks.flatten(0, 1)[: s.context_len].transpose(0, 1)
             vs = vs.flatten(0, 1)[: s.context_len].transpose(0, 1)
         # With a batch dimension: SDPA's fused kernels (flash on CUDA) take 4-D inputs only, and
@@ -255,7 +261,9 @@ def _decode_attention(q, k_cache, v_cache, scaling, sliding_window, gqa) -> torc
             oldest = (positions - (sliding_window - 1)).clamp_min(0)
         q = q.transpose(0, 1)  # [batch, heads, dim], read in place through its strides
         tables = meta.decode_block_tables
-        return paged_decode_triton(q, k_cache, v_cache, tables, positions, oldest, meta.block_size, scale)
+        return paged_decode_triton(
+            q, k_cache, v_cache, tables, positions, oldest, meta.block_size, scale, cache_dtype=_context.cache_dtype
+        )
     if _context.attention_backend == "compiled":
         scale = q.shape[-1] ** -0.5 if scaling is None else scaling
         positions = meta.decode_positions
@@ -264,9 +272,10 @@ def _decode_attention(q, k_cache, v_cache, scaling, sliding_window, gqa) -> torc
         # from those of a larger batch, and the kernel would be compiled again for them.
         q = q.transpose(0, 1).clone(memory_format=torch.contiguous_format)
         mark_sizes_dynamic(q, positions, oldest)
-        return _compiled_paged_decode(q, k_cache, v_cache, meta.decode_plan, positions, oldest, meta.block_size, scale)
+        plan, size = meta.decode_plan, meta.block_size
+        return _compiled_paged_decode(q, k_cache, v_cache, plan, positions, oldest, size, scale, _context.cache_dtype)
     qs = q.transpose(0, 1).unsqueeze(2)  # [batch, heads, 1, dim]
-    ks, vs = _context.buffers.gather(k_cache, v_cache, meta.decode_block_tables, meta.block_size)
+    ks, vs = _gather_values(k_cache, v_cache, meta.decode_block_tables, q.dtype)
     ks = ks.flatten(1, 2).transpose(1, 2)  # [batch, kv_heads, ctx, dim]
     vs = vs.flatten(1, 2).transpose(1, 2)
     mask = meta.decode_mask
@@ -275,6 +284,18 @@ def _decode_attention(q, k_cache, v_cache, scaling, sliding_window, gqa) -> torc
         mask = mask & (ctx > meta.decode_positions[:, None] - sliding_window)[:, None, None, :]
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return o.squeeze(2)
+
+
+def _gather_values(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``block_ids`` as values in ``dtype`` (an 8-bit cache's dequantized), as
+    ``[*block_ids.shape, block_size, kv_heads, head_dim]``."""
+    ks, vs = _context.buffers.gather(k_cache, v_cache, block_ids, _context.metadata.block_size)
+    cache_dtype = _context.cache_dtype
+    if not is_quantized(cache_dtype):
+        return ks, vs
+    return dequantize_kv(ks, cache_dtype, dtype), dequantize_kv(vs, cache_dtype, dtype)
 
 
 def paged_decode(
@@ -286,6 +307,7 @@ def paged_decode(
     oldest: torch.Tensor,
     block_size: int,
     scale: float,
+    cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """q ``[batch, heads, dim]`` over each sequence's context from ``oldest`` to ``positions``
     ``[batch]``, K/V ``[slots, kv_heads, dim]`` read in place block by block (``plan``).
@@ -294,11 +316,13 @@ def paged_decode(
     softmax (its maximum, sum and weighted values), and the partials of a sequence are combined
     rescaled to their common maximum. Plain tensor ops for ``torch.compile``, which fuses the
     block indexing into the products, so the context is read where it is and never copied."""
-    batch, heads = q.shape[0], q.shape[1]
-    kv_heads, dim = k_cache.shape[1], k_cache.shape[2]
+    batch, heads, dim = q.shape
+    kv_heads, width = k_cache.shape[1], k_cache.shape[2]
     # [pairs, kv_heads, block, dim]
-    k = k_cache.view(-1, block_size, kv_heads, dim)[plan.pair_block].permute(0, 2, 1, 3)
-    v = v_cache.view(-1, block_size, kv_heads, dim)[plan.pair_block].permute(0, 2, 1, 3)
+    k = k_cache.view(-1, block_size, kv_heads, width)[plan.pair_block].permute(0, 2, 1, 3)
+    v = v_cache.view(-1, block_size, kv_heads, width)[plan.pair_block].permute(0, 2, 1, 3)
+    if is_quantized(cache_dtype):
+        k, v = dequantize_kv(k, cache_dtype, q.dtype), dequantize_kv(v, cache_dtype, q.dtype)
     q = (q * scale).view(batch, kv_heads, heads // kv_heads, dim)[plan.pair_seq]  # heads grouped by their KV head
     # Products written as broadcast sums, not einsums: inductor's loops over them were 2.3x
     # faster with grouped query heads (8:2), and as fast without.

@@ -112,6 +112,7 @@ def paged_attention_cpu(
     block_size: int,
     scale: float,
     window: int,
+    cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of q ``[tokens, heads, dim]`` (any strides, its last dimension contiguous)
     over a paged cache read in place. Sequence ``s`` owns the query rows ``query_starts[s]`` ..

@@ -19,7 +19,8 @@ CPU_KV_CACHE_LIMIT_BYTES = 4 * 2**30
 
 
 class KVCache:
-    """One tensor ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]`` of a worker's own layers and heads.
+    """One tensor ``[layers, 2, num_blocks * block_size, kv_heads, slot_width]`` of a worker's own layers and heads
+    (``slot_width``: ``head_dim``, or in an 8-bit cache its codes and scale, ``core/kv_cache_dtype.py``).
 
     Block ``b`` owns slots ``b * block_size ... (b + 1) * block_size - 1``; a flat slot axis lets
     attention write new K/V with one ``index_copy_`` and gather context with one index. Block ids
@@ -42,7 +43,7 @@ class KVCache:
         dims = shape.dims(num_blocks)
         # ``shared``: on CPU in shared memory where the system allows, so that a rank on the same
         # machine pulls KV straight out of it (``self.shared`` says how it maps it).
-        self.tensor, self.shared = _allocate(dims, shape.dtype, device, shared)
+        self.tensor, self.shared = _allocate(dims, shape.storage_dtype, device, shared)
         self.num_host_blocks = num_host_blocks
         self.host: torch.Tensor | None = None  # the swap pool of ``num_host_blocks`` (``swap``), made when first used
         self._swap_stream: torch.cuda.Stream | None = None
@@ -67,7 +68,7 @@ class KVCache:
         preparing the step. ``swap_seconds`` reads their time on the device afterwards."""
         if self.host is None:
             pinned = self.tensor.device.type == "cuda"
-            self.host = torch.zeros(self.shape.dims(self.num_host_blocks), dtype=self.shape.dtype, pin_memory=pinned)
+            self.host = torch.zeros(self.shape.dims(self.num_host_blocks), dtype=self.shape.storage_dtype, pin_memory=pinned)
         if self.tensor.device.type != "cuda":
             self.copy_host(self.host, out, pairs)
             return
@@ -178,8 +179,8 @@ def determine_num_blocks(
     budget = kv_cache_budget(cache_config, device)
     if device.type == "cpu":
         budget = min(budget, CPU_KV_CACHE_LIMIT_BYTES) // num_cpu_workers
-    tokens = message_tokens(shape.num_kv_heads, shape.head_dim, shape.dtype, device.type)
-    staging = staging_bytes(shape.num_kv_heads, shape.head_dim, shape.dtype, tokens)
+    tokens = message_tokens(shape.num_kv_heads, shape.slot_width, shape.storage_dtype, device.type)
+    staging = staging_bytes(shape.num_kv_heads, shape.slot_width, shape.storage_dtype, tokens)
     budget -= staging
     from_memory = budget // shape.bytes_per_block
     useful = -(-max_useful_tokens // shape.block_size)

@@ -249,7 +249,9 @@ class ModelRunner:
         if self.stage is not None:
             self.stage.received = received
         try:
-            context = ForwardContext(meta, self.kv_cache.layers, self.buffers, self.attention_backend)
+            context = ForwardContext(
+                meta, self.kv_cache.layers, self.buffers, self.attention_backend, self.kv_cache.shape.cache_dtype
+            )
             with forward_context(context):
                 out = self.model(
                     input_ids=input_ids[None],

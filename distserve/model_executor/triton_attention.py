@@ -267,6 +267,7 @@ def paged_decode_triton(
     block_size: int,
     scale: float,
     partition: int | None = None,
+    cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """q ``[batch, heads, dim]`` over each sequence's context from ``oldest`` to ``positions``
     ``[batch]`` (inclusive), K/V ``[slots, kv_heads, dim]`` read in place through ``block_tables``
@@ -279,6 +280,8 @@ def paged_decode_triton(
     K/V."""
     if triton is None:
         raise RuntimeError("paged_decode_triton needs Triton, which is not installed")
+    if cache_dtype != "auto":
+        raise ValueError(f"the Triton decode kernel does not read an {cache_dtype} KV cache")
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     if not supports_head_dim(dim):

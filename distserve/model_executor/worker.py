@@ -123,6 +123,7 @@ class Worker:
             shape.head_dim,
             self.config.cache.block_size,
             self.dtype,
+            self.config.cache.kv_cache_dtype,
         )
         if self.config.model.cpu_packed_linear and can_pack(self.device, self.dtype):
             pack_linears(model)
@@ -184,8 +185,10 @@ class Worker:
     def attach_tier(self, geometry: KVCacheShape, shared: SharedFile) -> None:
         """Map the node's prefix tier pool, this rank's layers and heads of it. OSError where it
         cannot be mapped (not this machine's), ValueError where its blocks are not this model's."""
-        mine = (self.kv_shape.block_size, self.kv_shape.head_dim, self.kv_shape.dtype)
-        if (geometry.block_size, geometry.head_dim, geometry.dtype) != mine:
+        def blocks(shape: KVCacheShape) -> tuple:
+            return shape.block_size, shape.head_dim, shape.storage_dtype, shape.cache_dtype
+
+        if blocks(geometry) != blocks(self.kv_shape):
             raise ValueError(f"the tier holds blocks of {geometry}, this rank's are {self.kv_shape}")
         layers, heads = self.kv_layout.layers, self.kv_layout.kv_heads
         pool = shared.open()
