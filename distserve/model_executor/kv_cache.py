@@ -68,7 +68,8 @@ class KVCache:
         preparing the step. ``swap_seconds`` reads their time on the device afterwards."""
         if self.host is None:
             pinned = self.tensor.device.type == "cuda"
-            self.host = torch.zeros(self.shape.dims(self.num_host_blocks), dtype=self.shape.storage_dtype, pin_memory=pinned)
+            dims, dtype = self.shape.dims(self.num_host_blocks), self.shape.storage_dtype
+            self.host = torch.zeros(dims, dtype=dtype, pin_memory=pinned)
         if self.tensor.device.type != "cuda":
             self.copy_host(self.host, out, pairs)
             return

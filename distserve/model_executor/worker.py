@@ -185,6 +185,7 @@ class Worker:
     def attach_tier(self, geometry: KVCacheShape, shared: SharedFile) -> None:
         """Map the node's prefix tier pool, this rank's layers and heads of it. OSError where it
         cannot be mapped (not this machine's), ValueError where its blocks are not this model's."""
+
         def blocks(shape: KVCacheShape) -> tuple:
             return shape.block_size, shape.head_dim, shape.storage_dtype, shape.cache_dtype
 
