@@ -21,6 +21,7 @@ from distserve.model_executor.attention import (
     resolve_attention_backend,
 )
 from distserve.model_executor.cpu_kernel import KernelUnavailable, paged_attention_cpu
+from distserve.model_executor.kv_quant import dequantize_kv, quantize_kv
 from distserve.model_executor.triton_attention import triton_available
 
 BLOCK_SIZE, NUM_BLOCKS, DIM = 16, 64, 32
@@ -54,11 +55,11 @@ def _cache(
     return k_cache, v_cache, torch.randperm(NUM_BLOCKS, generator=gen).tolist()
 
 
-def _assert_close_to_float32(out: torch.Tensor, expected: torch.Tensor) -> None:
+def _assert_close_to_float32(out: torch.Tensor, expected: torch.Tensor, atol: float = 1e-5) -> None:
     """``out`` equal to float32 ``expected`` up to float32 summation order, and, in bfloat16, up to
     rounding to the nearest bfloat16 (half a unit in the last place: 2^-8 of the value at most)."""
-    rtol = 2**-8 if out.dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=rtol)
+    rtol = 2**-8 if out.dtype == torch.bfloat16 else atol
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
 
 
 def _queries(tokens: int, heads: int, dim: int, gen: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
@@ -101,10 +102,31 @@ def test_paged_decode_equals_sdpa_over_gathered_blocks(kernel, dtype, heads, kv_
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, DIM), (8, 2, 64)])
 @pytest.mark.parametrize("window", [None, 24])
 def test_cpp_prompt_chunks_after_a_cached_prefix_equal_causal_sdpa(dtype, heads, kv_heads, dim, window):
+    _check_prompt_chunks(dtype, heads, kv_heads, dim, window, "auto")
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, DIM), (8, 2, 64), (2, 1, 128), (4, 2, 20)])
+def test_cpp_over_an_8_bit_cache_equals_sdpa_over_its_dequantized_values(cache_dtype, dtype, heads, kv_heads, dim):
+    """Decode tokens and prompt chunks over a cache of codes and per-row scales: as SDPA over the
+    values those codes and scales stand for (a kernel that left a scale out, or read a row at the
+    wrong stride, would be off by the scale's size), in float32 and bfloat16, at head sizes the
+    kernel vectorises (64, 128), does not (32), and not a multiple of 16 (20)."""
+    _check_prompt_chunks(dtype, heads, kv_heads, dim, 24, cache_dtype)
+    _check_prompt_chunks(dtype, heads, kv_heads, dim, None, cache_dtype)
+
+
+def _check_prompt_chunks(dtype, heads, kv_heads, dim, window, cache_dtype):
     """Sequences of several query tokens (more than a tile of 16, fewer, one; a whole prompt, and
     chunks after cached ones), each the last of its context, packed with a decode token."""
     gen = torch.Generator().manual_seed(1)
     k_cache, v_cache, free = _cache(kv_heads, dim, gen, dtype)
+    values = k_cache, v_cache
+    if cache_dtype != "auto":  # rows of a spread of sizes, so that scales differ from row to row
+        sizes = torch.rand(k_cache.shape[:2], generator=gen)[..., None] * 4
+        k_cache, v_cache = (quantize_kv(cache.float() * sizes, cache_dtype) for cache in (k_cache, v_cache))
+        values = tuple(dequantize_kv(cache, cache_dtype, torch.float32) for cache in (k_cache, v_cache))
     chunks = [(1, 1), (1, 70), (5, 100), (16, 16), (40, 250), (17, 33)]  # (query tokens, context length)
     tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for _, n in chunks]
     starts = [sum(c for c, _ in chunks[:i]) for i in range(len(chunks))]
@@ -112,15 +134,18 @@ def test_cpp_prompt_chunks_after_a_cached_prefix_equal_causal_sdpa(dtype, heads,
     scale = dim**-0.5
     lens, contexts = (torch.tensor(column) for column in zip(*chunks))
     out = paged_attention_cpu(q, k_cache, v_cache, _padded(tables), torch.tensor(starts), lens, contexts, BLOCK_SIZE,
-                              scale, NO_WINDOW if window is None else window)  # fmt: skip
+                              scale, NO_WINDOW if window is None else window, cache_dtype)  # fmt: skip
     for (count, n), table, start in zip(chunks, tables, starts):
         query = torch.arange(n - count, n)[:, None]
         key = torch.arange(n)[None, :]
         mask = (key <= query) & (key > query - (window or NO_WINDOW))
-        k, v = (_gathered(cache, table, n).float() for cache in (k_cache, v_cache))
+        k, v = (_gathered(cache, table, n).float() for cache in values)
         qs = q[start : start + count].transpose(0, 1).float()
         expected = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        _assert_close_to_float32(out[start : start + count], expected.transpose(0, 1))
+        # An 8-bit cache's values run to 4x the others' (and its products are grouped differently):
+        # float32 summation differs by a few units more; a scale left out is off by 30x or more.
+        atol = 1e-5 if cache_dtype == "auto" else 1e-4
+        _assert_close_to_float32(out[start : start + count], expected.transpose(0, 1), atol)
 
 
 def test_auto_backend_is_cpp_for_float32_and_bfloat16_on_cpu_compiled_for_float16_and_triton_on_cuda():
@@ -158,6 +183,8 @@ def test_the_kernel_built_for_cpus_without_avx512_bf16_attends_alike(fresh_kerne
     for dtype in (torch.float32, torch.bfloat16):
         test_paged_decode_equals_sdpa_over_gathered_blocks(_cpp, dtype, 8, 2, 64, None)
         test_cpp_prompt_chunks_after_a_cached_prefix_equal_causal_sdpa(dtype, 8, 2, 64, 24)
+        for cache_dtype in ("int8", "fp8"):
+            _check_prompt_chunks(dtype, 8, 2, 64, 24, cache_dtype)
 
 
 def test_the_kernel_is_built_once_into_the_cache(fresh_kernel_build):

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from distserve.core.cpu_features import cpu_info
+from distserve.core.kv_cache_dtype import slot_width
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ def load_kernel() -> ctypes.CDLL:
         _build(cxx, library)
     kernel = ctypes.CDLL(str(library))
     kernel.paged_attention.restype = ctypes.c_int
-    kernel.paged_attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int]
+    argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 9 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    kernel.paged_attention.argtypes = argtypes
     return kernel
 
 
@@ -99,6 +101,7 @@ def _warn_once(reason: str) -> None:
 
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_CACHE_KINDS = {"auto": 0, "int8": 1, "fp8": 2}  # the kernel's ``cache`` argument
 
 
 def paged_attention_cpu(
@@ -118,14 +121,18 @@ def paged_attention_cpu(
     over a paged cache read in place. Sequence ``s`` owns the query rows ``query_starts[s]`` ..
     ``+ query_lens[s]``, the last positions of its ``context_lens[s]``, whose K/V (its new tokens'
     included) sit in the blocks of its row of ``block_tables`` ``[seqs, max_blocks]``; each row
-    attends to the last ``window`` positions up to its own. K/V ``[slots, kv_heads, dim]`` on CPU,
-    float32 or bfloat16, q of the same dtype; products and sums in float32. Returns ``[tokens,
-    heads, dim]`` in that dtype."""
+    attends to the last ``window`` positions up to its own. q float32 or bfloat16; K/V on CPU
+    ``[slots, kv_heads, dim]`` of q's dtype, or with ``cache_dtype`` int8 or fp8 ``[slots, kv_heads,
+    dim + 4]`` int8 rows of codes and scale (``core/kv_cache_dtype.py``); products and sums in
+    float32. Returns ``[tokens, heads, dim]`` in q's dtype."""
     tokens, heads, dim = q.shape
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the KV cache must be contiguous")
-    if k_cache.dtype not in KERNEL_DTYPES or not q.dtype == v_cache.dtype == k_cache.dtype:
+    stored = q.dtype if cache_dtype == "auto" else torch.int8
+    if q.dtype not in KERNEL_DTYPES or not stored == v_cache.dtype == k_cache.dtype:
         raise ValueError(f"the kernel takes float32 or bfloat16, not q {q.dtype} over a {k_cache.dtype} cache")
+    if k_cache.shape[2] != slot_width(dim, cache_dtype):
+        raise ValueError(f"a {cache_dtype} cache of rows of {k_cache.shape[2]} for queries of head size {dim}")
     if q.stride(2) != 1:
         q = q.contiguous()
     out = torch.empty((tokens, heads, dim), dtype=q.dtype)
@@ -135,7 +142,7 @@ def paged_attention_cpu(
     status = load_kernel().paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
         contexts.data_ptr(), out.data_ptr(), len(starts), heads, k_cache.shape[1], dim, block_size, tables.shape[1],
-        window, q.stride(0), q.stride(1), scale, k_cache.dtype == torch.bfloat16,
+        window, q.stride(0), q.stride(1), scale, q.dtype == torch.bfloat16, _CACHE_KINDS[cache_dtype],
     )  # fmt: skip
     if status != 0:
         raise ValueError(f"paged attention kernel: block size {block_size} or window {window} under 1, or {heads} "

@@ -14,11 +14,16 @@
 // select, and keys past a task's last position are never read), so the kernel may be built with
 // -ffast-math, which vectorises exp.
 //
-// The cache and the output are float32 or bfloat16 (`Element`); queries come in either, through
-// their strides, and are scaled and widened to float32 once per task. Every product and sum is
-// float32: a bfloat16 value widens exactly, by a 16-bit shift, which vectorises like a load.
+// Queries and the output are float32 or bfloat16 (`Element`); queries come through their strides,
+// and are scaled and widened to float32 once per task. The cache (`Cache`) holds the same type, or
+// 8-bit codes (int8, or fp8 e4m3) with each row's float32 scale after its `dim` codes (a row: one
+// token's K or V for one KV head; distserve/core/kv_cache_dtype.py): a key's score is its codes'
+// dot product times its scale, a value's weight its softmax weight times its scale. Every product
+// and sum is float32: a bfloat16 value widens exactly, by a 16-bit shift, which vectorises like a
+// load; an int8 code by a sign extension and a conversion; an fp8 code by a 256-entry table.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -37,6 +42,7 @@ constexpr int64_t kLanes = 16;  // query tokens of a prompt tile: one per SIMD l
 
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, max_blocks, window;
+  int64_t head_stride;                    // cache elements between a slot's KV heads: dim, or dim + 4 (8-bit)
   int64_t q_token_stride, q_head_stride;  // elements between a query row's tokens, and its heads
   float scale;                            // the queries' softmax scale
 };
@@ -51,6 +57,42 @@ inline float widen(bf16 x) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+struct fp8 {  // e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities
+  uint8_t bits;
+};
+
+std::array<float, 256> fp8_table() {
+  std::array<float, 256> table{};
+  for (int bits = 0; bits < 256; ++bits) {
+    const int exponent = (bits >> 3) & 15, mantissa = bits & 7;
+    float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -9)
+                                    : std::ldexp(1.f + mantissa / 8.f, exponent - 7);
+    if (exponent == 15 && mantissa == 7) magnitude = std::numeric_limits<float>::quiet_NaN();
+    table[bits] = bits & 128 ? -magnitude : magnitude;
+  }
+  return table;
+}
+const std::array<float, 256> kFp8 = fp8_table();
+
+inline float widen(int8_t x) { return static_cast<float>(x); }
+inline float widen(fp8 x) { return kFp8[x.bits]; }
+
+// Whether a cache element type is an 8-bit code, with a float32 scale after each row's codes.
+template <typename Cache>
+constexpr bool kScaled = std::is_same_v<Cache, int8_t> || std::is_same_v<Cache, fp8>;
+
+// The scale of the row whose codes start at `row`: 1 for a cache of plain values.
+template <typename Cache>
+inline float row_scale(const Cache* row, int64_t dim) {
+  if constexpr (kScaled<Cache>) {
+    float scale;
+    std::memcpy(&scale, row + dim, sizeof scale);
+    return scale;
+  } else {
+    return 1.f;
+  }
 }
 
 inline void narrow(float x, float* out) { *out = x; }
@@ -103,13 +145,20 @@ inline __m512 load16(const bf16* p) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const fp8* p) {
+  const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_i32gather_ps(codes, kFp8.data(), 4);
+}
 
 // q·k lane-wise: 16 partial sums whose total is the dot product. `q` the scaled float32 query
 // head, `raw` the same head as it came.
-template <int64_t DIM, typename Element>
-inline __m512 key_partials(const float* q, const Element* raw, const Element* k) {
+template <int64_t DIM, typename Element, typename Cache>
+inline __m512 key_partials(const float* q, const Element* raw, const Cache* k) {
 #if defined(__AVX512BF16__)
-  if constexpr (kScaledAfter<Element>) {
+  if constexpr (kScaledAfter<Element> && std::is_same_v<Element, Cache>) {
     __m512 sum = _mm512_setzero_ps();
     for (int64_t d = 0; d < DIM; d += 32) {
       const __m512bh qd = (__m512bh)_mm512_loadu_si512(raw + d), kd = (__m512bh)_mm512_loadu_si512(k + d);
@@ -145,9 +194,10 @@ inline __m512 sum_each(const __m512* v) {
 }
 #endif
 
-// s[t] = q·k_t for the keys first..last of a block, k_t at kh + t * row.
-template <int64_t DIM, typename Element>
-inline void key_scores(const float* q, const Element* raw, const Element* kh, int64_t row, int64_t first,
+// s[t] = q·k_t for the keys first..last of a block, k_t at kh + t * row (times its scale in an
+// 8-bit cache).
+template <int64_t DIM, typename Element, typename Cache>
+inline void key_scores(const float* q, const Element* raw, const Cache* kh, int64_t row, int64_t first,
                        int64_t last, float scale, int64_t dim, float* s) {
 #if defined(__AVX512F__)
   if constexpr (kVectorised<DIM>) {
@@ -157,32 +207,37 @@ inline void key_scores(const float* q, const Element* raw, const Element* kh, in
       for (int64_t i = 0; i < 16; ++i)
         partials[i] = i < n ? key_partials<DIM>(q, raw, kh + (t0 + i) * row) : _mm512_setzero_ps();
       __m512 sums = sum_each(partials);
-      if constexpr (kScaledAfter<Element>) sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
+      if constexpr (kScaledAfter<Element> && std::is_same_v<Element, Cache>)
+        sums = _mm512_mul_ps(sums, _mm512_set1_ps(scale));
       _mm512_mask_storeu_ps(s + t0, static_cast<__mmask16>((1u << n) - 1), sums);
     }
-    return;
-  }
+  } else
 #endif
-  for (int64_t t = first; t <= last; ++t) {
-    const Element* k = kh + t * row;
-    float dot = 0.f;
+  {
+    for (int64_t t = first; t <= last; ++t) {
+      const Cache* k = kh + t * row;
+      float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t d = 0; d < dim; ++d) dot += q[d] * widen(k[d]);
-    s[t] = dot;
+      for (int64_t d = 0; d < dim; ++d) dot += q[d] * widen(k[d]);
+      s[t] = dot;
+    }
   }
+  if constexpr (kScaled<Cache>)
+    for (int64_t t = first; t <= last; ++t) s[t] *= row_scale(kh + t * row, dim);
 }
 
-// acc[d] += p[t] * v_t[d] for the keys first..last of a block, v_t at vh + t * row.
-template <int64_t DIM, typename Element>
-inline void add_weighted_values(float* acc, const float* p, const Element* vh, int64_t row, int64_t first,
+// acc[d] += p[t] * v_t[d] for the keys first..last of a block, v_t at vh + t * row (p[t] times
+// its scale in an 8-bit cache).
+template <int64_t DIM, typename Cache>
+inline void add_weighted_values(float* acc, const float* p, const Cache* vh, int64_t row, int64_t first,
                                 int64_t last, int64_t dim) {
 #if defined(__AVX512F__)
   if constexpr (kVectorised<DIM>) {
     __m512 a[DIM / 16];
     for (int64_t c = 0; c < DIM / 16; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
     for (int64_t t = first; t <= last; ++t) {
-      const __m512 weight = _mm512_set1_ps(p[t]);
-      const Element* v = vh + t * row;
+      const Cache* v = vh + t * row;
+      const __m512 weight = _mm512_set1_ps(p[t] * row_scale(v, dim));
       for (int64_t c = 0; c < DIM / 16; ++c) a[c] = _mm512_fmadd_ps(weight, load16(v + 16 * c), a[c]);
     }
     for (int64_t c = 0; c < DIM / 16; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
@@ -190,8 +245,8 @@ inline void add_weighted_values(float* acc, const float* p, const Element* vh, i
   }
 #endif
   for (int64_t t = first; t <= last; ++t) {
-    const Element* v = vh + t * row;
-    const float weight = p[t];
+    const Cache* v = vh + t * row;
+    const float weight = p[t] * row_scale(v, dim);
 #pragma omp simd
     for (int64_t d = 0; d < dim; ++d) acc[d] += weight * widen(v[d]);
   }
@@ -221,11 +276,11 @@ void load_query(const Element* q, int64_t m, const Shape& shape, float* out) {
 
 // One query token (a decoding sequence) at `position`. Per block, for every head: the scores of
 // the block's tokens (a dot product each), then the online softmax, then the weighted values.
-template <int64_t DIM, typename Element>
-void attend_token(const Element* query, Element* out, const Element* k_cache, const Element* v_cache,
+template <int64_t DIM, typename Element, typename Cache>
+void attend_token(const Element* query, Element* out, const Cache* k_cache, const Cache* v_cache,
                   const int64_t* table, int64_t position, const Shape& shape, Scratch& w) {
   const int64_t dim = DIM > 0 ? DIM : shape.dim, heads = shape.heads, block_size = shape.block_size;
-  const int64_t group = heads / shape.kv_heads, row = shape.kv_heads * dim;
+  const int64_t group = heads / shape.kv_heads, stride = shape.head_stride, row = shape.kv_heads * stride;
   const int64_t start = std::max<int64_t>(position - shape.window + 1, 0);
   float *scores = w.scores.data(), *acc = w.acc.data(), *maxes = w.maxes.data(), *sums = w.sums.data();
   float* q = w.queries.data();  // [heads][dim]
@@ -238,19 +293,19 @@ void attend_token(const Element* query, Element* out, const Element* k_cache, co
     const int64_t first = std::max(start - base, int64_t{0});
     const int64_t last = std::min(position - base, block_size - 1);
     const int64_t elements = block_size * row, last_block = position / block_size;
-    const Element* k_block = k_cache + table[j] * elements;
-    const Element* v_block = v_cache + table[j] * elements;
+    const Cache* k_block = k_cache + table[j] * elements;
+    const Cache* v_block = v_cache + table[j] * elements;
     if (j == start / block_size && j + 1 <= last_block) {
       prefetch_part(k_cache + table[j + 1] * elements, elements, 0, 1);
       prefetch_part(v_cache + table[j + 1] * elements, elements, 0, 1);
     }
     const bool fetch = j + 2 <= last_block;
-    const Element* k_later = fetch ? k_cache + table[j + 2] * elements : nullptr;
-    const Element* v_later = fetch ? v_cache + table[j + 2] * elements : nullptr;
+    const Cache* k_later = fetch ? k_cache + table[j + 2] * elements : nullptr;
+    const Cache* v_later = fetch ? v_cache + table[j + 2] * elements : nullptr;
     for (int64_t h = 0; h < heads; ++h) {  // scores
       const float* qh = q + h * dim;
       const Element* raw = query + h * shape.q_head_stride;
-      const Element* kh = k_block + (h / group) * dim;
+      const Cache* kh = k_block + (h / group) * stride;
       float* s = scores + h * block_size;
       key_scores<DIM>(qh, raw, kh, row, first, last, shape.scale, dim, s);
       if (fetch) prefetch_part(k_later, elements, h, heads);
@@ -275,7 +330,7 @@ void attend_token(const Element* query, Element* out, const Element* k_cache, co
       sums[h] += block_sum;
     }
     for (int64_t h = 0; h < heads; ++h) {  // weighted values
-      const Element* vh = v_block + (h / group) * dim;
+      const Cache* vh = v_block + (h / group) * stride;
       add_weighted_values<DIM>(acc + h * dim, scores + h * block_size, vh, row, first, last, dim);
       if (fetch) prefetch_part(v_later, elements, h, heads);
     }
@@ -286,16 +341,22 @@ void attend_token(const Element* query, Element* out, const Element* k_cache, co
   }
 }
 
+// A key's scores for every lane, times its scale (1 for plain values).
+inline void store_scores(const float* lanes, float scale, float* out) {
+#pragma omp simd
+  for (int64_t m = 0; m < kLanes; ++m) out[m] = lanes[m] * scale;
+}
+
 // Up to kLanes consecutive query tokens of a prompt, the first at `first_position`, one per SIMD
 // lane: a dot product per score would end in a horizontal sum, so the queries are transposed once
 // (each head's [dim][lane]) and a key's scores for every lane come from one broadcast and
 // multiply-add per dimension, four keys at a time (independent chains). The softmax is vectorised
 // over lanes too; a lane's causal and window limits are a mask on its scores.
-template <int64_t DIM, typename Element>
-void attend_tile(const Element* q, Element* out, const Element* k_cache, const Element* v_cache,
+template <int64_t DIM, typename Element, typename Cache>
+void attend_tile(const Element* q, Element* out, const Cache* k_cache, const Cache* v_cache,
                  const int64_t* table, int64_t count, int64_t first_position, const Shape& shape, Scratch& w) {
   const int64_t dim = DIM > 0 ? DIM : shape.dim, heads = shape.heads, block_size = shape.block_size;
-  const int64_t group = heads / shape.kv_heads, row = shape.kv_heads * dim;
+  const int64_t group = heads / shape.kv_heads, stride = shape.head_stride, row = shape.kv_heads * stride;
   const int64_t last_position = first_position + count - 1;
   const int64_t start = std::max<int64_t>(first_position - shape.window + 1, 0);
   float *scores = w.scores.data(), *acc = w.acc.data(), *maxes = w.maxes.data(), *sums = w.sums.data();
@@ -318,16 +379,16 @@ void attend_tile(const Element* q, Element* out, const Element* k_cache, const E
     const int64_t base = j * block_size;
     const int64_t first = std::max(start - base, int64_t{0});
     const int64_t last = std::min(last_position - base, block_size - 1);
-    const Element* k_block = k_cache + table[j] * block_size * row;
-    const Element* v_block = v_cache + table[j] * block_size * row;
+    const Cache* k_block = k_cache + table[j] * block_size * row;
+    const Cache* v_block = v_cache + table[j] * block_size * row;
     for (int64_t h = 0; h < heads; ++h) {
       const float* qh = queries + h * dim * kLanes;
-      const Element* kh = k_block + (h / group) * dim;
+      const Cache* kh = k_block + (h / group) * stride;
       float* s = scores + h * block_size * kLanes;  // [token][lane]
       int64_t t = first;
       for (; t + 3 <= last; t += 4) {  // scores of four keys at once
         float s0[kLanes] = {}, s1[kLanes] = {}, s2[kLanes] = {}, s3[kLanes] = {};
-        const Element *k0 = kh + t * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
+        const Cache *k0 = kh + t * row, *k1 = k0 + row, *k2 = k1 + row, *k3 = k2 + row;
         for (int64_t d = 0; d < dim; ++d) {
           const float* qd = qh + d * kLanes;
           const float x0 = widen(k0[d]), x1 = widen(k1[d]), x2 = widen(k2[d]), x3 = widen(k3[d]);
@@ -339,21 +400,21 @@ void attend_tile(const Element* q, Element* out, const Element* k_cache, const E
             s3[m] += x3 * qd[m];
           }
         }
-        std::copy(s0, s0 + kLanes, s + t * kLanes);
-        std::copy(s1, s1 + kLanes, s + (t + 1) * kLanes);
-        std::copy(s2, s2 + kLanes, s + (t + 2) * kLanes);
-        std::copy(s3, s3 + kLanes, s + (t + 3) * kLanes);
+        store_scores(s0, row_scale(k0, dim), s + t * kLanes);
+        store_scores(s1, row_scale(k1, dim), s + (t + 1) * kLanes);
+        store_scores(s2, row_scale(k2, dim), s + (t + 2) * kLanes);
+        store_scores(s3, row_scale(k3, dim), s + (t + 3) * kLanes);
       }
       for (; t <= last; ++t) {
         float s0[kLanes] = {};
-        const Element* k0 = kh + t * row;
+        const Cache* k0 = kh + t * row;
         for (int64_t d = 0; d < dim; ++d) {
           const float* qd = qh + d * kLanes;
           const float x0 = widen(k0[d]);
 #pragma omp simd
           for (int64_t m = 0; m < kLanes; ++m) s0[m] += x0 * qd[m];
         }
-        std::copy(s0, s0 + kLanes, s + t * kLanes);
+        store_scores(s0, row_scale(k0, dim), s + t * kLanes);
       }
       // Softmax over the block's keys, per lane: masked scores take no part, and weigh nothing.
       float* running_max = maxes + h * kLanes;
@@ -386,7 +447,7 @@ void attend_tile(const Element* q, Element* out, const Element* k_cache, const E
         running_max[m] = block_max[m];
       }
       // Weighted values, lane by lane: the lane's accumulator in registers, a value row per key.
-      const Element* vh = v_block + (h / group) * dim;
+      const Cache* vh = v_block + (h / group) * stride;
       for (int64_t m = 0; m < count; ++m) {
         float* acc_m = acc + (h * kLanes + m) * dim;
         float local[DIM > 0 ? DIM : 1];
@@ -395,8 +456,8 @@ void attend_tile(const Element* q, Element* out, const Element* k_cache, const E
 #pragma omp simd
         for (int64_t d = 0; d < dim; ++d) a[d] = acc_m[d] * r;
         for (int64_t t = first; t <= last; ++t) {
-          const float weight = s[t * kLanes + m];
-          const Element* v = vh + t * row;
+          const Cache* v = vh + t * row;
+          const float weight = s[t * kLanes + m] * row_scale(v, dim);
 #pragma omp simd
           for (int64_t d = 0; d < dim; ++d) a[d] += weight * widen(v[d]);
         }
@@ -412,8 +473,8 @@ void attend_tile(const Element* q, Element* out, const Element* k_cache, const E
     }
 }
 
-template <int64_t DIM, typename Element>
-void paged_attention(const Element* q, const Element* k_cache, const Element* v_cache, const int64_t* block_tables,
+template <int64_t DIM, typename Element, typename Cache>
+void paged_attention(const Element* q, const Cache* k_cache, const Cache* v_cache, const int64_t* block_tables,
                      const int64_t* query_starts, const int64_t* query_lens, const int64_t* context_lens,
                      Element* out, int64_t num_seqs, const Shape& shape) {
   const int64_t token_elements = shape.heads * shape.dim;
@@ -442,13 +503,13 @@ void paged_attention(const Element* q, const Element* k_cache, const Element* v_
   }
 }
 
-template <typename Element>
+template <typename Element, typename Cache>
 int run(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
         const int64_t* query_starts, const int64_t* query_lens, const int64_t* context_lens, void* out,
         int64_t num_seqs, const Shape& shape) {
   if (shape.block_size < 1 || shape.kv_heads < 1 || shape.heads % shape.kv_heads != 0 || shape.window < 1) return 1;
-  const auto *qe = static_cast<const Element*>(q), *k = static_cast<const Element*>(k_cache),
-             *v = static_cast<const Element*>(v_cache);
+  const auto* qe = static_cast<const Element*>(q);
+  const auto *k = static_cast<const Cache*>(k_cache), *v = static_cast<const Cache*>(v_cache);
   auto* o = static_cast<Element*>(out);
   switch (shape.dim) {
     case 64:
@@ -465,17 +526,26 @@ int run(const void* q, const void* k_cache, const void* v_cache, const int64_t* 
 
 }  // namespace
 
-// q [tokens, heads, dim] through its strides (unscaled); K/V caches [slots, kv_heads, dim] and out
-// [tokens, heads, dim], contiguous; all of one element type: float32, or bfloat16 when `bfloat16`
-// is non-zero. block_tables [num_seqs, max_blocks]. Sequence s owns query tokens query_starts[s] ..
-// + query_lens[s], the last of its context_lens[s] positions; each attends to the positions up to
-// its own within the last `window`. Returns 0, or 1 for shapes the kernel does not take.
+// q [tokens, heads, dim] through its strides (unscaled) and out [tokens, heads, dim], contiguous:
+// float32, or bfloat16 when `bfloat16` is non-zero. K/V caches [slots, kv_heads, dim] of the same
+// type (`cache` 0), or [slots, kv_heads, dim + 4] of int8 (`cache` 1) or fp8 e4m3 (`cache` 2) codes,
+// each row's float32 scale in its last 4 bytes; contiguous. block_tables [num_seqs, max_blocks].
+// Sequence s owns query tokens query_starts[s] .. + query_lens[s], the last of its context_lens[s]
+// positions; each attends to the positions up to its own within the last `window`. Returns 0, or 1
+// for shapes or types the kernel does not take.
 extern "C" int paged_attention(const void* q, const void* k_cache, const void* v_cache, const int64_t* block_tables,
                                const int64_t* query_starts, const int64_t* query_lens, const int64_t* context_lens,
                                void* out, int64_t num_seqs, int64_t heads, int64_t kv_heads, int64_t dim,
                                int64_t block_size, int64_t max_blocks, int64_t window, int64_t q_token_stride,
-                               int64_t q_head_stride, float scale, int bfloat16) {
-  const Shape shape{heads, kv_heads, dim, block_size, max_blocks, window, q_token_stride, q_head_stride, scale};
-  const auto call = bfloat16 ? run<bf16> : run<float>;
-  return call(q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, out, num_seqs, shape);
+                               int64_t q_head_stride, float scale, int bfloat16, int cache) {
+  const int64_t head_stride = cache == 0 ? dim : dim + 4;
+  const Shape shape{heads,       kv_heads,       dim,           block_size, max_blocks, window,
+                    head_stride, q_token_stride, q_head_stride, scale};
+  using Run = int (*)(const void*, const void*, const void*, const int64_t*, const int64_t*, const int64_t*,
+                      const int64_t*, void*, int64_t, const Shape&);
+  constexpr Run runs[2][3] = {{run<float, float>, run<float, int8_t>, run<float, fp8>},
+                              {run<bf16, bf16>, run<bf16, int8_t>, run<bf16, fp8>}};
+  if (cache < 0 || cache > 2) return 1;
+  return runs[bfloat16 ? 1 : 0][cache](q, k_cache, v_cache, block_tables, query_starts, query_lens, context_lens, out,
+                                        num_seqs, shape);
 }
