@@ -19,6 +19,7 @@ import torch.distributed as dist
 from distserve.core.config import EngineConfig
 from distserve.core.cpu_cores import bind_process
 from distserve.core.errors import RequestFault
+from distserve.core.kv_cache_dtype import check_kv_cache_dtype
 from distserve.core.outputs import TokenLogprobs
 from distserve.core.step_metrics import StepTimer
 from distserve.kv_transfer.channel import KVTransfer
@@ -113,6 +114,7 @@ class Worker:
             tp_group,
         )
         shape = resolved.shape
+        check_kv_cache_dtype(self.config.cache.kv_cache_dtype, shape.head_dim)
         self.kv_layout = rank_layout(shape.num_layers, shape.num_kv_heads, self.rank)
         self.layers = self.kv_layout.layers
         self.max_model_len = resolved.max_model_len
