@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks in one go: the Triton kernels against their references, the GPU tests (float32
-# exactness against transformers, swap, bfloat16 serving, decode graphs, KV over CUDA IPC), then
-# the GPU benchmarks (decoding, KV over IPC, swap copies), the device memory of loading every
-# kernel at start and role changes under both loadings. Each step has a time limit and a log of
-# its own in OUTDIR, and a failing step does not stop the next.
+# The GPU checks in one go: the Triton kernels against their references (int8 and fp8 caches
+# included), the GPU tests (float32 exactness against transformers, swap, bfloat16 serving, decode
+# graphs, 8-bit KV on the Triton kernel, KV over CUDA IPC), then the GPU benchmarks (decoding, KV
+# over IPC, swap copies), the device memory of loading every kernel at start and role changes
+# under both loadings. Each step has a time limit and a log of its own in OUTDIR, and a failing
+# step does not stop the next.
 #
 #   bash scripts/gpu_checks.sh [OUTDIR]
 set -u

@@ -66,6 +66,28 @@ def test_chunked_prefill_with_the_triton_decode_on_cuda(reference_model):
     check_greedy_on_cuda("tiny-llama", reference_model, **options)
 
 
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8"])
+def test_8bit_kv_read_in_place_by_the_triton_kernel_equals_sdpa_over_it_dequantized(cache_dtype):
+    """An int8 or fp8 KV cache on CUDA in float32: the Triton kernel reading codes and scales in
+    place, eager and in decode graphs, gives the greedy tokens of SDPA over the same cache
+    dequantized (the write and prefill are the same for both)."""
+    from distserve.model_executor.triton_attention import supports_cache_dtype
+
+    if not supports_cache_dtype(cache_dtype, torch.device("cuda")):
+        pytest.skip(f"Triton reads {cache_dtype} on compute capability 8.9 and newer")
+    prompts = random_prompts(LENGTHS, 1024)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    options = dict(device="cuda", dtype="float32", block_size=8, num_kv_blocks=200, kv_cache_dtype=cache_dtype)
+    outputs = {}
+    for backend, eager in (("sdpa", True), ("triton", True), ("triton", False)):
+        llm = LLM("tiny-llama", attention_backend=backend, enforce_eager=eager, **options)
+        assert (decode_graphs(llm) is not None) == (backend == "triton" and not eager)
+        outputs[backend, eager] = [o.output_token_ids for o in llm.generate(prompts, params)]
+        assert_engine_idle(llm.engine)
+    assert outputs["triton", True] == outputs["sdpa", True]
+    assert outputs["triton", False] == outputs["sdpa", True]
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "triton"], ids=["sdpa", "triton-graphs"])
 def test_swapped_kv_comes_back_exact_on_cuda(reference_model, backend):
     """60 blocks for the 8 prompts: preempted sequences are swapped out to pinned host memory and

@@ -1,8 +1,10 @@
 """The Triton paged decode kernel against plain attention over each sequence's K/V gathered out of
 its blocks: batches of one and more, grouped query heads, block sizes below, above and not a power
-of two, contexts from one token to several tiles, sliding windows, float32 and bfloat16.
+of two, contexts from one token to several tiles, sliding windows, float32 and bfloat16, and int8
+and fp8 caches against the same attention over their dequantized K/V.
 
-Without a GPU the kernel runs in Triton's interpreter; without Triton the module is skipped."""
+Without a GPU the kernel runs in Triton's interpreter (fp8 included); without Triton the module is
+skipped."""
 
 import os
 import sys
@@ -25,15 +27,27 @@ if INTERPRET:
 
 pytest.importorskip("triton")
 
-from distserve.model_executor.attention import NO_WINDOW  # noqa: E402
+from distserve.core.kv_cache_dtype import slot_width  # noqa: E402
+from distserve.model_executor.attention import NO_WINDOW, resolve_attention_backend  # noqa: E402
+from distserve.model_executor.kv_quant import dequantize_kv, quantize_kv  # noqa: E402
 from distserve.model_executor.triton_attention import (  # noqa: E402
     default_partition,
     paged_decode_triton,
     split_shape,
+    supports_cache_dtype,
     triton_available,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EIGHT_BIT = [
+    "int8",
+    pytest.param(
+        "fp8",
+        marks=pytest.mark.skipif(
+            not supports_cache_dtype("fp8", torch.device(DEVICE)), reason="Triton's fp8 needs compute capability 8.9"
+        ),
+    ),
+]
 
 
 @pytest.fixture(autouse=True)
@@ -73,7 +87,17 @@ def _reference(q, k_cache, v_cache, tables, positions, oldest, block_size, scale
     return out
 
 
-def _case(lengths, heads, kv_heads, block_size, dim=16, window=None, dtype=torch.float32, table_dtype=torch.int32):
+def _case(
+    lengths,
+    heads,
+    kv_heads,
+    block_size,
+    dim=16,
+    window=None,
+    dtype=torch.float32,
+    table_dtype=torch.int32,
+    cache_dtype="auto",
+):
     """Random K/V in a cache whose blocks are handed out shuffled; tables padded with a random block."""
     gen = torch.Generator().manual_seed(len(lengths) * 1000 + heads * 10 + kv_heads + block_size)
     per_seq = [-(-n // block_size) for n in lengths]
@@ -88,6 +112,8 @@ def _case(lengths, heads, kv_heads, block_size, dim=16, window=None, dtype=torch
     slots = num_blocks * block_size
     k_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
     v_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    if cache_dtype != "auto":
+        k_cache, v_cache = _quantized_cache(k_cache, v_cache, cache_dtype, gen)
     q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
     positions = torch.tensor(lengths) - 1
     oldest = positions - (NO_WINDOW if window is None else window - 1)
@@ -95,10 +121,25 @@ def _case(lengths, heads, kv_heads, block_size, dim=16, window=None, dtype=torch
     return tuple(t.to(DEVICE) for t in args)
 
 
-def _check(args, block_size, atol, rtol=0.0, partition=None):
+def _quantized_cache(k, v, cache_dtype, gen):
+    """K/V rows given magnitudes from 1/8 to 8 (each row's scale matters), quantized into layer 1 of
+    a ``[layers, 2, slots, kv_heads, dim + 4]`` cache as the engine holds it: K and V are views."""
+    slots, kv_heads, dim = k.shape
+    cache = torch.zeros(2, 2, slots, kv_heads, slot_width(dim, cache_dtype), dtype=torch.int8)
+    for i, rows in enumerate((k, v)):
+        magnitude = 2.0 ** (6 * torch.rand(slots, kv_heads, 1, generator=gen) - 3)
+        cache[1, i] = quantize_kv(rows.float() * magnitude, cache_dtype)
+    cache = cache.to(DEVICE)
+    return cache[1, 0], cache[1, 1]
+
+
+def _check(args, block_size, atol, rtol=0.0, partition=None, cache_dtype="auto"):
     scale = args[0].shape[-1] ** -0.5
-    out = paged_decode_triton(*args, block_size, scale, partition=partition)
+    out = paged_decode_triton(*args, block_size, scale, partition=partition, cache_dtype=cache_dtype)
     assert out.shape == args[0].shape and out.dtype == args[0].dtype
+    if cache_dtype != "auto":  # the reference attends over the K/V the codes and scales stand for
+        q, k_cache, v_cache, *rest = args
+        args = (q, *(dequantize_kv(c, cache_dtype, torch.float32) for c in (k_cache, v_cache)), *rest)
     expected = _reference(*args, block_size, scale)
     torch.testing.assert_close(out.cpu().double(), expected, atol=atol, rtol=rtol)
 
@@ -174,3 +215,43 @@ def test_head_dim_must_be_a_power_of_two():
     args = _case([4], 2, 1, 16, dim=24)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         paged_decode_triton(*args, 16, 1.0)
+
+
+@pytest.mark.parametrize("cache_dtype", EIGHT_BIT)
+@pytest.mark.parametrize("partition", [0, 64])
+@pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (8, 2, None), (8, 2, 37)])
+def test_8bit_cache_equals_attention_over_its_dequantized_kv(cache_dtype, partition, heads, kv_heads, window):
+    # Codes and scales read in place: unsplit and split, a query head per KV head and groups of 4,
+    # a window that leaves whole tiles out. The bound is float32's: a scale ignored, taken from
+    # another row or misplaced by a row stride of head_dim (not head_dim + 4) is far outside it.
+    lengths = [1, 17, 64, 65, 129, 300]
+    args = _case(lengths, heads, kv_heads, 16, window=window, cache_dtype=cache_dtype)
+    _check(args, 16, atol=5e-5, rtol=1e-5, partition=partition, cache_dtype=cache_dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", EIGHT_BIT)
+def test_8bit_cache_under_a_bfloat16_model(cache_dtype):
+    # bfloat16 queries and output over an 8-bit cache, blocks of 5 and a window: the output's
+    # rounding to 8 bits is all that differs.
+    args = _case([1, 33, 250], 8, 2, 5, dim=32, window=100, dtype=torch.bfloat16, cache_dtype=cache_dtype)
+    _check(args, 5, atol=1e-3, rtol=8e-3, cache_dtype=cache_dtype)
+
+
+def test_a_cache_of_another_dtype_is_refused():
+    q, k_cache, v_cache, *rest = _case([4], 2, 1, 16, cache_dtype="int8")
+    with pytest.raises(ValueError, match="'auto' KV cache of head_dim 16 has rows of 16, not 20"):
+        paged_decode_triton(q, k_cache, v_cache, *rest, 16, 1.0)
+
+
+def test_fp8_on_a_gpu_older_than_8_9_is_refused_by_triton_and_auto_takes_sdpa(monkeypatch):
+    # Triton compiles its e4m3 conversion for compute capability 8.9 and newer only; an A100 (8.0)
+    # stood in by its capability, which is all the choice reads.
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="fp8 KV cache on GPUs of compute capability 8.9 or newer, not 8.0"):
+        resolve_attention_backend("triton", cuda, torch.bfloat16, 128, "fp8")
+    assert resolve_attention_backend("auto", cuda, torch.bfloat16, 128, "fp8") == "sdpa"
+    assert resolve_attention_backend("auto", cuda, torch.bfloat16, 128, "int8") == "triton"
+    assert resolve_attention_backend("triton", cuda, torch.bfloat16, 128, "int8") == "triton"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert resolve_attention_backend("auto", cuda, torch.bfloat16, 128, "fp8") == "triton"

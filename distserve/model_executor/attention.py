@@ -350,18 +350,27 @@ def paged_decode(
 _compiled_paged_decode = torch.compile(paged_decode)
 
 
-def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> str:
+def resolve_attention_backend(
+    backend: str, device: torch.device, dtype: torch.dtype, head_dim: int = 64, cache_dtype: str = "auto"
+) -> str:
     """``auto``: on CPU the C++ kernel for float32 and bfloat16 (1.5x the compiled kernel's speed
     alone in float32, and no compile at start-up) when it builds, else the compiled kernel when inductor finds the C++
-    compiler it needs; on CUDA the Triton kernel when Triton is installed and the head size is a
-    power of two; SDPA elsewhere. ``cpp`` or ``triton`` where it cannot run is an error."""
+    compiler it needs; on CUDA the Triton kernel when Triton is installed, the head size is a
+    power of two and the GPU reads the cache dtype (fp8: compute capability 8.9); SDPA elsewhere.
+    ``cpp`` or ``triton`` where it cannot run is an error."""
     if backend == "triton":
-        from distserve.model_executor.triton_attention import supports_head_dim, triton_available
+        from distserve.model_executor.triton_attention import supports_cache_dtype, supports_head_dim, triton_available
 
         if device.type != "cuda" or not triton_available():
             raise ValueError(f"attention_backend 'triton' runs on CUDA with Triton installed, not on {device.type}")
         if not supports_head_dim(head_dim):
             raise ValueError(f"attention_backend 'triton' needs a power-of-two head size, not {head_dim}")
+        if not supports_cache_dtype(cache_dtype, device):
+            major, minor = torch.cuda.get_device_capability(device)
+            raise ValueError(
+                f"attention_backend 'triton' reads an fp8 KV cache on GPUs of compute capability 8.9 or newer, "
+                f"not {major}.{minor}: use kv_cache_dtype 'int8', or attention_backend 'sdpa'"
+            )
         return backend
     if backend == "cpp":
         if device.type != "cpu" or dtype not in KERNEL_DTYPES:
@@ -373,9 +382,10 @@ def resolve_attention_backend(backend: str, device: torch.device, dtype: torch.d
     if backend != "auto":
         return backend
     if device.type == "cuda":
-        from distserve.model_executor.triton_attention import supports_head_dim, triton_available
+        from distserve.model_executor.triton_attention import supports_cache_dtype, supports_head_dim, triton_available
 
-        return "triton" if triton_available() and supports_head_dim(head_dim) else "sdpa"
+        usable = triton_available() and supports_head_dim(head_dim) and supports_cache_dtype(cache_dtype, device)
+        return "triton" if usable else "sdpa"
     if device.type != "cpu":
         return "sdpa"
     if dtype in KERNEL_DTYPES and kernel_available():

@@ -6,6 +6,11 @@ batch; this one reads each sequence's position on the device and walks its conte
 launch serves any batch of the same size and can be captured in a CUDA graph: no host syncs, no
 data-dependent Python, no allocation but the output.
 
+An 8-bit cache (``core/kv_cache_dtype.py``: each row's one-byte codes, then its float32 scale) is
+read in place too: the codes widen to float32 (fp8 through Triton's e4m3, compiled only for GPUs
+of compute capability 8.9 and newer: ``supports_cache_dtype``), and each key's scale multiplies
+its scores and each value's its softmax weights, so no dequantized copy is made.
+
 Triton is optional: the module imports without it (``triton_available``), and the kernel is
 compiled on first use, so ``TRITON_INTERPRET`` set any time before then is honoured (the tests
 run the kernel on CPU in Triton's interpreter).
@@ -14,6 +19,8 @@ run the kernel on CPU in Triton's interpreter).
 import functools
 
 import torch
+
+from distserve.core.kv_cache_dtype import slot_width
 
 try:
     import triton
@@ -53,6 +60,14 @@ def supports_head_dim(dim: int) -> bool:
     return dim > 0 and not dim & (dim - 1)
 
 
+def supports_cache_dtype(cache_dtype: str, device: torch.device) -> bool:
+    """Whether the kernel reads a ``cache_dtype`` cache on ``device``: Triton compiles its fp8 e4m3
+    (``tl.float8e4nv``) only for compute capability 8.9 (Ada, Hopper) and newer."""
+    if cache_dtype != "fp8" or device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 if triton is not None:
 
     def _paged_decode_kernel(
@@ -89,6 +104,7 @@ if triton is not None:
         DIM: tl.constexpr,
         TILE: tl.constexpr,
         SPLIT: tl.constexpr,
+        CACHE_DTYPE: tl.constexpr,  # "auto", "int8" or "fp8": a branch compiled per cache dtype
     ):
         """One program per (sequence, KV head, partition of the context): all query heads of the KV
         head's group at once, so each K/V row is read once for the group.
@@ -96,7 +112,11 @@ if triton is not None:
         Unsplit (one partition) it writes the output. Split, it writes its partition's running
         maximum and sum (``[batch, heads, splits]``) and unnormalised values (``out_ptr``,
         ``[batch, heads, splits, dim]``, float32) for ``_combine_kernel``; a program whose partition
-        holds no visible token writes nothing, and the combine reads nothing of it."""
+        holds no visible token writes nothing, and the combine reads nothing of it.
+
+        An 8-bit cache's K/V rows are ``DIM`` codes and the row's float32 scale: the scores are the
+        query times the codes, scaled per key, and the values weighted by softmax weights scaled
+        per value row."""
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -134,19 +154,37 @@ if triton is not None:
             # table is never read past the sequence's position (its padding may be anything).
             block = tl.load(tables_ptr + seq * stride_tb + (tok // BLOCK_SIZE) * stride_tw, mask=visible, other=0)
             slot = block.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
-            k = tl.load(
-                k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :] * stride_kd,
-                mask=visible[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            v = tl.load(
-                v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :] * stride_vd,
-                mask=visible[:, None],
-                other=0.0,
-            ).to(tl.float32)
+            if CACHE_DTYPE == "auto":
+                k = tl.load(
+                    k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + dims[None, :] * stride_kd,
+                    mask=visible[:, None],
+                    other=0.0,
+                ).to(tl.float32)
+                v = tl.load(
+                    v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + dims[None, :] * stride_vd,
+                    mask=visible[:, None],
+                    other=0.0,
+                ).to(tl.float32)
+            else:
+                # A row starts a multiple of 4 bytes in (the cache's rows are DIM + 4 wide): told
+                # so, Triton loads its codes 4 at a time rather than byte by byte. Its scale's 4
+                # bytes load as one float32.
+                k_row = k_ptr + tl.multiple_of(slot * stride_ks + kv_head * stride_kh, 4)
+                v_row = v_ptr + tl.multiple_of(slot * stride_vs + kv_head * stride_vh, 4)
+                k = tl.load(k_row[:, None] + dims[None, :] * stride_kd, mask=visible[:, None], other=0)
+                v = tl.load(v_row[:, None] + dims[None, :] * stride_vd, mask=visible[:, None], other=0)
+                k_scale = tl.load((k_row + DIM * stride_kd).to(tl.pointer_type(tl.float32)), mask=visible, other=0.0)
+                v_scale = tl.load((v_row + DIM * stride_vd).to(tl.pointer_type(tl.float32)), mask=visible, other=0.0)
+                if CACHE_DTYPE == "fp8":
+                    k = k.to(tl.float8e4nv, bitcast=True)
+                    v = v.to(tl.float8e4nv, bitcast=True)
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
             # Broadcast products, not tl.dot: its 16-row minimum does not fit a group of 1 to 8
             # heads, and a decode is bound by reading K/V, not by arithmetic.
             scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP_PAD, TILE]
+            if CACHE_DTYPE != "auto":
+                scores = scores * k_scale[None, :]
             scores = tl.where(visible[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             # A tile with no visible token leaves m at -inf; subtracting 0 then keeps exp2 at 0
@@ -155,6 +193,8 @@ if triton is not None:
             weights = tl.exp2(scores - m_safe[:, None])
             rescale = tl.exp2(m - m_safe)  # 0 on the first tile, where m is -inf
             total = total * rescale + tl.sum(weights, axis=1)
+            if CACHE_DTYPE != "auto":
+                weights = weights * v_scale[None, :]
             acc = acc * rescale[:, None] + tl.sum(weights[:, :, None] * v[None, :, :], axis=1)
             m = m_new
 
@@ -271,7 +311,8 @@ def paged_decode_triton(
 ) -> torch.Tensor:
     """q ``[batch, heads, dim]`` over each sequence's context from ``oldest`` to ``positions``
     ``[batch]`` (inclusive), K/V ``[slots, kv_heads, dim]`` read in place through ``block_tables``
-    ``[batch, width]``. Query head ``h`` reads KV head ``h // (heads // kv_heads)``. Returns
+    ``[batch, width]`` (an 8-bit ``cache_dtype``: int8 ``[slots, kv_heads, dim + 4]``, codes and
+    scale). Query head ``h`` reads KV head ``h // (heads // kv_heads)``. Returns
     ``[batch, heads, dim]`` in q's dtype.
 
     Each context is split in partitions of ``partition`` tokens (unsplit when 0; when None, as
@@ -280,12 +321,13 @@ def paged_decode_triton(
     K/V."""
     if triton is None:
         raise RuntimeError("paged_decode_triton needs Triton, which is not installed")
-    if cache_dtype != "auto":
-        raise ValueError(f"the Triton decode kernel does not read an {cache_dtype} KV cache")
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     if not supports_head_dim(dim):
         raise ValueError(f"the Triton decode kernel needs a power-of-two head_dim, not {dim}")
+    width = slot_width(dim, cache_dtype)
+    if k_cache.shape[2] != width:
+        raise ValueError(f"a {cache_dtype!r} KV cache of head_dim {dim} has rows of {width}, not {k_cache.shape[2]}")
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads do not group evenly over {kv_heads} KV heads")
     group = heads // kv_heads
@@ -327,6 +369,7 @@ def paged_decode_triton(
         DIM=dim,
         TILE=tile,
         SPLIT=splits > 1,
+        CACHE_DTYPE=cache_dtype,
         num_warps=warps,
     )
     if splits > 1:

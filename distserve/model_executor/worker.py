@@ -142,8 +142,9 @@ class Worker:
         return int(self.config.cache.swap_space * 2**30) // self.kv_shape.bytes_per_block
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        shape = self.kv_shape
         backend = resolve_attention_backend(
-            self.config.model.attention_backend, self.device, self.dtype, self.kv_shape.head_dim
+            self.config.model.attention_backend, self.device, self.dtype, shape.head_dim, shape.cache_dtype
         )
         # CUDA graphs replay a whole step on one rank; a group's collectives are not captured.
         use_graphs = (
