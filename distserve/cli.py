@@ -176,8 +176,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if defaults:
         given = ", ".join(f"{field.name} {value:g}" for field, value in defaults)
         print(f"sampling defaults (the model's generation_config.json): {given}")
-    columns = ("instance", "role", "node", "TPxPP", "KV used", "waiting", "running", "held", "pending", "preempted",
-               "swapped", "prompt cached", "state")  # fmt: skip
+    columns = ("instance", "role", "node", "TPxPP", "KV used", "KV dtype", "waiting", "running", "held", "pending",
+               "preempted", "swapped", "prompt cached", "state")  # fmt: skip
     rows = [columns]
     for i in info.instances:
         used = i.num_blocks - i.num_free_blocks
@@ -188,6 +188,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 i.node_id[:8] or "-",  # enough of the hex id to tell nodes apart
                 f"{i.tensor_parallel_size}x{i.pipeline_parallel_size}",
                 f"{used}/{i.num_blocks} ({used / max(i.num_blocks, 1):.0%})",
+                i.kv_cache_dtype or "-",  # "-": a server from before the field
                 str(i.num_waiting),
                 str(i.num_running),
                 str(i.num_held),

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from distserve.core.kv_cache_dtype import KV_CACHE_DTYPES
 from distserve.core.model_presets import MODEL_PRESETS, TINY_MODEL_PRESETS, ModelShape, find_model_preset, model_shape
 from placement.cli_hints import parse_args
 from placement.colocation import (
@@ -34,7 +35,7 @@ from placement.deployment import Deployment
 from placement.fitted import FittedLatency
 from placement.hardware import GPUS, ClusterSpec, cluster_from_dict, gpu_preset_name, load_hardware
 from placement.latency import InstanceModels, Parallelism
-from placement.plan_file import colocated_plan_document, plan_document, read_plan, write_plan
+from placement.plan_file import cache_dtype_note, colocated_plan_document, plan_document, read_plan, write_plan
 from placement.planner import (
     Prediction,
     attainment_curve,
@@ -127,6 +128,7 @@ def build_problem(notes: dict[str, Any]) -> PhaseProblem:
         fitted,
         max_batch_tokens=notes["max_batch_tokens"],
         max_batch_size=notes["max_batch_size"],
+        kv_cache_dtype=cache_dtype_note(notes),
     )
     pool = max(POOL_SIZE, notes["num_requests"])
     requests = workload_requests(notes["workload"], pool, notes["seed"], shape.max_position_embeddings)
@@ -173,6 +175,7 @@ def search_notes(args: argparse.Namespace) -> dict[str, Any]:
         "latency": latency,
         "max_batch_tokens": args.max_num_batched_tokens,
         "max_batch_size": args.max_num_seqs,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "num_requests": args.num_requests,
         "seed": args.seed,
     }
@@ -300,9 +303,13 @@ def plot_curve(
 
 
 def warn_profiles(notes: dict[str, Any], prog: str) -> None:
-    """A sentence on stderr for each profile measured on another device or model than the question's."""
+    """A sentence on stderr for each profile measured on another device or model, or with another KV
+    cache dtype, than the question's. A warning, not a refusal: memory (the KV an instance holds, the
+    bytes a hand-over moves) follows the question's KV cache dtype whatever the profile, and only the
+    step times are the profile's own."""
     for path in notes["latency"].get("profiles", []):
-        mismatch = FittedLatency.load(path).mismatch(notes["model"], notes["hardware"]["gpu"]["name"])
+        mismatch = FittedLatency.load(path).mismatch(notes["model"], notes["hardware"]["gpu"]["name"],
+                                                     cache_dtype_note(notes))  # fmt: skip
         if mismatch:
             print(f"{prog}: warning: {path} was {mismatch}: its latencies will not be this cluster's",
                   file=sys.stderr)  # fmt: skip
@@ -321,8 +328,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     result: SearchResult = search(problem, affinities, args.processes)
     elapsed = time.perf_counter() - started
     print(
-        f"{notes['model']} on {cluster.num_nodes} x {cluster.gpus_per_node} {cluster.gpu.name}; "
-        f"SLOs TTFT {args.slo_ttft:g} s, TPOT {args.slo_tpot:g} s at {args.target:.0%}; "
+        f"{notes['model']} on {cluster.num_nodes} x {cluster.gpus_per_node} {cluster.gpu.name}, KV cache "
+        f"{args.kv_cache_dtype}; SLOs TTFT {args.slo_ttft:g} s, TPOT {args.slo_tpot:g} s at {args.target:.0%}; "
         f"{result.simulated} configurations simulated, {result.pruned} pruned, {elapsed:.1f} s"
     )
     ranked = []
@@ -637,6 +644,11 @@ def search_parser(prog: str = "distserve place") -> argparse.ArgumentParser:
                       help="prefill token budget per batch, as the engine's (default: 4096)")  # fmt: skip
     srch.add_argument("--max-num-seqs", "--max-batch-size", type=_positive(int), default=256,
                       help="decode batch limit, as the engine's (default: 256)")  # fmt: skip
+    srch.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                      help="what the KV cache stores, as the engine's flag: auto (the model's dtype), int8 or fp8 "
+                      "(a byte a value and a float32 scale per token and KV head); sets the KV tokens an "
+                      "instance holds and the bytes a decode step reads and a hand-over moves, and the plan "
+                      "serves with it (default: auto)")  # fmt: skip
     srch.add_argument("--num-requests", type=_positive(int), default=1000,
                       help="requests per simulation, at least (default: 1000)")  # fmt: skip
     srch.add_argument("--seed", type=int, default=0, help="seed of the workload and arrival draws (default: 0)")

@@ -36,7 +36,7 @@ DecodeSample = tuple[int, int, float]  # batch size, total context tokens, secon
 class FittedLatency:
     prefill: tuple[float, float, float]  # a, b, c
     decode: tuple[float, float, float]  # d, e, f
-    meta: dict[str, Any] = field(default_factory=dict)  # device, model, dtype, tp, pp, date, r2, samples
+    meta: dict[str, Any] = field(default_factory=dict)  # device, model, dtype, kv_cache_dtype, tp, pp, date, r2 ...
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
@@ -69,11 +69,12 @@ class FittedLatency:
         d, e, f = self.decode
         return d + e * batch_size + f * total_context
 
-    def mismatch(self, model: str, gpu: str) -> str | None:
-        """What of the profiled setup (``meta``: device, model) differs from a question about ``model``
-        on ``gpu`` (a GPU name such as A100-80GB), as a clause; None when nothing recorded differs.
-        A GPU matches a device whose name holds its chip (A100-80GB: "NVIDIA A100-SXM4-80GB"); a model
-        matches by its last path component, in any case."""
+    def mismatch(self, model: str, gpu: str, kv_cache_dtype: str = "auto") -> str | None:
+        """What of the profiled setup (``meta``: device, model, KV cache dtype) differs from a question
+        about ``model`` on ``gpu`` (a GPU name such as A100-80GB) with a ``kv_cache_dtype`` cache, as a
+        clause; None when nothing recorded differs. A GPU matches a device whose name holds its chip
+        (A100-80GB: "NVIDIA A100-SXM4-80GB"); a model matches by its last path component, in any case.
+        A profile that records no KV cache dtype was measured before there was a choice: ``auto``."""
         differences = []
         device = self.meta.get("device")
         chip = gpu.split("-")[0].lower()
@@ -82,6 +83,9 @@ class FittedLatency:
         profiled = self.meta.get("model")
         if profiled and Path(str(profiled)).name.lower() != Path(model).name.lower():
             differences.append(f"with {profiled}, not {model}")
+        cache_dtype = self.meta.get("kv_cache_dtype", "auto")
+        if cache_dtype != kv_cache_dtype:
+            differences.append(f"with kv_cache_dtype {cache_dtype}, not {kv_cache_dtype}")
         return "measured " + " and ".join(differences) if differences else None
 
     def save(self, path: str | Path) -> None:

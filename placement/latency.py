@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from distserve.core.kv_cache_dtype import check_kv_cache_dtype
 from distserve.core.model_presets import ModelShape
 from placement.fitted import FittedLatency
 from placement.hardware import ClusterSpec
@@ -58,7 +59,9 @@ class InstanceModels:
 
     ``max_batch_tokens`` is the prefill token budget and ``max_batch_size`` the decode batch limit,
     as the engine's ``max_num_batched_tokens`` and ``max_num_seqs``. ``fitted`` maps parallelisms to
-    profiled latency models; when given, only those parallelisms are candidates.
+    profiled latency models; when given, only those parallelisms are candidates. ``kv_cache_dtype``
+    is the engine's ``cache.kv_cache_dtype``: the KV an instance holds and a hand-over moves follow
+    it, and so do the roofline's step times (a fitted model's are those it was measured with).
     """
 
     model: ModelShape
@@ -69,11 +72,24 @@ class InstanceModels:
     max_batch_size: int = 256
     memory_fraction: float = 0.9
     dtype_bytes: int = 2
+    kv_cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        # Here rather than only in the roofline: ``candidates`` takes a roofline's ValueError for a
+        # parallelism that does not fit, and would drop every one without a word.
+        check_kv_cache_dtype(self.kv_cache_dtype, self.model.head_dim)
 
     def roofline(self, par: Parallelism) -> RooflineModel:
         """The roofline of ``par``; raises ValueError when the model cannot be split that way."""
         return RooflineModel(
-            self.model, self.cluster, par.tp, par.pp, self.dtype_bytes, self.efficiency, cross_node=True
+            self.model,
+            self.cluster,
+            par.tp,
+            par.pp,
+            self.dtype_bytes,
+            self.efficiency,
+            cross_node=True,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def kv_capacity_tokens(self, par: Parallelism) -> int:
@@ -138,5 +154,5 @@ class InstanceModels:
         nodes the node's link carries the whole cache)."""
         c = self.cluster
         bandwidth = (c.intra_node_bandwidth if same_node else c.inter_node_bandwidth) * self.efficiency.communication
-        model, dtype_bytes = self.model, self.dtype_bytes
-        return lambda tokens: kv_transfer_time(model, tokens, bandwidth, dtype_bytes)
+        model, dtype_bytes, cache_dtype = self.model, self.dtype_bytes, self.kv_cache_dtype
+        return lambda tokens: kv_transfer_time(model, tokens, bandwidth, dtype_bytes, cache_dtype)

@@ -34,6 +34,16 @@ def _model_section(model: str) -> dict[str, Any]:
     return section
 
 
+def cache_dtype_note(notes: dict[str, Any]) -> str:
+    """The KV cache dtype of plan notes: a plan from before there was a choice was made for ``auto``."""
+    return notes.get("kv_cache_dtype", "auto")
+
+
+def _cache_section(notes: dict[str, Any]) -> dict[str, Any]:
+    # The KV cache dtype the plan's memory was sized for, so the cluster it launches holds what it says.
+    return {"kv_cache_dtype": cache_dtype_note(notes)}
+
+
 def plan_document(
     deployment: Deployment,
     model: str,
@@ -43,12 +53,13 @@ def plan_document(
     notes: dict[str, Any],
     stage_nodes: dict[str, list[list[int]]] | None = None,
 ) -> dict[str, Any]:
-    """The plan as a mapping: ``model:`` and ``cluster:`` sections for the engine, ``plan:`` notes.
+    """The plan as a mapping: ``model:``, ``cache:`` and ``cluster:`` sections for the engine, ``plan:`` notes.
     ``stage_nodes`` (``Deployment.stage_nodes``): the node of each instance's stages, which
     ``distserve launch --plan`` places them on."""
     nodes = stage_nodes or {}
     return {
         "model": _model_section(model),
+        "cache": _cache_section(notes),
         "cluster": {
             "prefill": _pool(
                 deployment.prefill,
@@ -80,6 +91,7 @@ def colocated_plan_document(
     }
     return {
         "model": _model_section(model),
+        "cache": _cache_section(notes),
         "cluster": {"colocated": _pool(deployment.parallelism, deployment.instances, gpus_per_node, options)},
         "plan": notes,
     }

@@ -14,6 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
+from distserve.core.kv_cache_dtype import check_kv_cache_dtype
 from distserve.core.model_presets import ModelShape
 from placement.hardware import ClusterSpec
 
@@ -34,6 +35,10 @@ class Efficiency:
 
 @dataclass(frozen=True)
 class RooflineModel:
+    """``dtype_bytes`` is the model's (weights, activations, an ``auto`` KV cache); ``kv_cache_dtype``
+    what the KV cache stores, as the engine's ``cache.kv_cache_dtype``: it sets the KV a rank holds,
+    the bytes a step reads and writes of it, and what a hand-over moves."""
+
     model: ModelShape
     cluster: ClusterSpec
     tp: int
@@ -41,12 +46,14 @@ class RooflineModel:
     dtype_bytes: int = 2
     efficiency: Efficiency = field(default_factory=Efficiency)
     cross_node: bool = False
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         m = self.model
         for name in ("tp", "pp", "dtype_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype, m.head_dim)
         # The engine's rule: what it refuses is never a candidate (KV heads are split when tp divides
         # them and replicated, one per rank, when they divide tp).
         problem = m.tensor_parallel_problem(self.tp)
@@ -91,8 +98,8 @@ class RooflineModel:
 
     @cached_property
     def _kv_bytes_per_token_per_layer(self) -> int:
-        """KV bytes one rank stores for one token in one layer."""
-        return 2 * self.kv_heads_per_rank * self.model.head_dim * self.dtype_bytes
+        """KV bytes one rank stores for one token in one layer, in the cache's dtype (not the weights')."""
+        return 2 * self.kv_heads_per_rank * self.model.kv_head_bytes(self.dtype_bytes, self.kv_cache_dtype)
 
     # --- memory ----------------------------------------------------------------------------------------------
 
@@ -233,10 +240,13 @@ def _added_in_order(times: list) -> float:
     return total
 
 
-def kv_transfer_time(model: ModelShape, tokens: int, bandwidth_bytes_per_s: float, dtype_bytes: int = 2) -> float:
-    """Seconds to move ``tokens`` tokens of KV cache (all layers) over a link of the given bandwidth."""
+def kv_transfer_time(
+    model: ModelShape, tokens: int, bandwidth_bytes_per_s: float, dtype_bytes: int = 2, kv_cache_dtype: str = "auto"
+) -> float:
+    """Seconds to move ``tokens`` tokens of KV cache (all layers) over a link of the given bandwidth:
+    a hand-over copies the cache's blocks as they are, so an 8-bit cache moves its codes and scales."""
     if tokens < 0:
         raise ValueError(f"tokens must be non-negative, got {tokens!r}")
     if not bandwidth_bytes_per_s > 0:
         raise ValueError(f"bandwidth_bytes_per_s must be positive, got {bandwidth_bytes_per_s!r}")
-    return tokens * model.kv_bytes_per_token(dtype_bytes) / bandwidth_bytes_per_s
+    return tokens * model.kv_bytes_per_token(dtype_bytes, kv_cache_dtype) / bandwidth_bytes_per_s

@@ -127,6 +127,33 @@ def test_bfloat16_kv_reaches_decode_bit_for_bit(ray_cluster, kv_transport, trans
         _check_pulls(cluster, prompts, outputs, transport, bytes_per_token=KV_BYTES_PER_TOKEN // 2)
 
 
+def test_an_int8_cluster_shows_its_kv_dtype_and_pulls_the_bytes_the_planner_counts(ray_cluster):
+    """1 prefill + 1 decode with int8 KV: each instance reports int8 next to its blocks (InstanceInfo,
+    gRPC, /metrics), and each pull moves the codes and scales of its prompt's tokens, the bytes per
+    token the planner counts for a hand-over."""
+    from distserve.core.model_presets import TINY_MODEL_PRESETS, model_shape
+    from distserve.entrypoints.grpc_server import instance_to_proto
+
+    prompts = random_prompts([7, 40], 1024, seed=5)
+    options = {"dtype": "float32", "block_size": 8, "num_kv_blocks": 64, "kv_cache_dtype": "int8",
+               "attention_backend": "sdpa"}  # fmt: skip
+    with Cluster(model="tiny-llama", prefill={}, decode={}, **options) as cluster:
+        outputs = cluster.generate(prompts, _greedy(4))
+        per_token = model_shape(TINY_MODEL_PRESETS["tiny-llama"]).kv_bytes_per_token(4, "int8")
+        assert per_token == 2 * 2 * 2 * (16 + 4)  # layers, K and V, KV heads, 16 codes and a 4-byte scale
+        _check_pulls(cluster, prompts, outputs, "shm", bytes_per_token=per_token)
+        infos = cluster.info()
+    shown = [(i.role, i.kv_cache_dtype, i.num_blocks) for i in infos]
+    assert shown == [("prefill", "int8", 64), ("decode", "int8", 64)]
+    assert [instance_to_proto(i).kv_cache_dtype for i in infos] == ["int8", "int8"]
+    metrics = ServingMetrics()
+    metrics.update_instances(infos, 0, [], {})
+    text = metrics.render().decode()
+    for i in infos:
+        series = f'distserve_instance_kv_cache_blocks{{instance="{i.name}",kv_cache_dtype="int8",role="{i.role}"}}'
+        assert f"{series} 64.0" in text
+
+
 @pytest.fixture(scope="module")
 def small_cluster(ray_cluster):
     """1 prefill + 1 decode, decode KV for about two of the requests at once, prefill for about four."""
@@ -369,6 +396,25 @@ def test_stream_interval_is_checked(bad):
 def test_a_pool_s_instances_are_checked(bad):
     with pytest.raises(ValueError, match="the prefill pool needs at least one instance"):
         make_cluster_config(model="tiny-llama", prefill={"instances": bad}, decode={}, dtype="float32")
+
+
+@pytest.mark.parametrize(
+    "options, got",
+    [
+        ({"prefill": {"kv_cache_dtype": "int8"}, "decode": {}}, "prefill int8 and decode auto"),
+        ({"kv_cache_dtype": "int8", "prefill": {}, "decode": {"kv_cache_dtype": "fp8"}}, "prefill int8 and decode fp8"),
+    ],
+)
+def test_pools_with_different_kv_cache_dtypes_are_refused(options, got):
+    with pytest.raises(ValueError) as refused:
+        make_cluster_config(model="tiny-llama", dtype="float32", **options)
+    assert str(refused.value) == (
+        f"a hand-over copies KV blocks as they are: every pool must use the same cache.kv_cache_dtype, got {got}"
+    )
+    for same in ({"kv_cache_dtype": "int8", "prefill": {}, "decode": {}},
+                 {"prefill": {"kv_cache_dtype": "fp8"}, "decode": {"kv_cache_dtype": "fp8"}},
+                 {"colocated": {"kv_cache_dtype": "int8", "instances": 2}}):  # fmt: skip
+        make_cluster_config(model="tiny-llama", dtype="float32", **same)
 
 
 @pytest.mark.parametrize("bad", [0, True, 1.5])

@@ -358,6 +358,8 @@ def test_status_and_remote_generate_cli(server, client, capsys):
     out = capsys.readouterr().out
     assert "tiny-llama: SERVING" in out
     assert "prefill" in out and "decode" in out and f"0/{NUM_KV_BLOCKS} (0%)" in out
+    assert re.search(r"KV used +KV dtype", out) and len(re.findall(rf"0/{NUM_KV_BLOCKS} \(0%\) +auto ", out)) == 2
+    assert [i.kv_cache_dtype for i in client.cluster_info().instances] == ["auto", "auto"]
 
     expected = client.complete("The cache block", max_tokens=8, temperature=0)
     args = ["generate", "--server", server.grpc_address, "--api-key", API_KEY]

@@ -538,6 +538,8 @@ def test_metrics_show_latencies_and_instance_gauges(server, client):
     assert _metric(server, "distserve_time_to_first_token_seconds_count") > 0
     for role in ("prefill", "decode"):
         assert re.search(rf'^distserve_instance_kv_cache_usage{{.*role="{role}".*}} ', text, re.MULTILINE)
+        blocks = rf'^distserve_instance_kv_cache_blocks{{instance="[^"]+",kv_cache_dtype="auto",role="{role}"}} [1-9]'
+        assert re.search(blocks, text, re.MULTILINE)
         assert re.search(rf'^distserve_instance_healthy{{.*role="{role}".*}} 1\.0$', text, re.MULTILINE)
 
 

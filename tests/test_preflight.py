@@ -3,6 +3,7 @@ in seconds), what its servers refuse when a port was taken after that check, and
 weights give way to a real model named by ``--model``."""
 
 import asyncio
+import json
 import logging
 import shutil
 import socket
@@ -38,11 +39,18 @@ def models(tmp_path):
     bad_tokenizer = shutil.copytree(tiny, tmp_path / "bad-tokenizer")
     (bad_tokenizer / "tokenizer.json").write_text("{not json")
     (tmp_path / "not-a-model").mkdir()
+    odd_heads = shutil.copytree(tiny, tmp_path / "odd-heads")  # 18-wide heads: no 8-bit cache takes them
+    config = json.loads((odd_heads / "config.json").read_text())
+    (odd_heads / "config.json").write_text(json.dumps({**config, "head_dim": 18}))
+    mixed_kv = tmp_path / "mixed-kv.yaml"
+    mixed_kv.write_text("model: {model: tiny-llama}\ncluster: {prefill: {kv_cache_dtype: int8}, decode: {}}\n")
     return {
         "missing": tmp_path / "missing" / "model",
         "not_a_model": tmp_path / "not-a-model",
         "no_weights": no_weights,
         "bad_tokenizer": bad_tokenizer,
+        "odd_heads": odd_heads,
+        "mixed_kv": mixed_kv,
     }
 
 
@@ -63,6 +71,15 @@ def models(tmp_path):
             "GiB is available",
         ),
         (["--grpc-port", "7411", "--port", "7411"], "the gRPC and the HTTP server cannot share port 7411"),
+        (
+            ["--config", "{mixed_kv}"],
+            "a hand-over copies KV blocks as they are: every pool must use the same cache.kv_cache_dtype, got "
+            "prefill int8 and decode auto",
+        ),
+        (
+            ["--model", "{odd_heads}", "--kv-cache-dtype", "int8"],
+            "an int8 KV cache needs a head size that is a multiple of 4, not 18",
+        ),
     ],
     ids=[
         "missing-dir",
@@ -75,6 +92,8 @@ def models(tmp_path):
         "context",
         "memory",
         "same-ports",
+        "pools-kv-dtypes",
+        "kv-dtype-head-size",
     ],
 )
 def test_launch_refuses_before_ray_starts(args, phrase, models, capsys, monkeypatch):
@@ -155,6 +174,23 @@ def test_a_plan_for_a_preset_loads_the_weights_of_the_model_given_by_flag(tmp_pa
     assert model_settings(model=model_dir, load_format="dummy") == (model_dir, "dummy")
     assert f"serving random weights in the shape of {model_dir}, not its own" in caplog.text
     assert model_settings(model="llama-2-7b") == ("llama-2-7b", "dummy")  # another preset: still dummy
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8", "fp8"])
+def test_the_memory_estimate_counts_the_kv_cache_at_the_size_of_its_blocks(cache_dtype):
+    """Weights in the model's dtype and ``num_kv_blocks`` blocks of the cache's, as the engine
+    allocates them: an 8-bit cache's codes and scales."""
+    from distserve.core.config import EngineConfig
+    from distserve.entrypoints.preflight import _bytes_needed
+    from distserve.kv_transfer.plan import KVCacheShape
+    from distserve.model_executor.model_loader import resolve_model
+
+    engine = EngineConfig.from_flat(model="tiny-llama", block_size=16, num_kv_blocks=100, kv_cache_dtype=cache_dtype)
+    resolved = resolve_model(engine.model)
+    shape = resolved.shape
+    blocks = KVCacheShape(shape.num_layers, shape.num_kv_heads, shape.head_dim, 16, torch.bfloat16, cache_dtype)
+    expected = shape.num_params * 2 + 100 * blocks.bytes_per_block
+    assert _bytes_needed(engine, resolved, torch.bfloat16) == expected
 
 
 @pytest.mark.gpu

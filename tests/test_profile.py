@@ -109,6 +109,7 @@ def test_profile_tiny_llama_on_cpu(tmp_path):
     meta = fitted.meta
     dtype = "bfloat16" if has_bf16_instructions() else "float32"  # as auto chooses on this CPU
     assert meta["model"] == "tiny-llama" and meta["tp"] == meta["pp"] == 1 and meta["dtype"] == dtype
+    assert meta["kv_cache_dtype"] == "auto"  # the planner warns when it plans for another
     assert meta["prefill_samples"] == 18 and meta["decode_samples"] == 15
     assert meta["prefill_r2"] > 0.8
     times = [fitted.prefill_time([n] * 2) for n in (16, 64, 256)]

@@ -161,6 +161,7 @@ def profile_engine(
         "device": device_name,
         "model": config.model.model,
         "dtype": str(worker.dtype).removeprefix("torch."),
+        "kv_cache_dtype": config.cache.kv_cache_dtype,  # decode's context term reads this cache's bytes
         "tp": 1,
         "pp": 1,
         "block_size": bs,
@@ -202,7 +203,7 @@ def cmd_profile(args: argparse.Namespace, config: EngineConfig) -> int:
     a, b, c = fitted.prefill
     d, e, f = fitted.decode
     meta = fitted.meta
-    print(f"{meta['model']} on {meta['device']} ({meta['dtype']})")
+    print(f"{meta['model']} on {meta['device']} ({meta['dtype']}, KV cache {meta['kv_cache_dtype']})")
     print(f"prefill s = {a:.4g} + {b:.4g} * tokens + {c:.4g} * sum(len^2)   r2 {meta['prefill_r2']:.4f}")
     print(f"decode  s = {d:.4g} + {e:.4g} * batch + {f:.4g} * context       r2 {meta['decode_r2']:.4f}")
     fitted.save(args.out)

@@ -185,6 +185,19 @@ class ClusterConfig:
                 self._pool_instances(pool)
             except ValueError as e:
                 raise ValueError(f"the {pool.role} pool: {e}") from None
+        self._check_kv_cache_dtypes()
+
+    def _check_kv_cache_dtypes(self) -> None:
+        """One KV cache dtype for every pool: a decode instance pulls a prefill instance's blocks slot
+        for slot (an 8-bit block's scales in its slots) and a node's prefix tier holds every pool's
+        blocks, so two layouts would meet where nothing converts one into the other."""
+        dtypes = {pool.role: self.engine_config(pool).cache.kv_cache_dtype for pool in self.pools}
+        if len(set(dtypes.values())) > 1:
+            got = " and ".join(f"{role} {dtype}" for role, dtype in dtypes.items())
+            raise ValueError(
+                "a hand-over copies KV blocks as they are: every pool must use the same "
+                f"cache.kv_cache_dtype, got {got}"
+            )
 
     @property
     def disaggregated(self) -> bool:

@@ -71,6 +71,7 @@ class InstanceInfo:
     num_throttled_steps: int  # prefill: steps that admitted nothing because held KV passed its limit
     num_admission_waits: int  # decode: handed-over requests that had to wait for free blocks
     failure: str | None
+    kv_cache_dtype: str = "auto"  # what its KV blocks store (cache.kv_cache_dtype)
     num_kv_pulls: int = 0  # decode: KV pulls done (one per hand-over, whatever its samples)
     num_kv_checksum_mismatches: int = 0  # decode: pulls failed because what arrived differed from what was sent
     num_copied_blocks: int = 0  # blocks a request's samples shared and one of them copied to write into
@@ -378,6 +379,7 @@ class Instance:
             num_throttled_steps=stats.num_throttled_steps,
             num_admission_waits=stats.num_admission_waits,
             failure=self._failure,
+            kv_cache_dtype=engine.config.cache.kv_cache_dtype,
             num_kv_pulls=self.puller.num_pulls,
             num_kv_checksum_mismatches=self.puller.num_checksum_mismatches,
             num_copied_blocks=engine.block_manager.num_copied_blocks,

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from distserve.core.kv_cache_dtype import kv_value_bytes
+
 _LLAMA2 = {
     "model_type": "llama",
     "vocab_size": 32000,
@@ -210,8 +212,14 @@ class ModelShape:
         mlp = (3 if self.gated_mlp else 2) * self.hidden_size * self.intermediate_size
         return self.num_layers * (attn + mlp) + 2 * self.vocab_size * self.hidden_size
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_head_bytes(self, dtype_bytes: int = 2, cache_dtype: str = "auto") -> int:
+        """Bytes one token's K (or V) of one KV head takes in the cache: ``head_dim`` values of the
+        model's ``dtype_bytes``, or in an 8-bit cache their codes and scale (``core/kv_cache_dtype.py``)."""
+        return round(self.head_dim * kv_value_bytes(self.head_dim, cache_dtype, dtype_bytes))
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2, cache_dtype: str = "auto") -> int:
+        """KV bytes of one token, every layer's K and V: what a hand-over moves per prompt token."""
+        return self.num_layers * 2 * self.num_kv_heads * self.kv_head_bytes(dtype_bytes, cache_dtype)
 
 
 def model_shape(config: dict[str, Any]) -> ModelShape:

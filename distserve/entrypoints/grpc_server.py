@@ -195,6 +195,7 @@ def instance_to_proto(info: InstanceInfo) -> pb.InstanceInfo:
         num_blocks=info.num_blocks,
         block_size=info.block_size,
         num_free_blocks=info.num_free_blocks,
+        kv_cache_dtype=info.kv_cache_dtype,
         num_waiting=info.num_waiting,
         num_running=info.num_running,
         num_held=info.num_held,

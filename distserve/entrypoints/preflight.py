@@ -1,7 +1,7 @@
 """What ``distserve launch`` checks before it starts Ray or any instance: its ports, the model
-(directory, weights, tokenizer), the parallel sizes of every pool and, on a machine of its own,
-the GPUs and memory the instances need. Each problem is one sentence (ValueError or OSError)
-within seconds, rather than a Ray traceback after the instances have loaded.
+(directory, weights, tokenizer), the parallel sizes and KV cache dtype of every pool and, on a
+machine of its own, the GPUs and memory the instances need. Each problem is one sentence
+(ValueError or OSError) within seconds, rather than a Ray traceback after the instances have loaded.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import psutil
 
 from distserve.cluster.config import ClusterConfig
 from distserve.core.config import EngineConfig
+from distserve.core.kv_cache_dtype import check_kv_cache_dtype
 from distserve.entrypoints.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -112,10 +113,11 @@ def _resolve(engine: EngineConfig, loaded_tokenizers: set[Path]) -> ResolvedMode
 
 def _bytes_needed(engine: EngineConfig, resolved: ResolvedModel, dtype: torch.dtype) -> int:
     """An instance's weights and its smallest useful KV cache: ``num_kv_blocks`` when set, else
-    enough for one request as long as the context."""
-    shape, block_size = resolved.shape, engine.cache.block_size
-    blocks = engine.cache.num_kv_blocks or -(-resolved.max_model_len // block_size)
-    return shape.num_params * dtype.itemsize + blocks * block_size * shape.kv_bytes_per_token(dtype.itemsize)
+    enough for one request as long as the context, in the cache's dtype (the weights keep theirs)."""
+    shape, cache = resolved.shape, engine.cache
+    blocks = cache.num_kv_blocks or -(-resolved.max_model_len // cache.block_size)
+    kv_per_token = shape.kv_bytes_per_token(dtype.itemsize, cache.kv_cache_dtype)
+    return shape.num_params * dtype.itemsize + blocks * cache.block_size * kv_per_token
 
 
 def check_instances(config: ClusterConfig, local: bool) -> None:
@@ -133,6 +135,7 @@ def check_instances(config: ClusterConfig, local: bool) -> None:
         engine = config.engine_config(pool)
         resolved = _resolve(engine, loaded_tokenizers)
         check_parallel_config(resolved.hf_config, resolved.shape, engine.parallel)
+        check_kv_cache_dtype(engine.cache.kv_cache_dtype, resolved.shape.head_dim)
         if not local:
             continue
         device = resolve_device(engine.model.device)

@@ -69,6 +69,9 @@ class ServingMetrics:
         self.running = instance_gauge("running_requests", "requests in the batch")
         self.held = instance_gauge("held_requests", "prefilled requests whose KV waits to be pulled")
         self.kv_usage = instance_gauge("kv_cache_usage", "share of KV blocks in use")
+        # Labelled with what the blocks store, as vLLM's cache_config_info carries its cache_dtype.
+        self.kv_blocks = Gauge("distserve_instance_kv_cache_blocks", "KV blocks of the instance's cache",
+                               ["instance", "role", "kv_cache_dtype"], registry=registry)  # fmt: skip
         self.preemptions = instance_gauge("preemptions", "requests preempted since start")
         self.swapped = instance_gauge("swapped_requests", "preempted requests whose KV is in the host pool")
         self.swap_outs = instance_gauge("swap_outs", "preempted requests whose KV was copied to the host pool")
@@ -170,10 +173,13 @@ class ServingMetrics:
         gauges = (self.waiting, self.running, self.held, self.kv_usage, self.preemptions, self.healthy, *counts)
         for info in infos:
             labels = (info.name, info.role)
-            for gauge, role in itertools.product(gauges, ROLES):
-                if role != info.role:  # a series of a role it left, if any
-                    with contextlib.suppress(KeyError):
-                        gauge.remove(info.name, role)
+            left = [role for role in ROLES if role != info.role]  # the series of roles it left, if any
+            stale = [(gauge, (info.name, role)) for gauge, role in itertools.product(gauges, left)]
+            stale += [(self.kv_blocks, (info.name, role, info.kv_cache_dtype)) for role in left]
+            for gauge, series in stale:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*series)
+            self.kv_blocks.labels(*labels, info.kv_cache_dtype).set(info.num_blocks)
             self.waiting.labels(*labels).set(info.num_waiting)
             self.running.labels(*labels).set(info.num_running)
             self.held.labels(*labels).set(info.num_held)

@@ -262,7 +262,7 @@ class GetClusterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InstanceInfo(_message.Message):
-    __slots__ = ("name", "role", "tensor_parallel_size", "pipeline_parallel_size", "num_blocks", "block_size", "num_free_blocks", "num_waiting", "num_running", "num_held", "num_pending", "num_preemptions", "failure", "node_id", "kv_pulls", "num_swapped", "num_swap_outs", "num_swap_ins", "swap_seconds", "prompt_tokens", "cached_prompt_tokens", "tier_hit_tokens", "num_kv_checksum_mismatches")
+    __slots__ = ("name", "role", "tensor_parallel_size", "pipeline_parallel_size", "num_blocks", "block_size", "num_free_blocks", "num_waiting", "num_running", "num_held", "num_pending", "num_preemptions", "failure", "node_id", "kv_pulls", "num_swapped", "num_swap_outs", "num_swap_ins", "swap_seconds", "prompt_tokens", "cached_prompt_tokens", "tier_hit_tokens", "num_kv_checksum_mismatches", "kv_cache_dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class InstanceInfo(_message.Message):
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIER_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_CHECKSUM_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: Role
     tensor_parallel_size: int
@@ -309,7 +310,8 @@ class InstanceInfo(_message.Message):
     cached_prompt_tokens: int
     tier_hit_tokens: int
     num_kv_checksum_mismatches: int
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_held: _Optional[int] = ..., num_pending: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., failure: _Optional[str] = ..., node_id: _Optional[str] = ..., kv_pulls: _Optional[_Iterable[_Union[KVPulls, _Mapping]]] = ..., num_swapped: _Optional[int] = ..., num_swap_outs: _Optional[int] = ..., num_swap_ins: _Optional[int] = ..., swap_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., tier_hit_tokens: _Optional[int] = ..., num_kv_checksum_mismatches: _Optional[int] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_held: _Optional[int] = ..., num_pending: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., failure: _Optional[str] = ..., node_id: _Optional[str] = ..., kv_pulls: _Optional[_Iterable[_Union[KVPulls, _Mapping]]] = ..., num_swapped: _Optional[int] = ..., num_swap_outs: _Optional[int] = ..., num_swap_ins: _Optional[int] = ..., swap_seconds: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., tier_hit_tokens: _Optional[int] = ..., num_kv_checksum_mismatches: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class KVTier(_message.Message):
     __slots__ = ("node_id", "capacity_blocks", "entries", "bytes_per_block", "queried_blocks", "hit_blocks", "remote_hit_blocks", "written_blocks", "evicted_blocks")
