@@ -135,8 +135,7 @@ def test_an_int8_cluster_shows_its_kv_dtype_and_pulls_the_bytes_the_planner_coun
     from distserve.entrypoints.grpc_server import instance_to_proto
 
     prompts = random_prompts([7, 40], 1024, seed=5)
-    options = {"dtype": "float32", "block_size": 8, "num_kv_blocks": 64, "kv_cache_dtype": "int8",
-               "attention_backend": "sdpa"}  # fmt: skip
+    options = {"dtype": "float32", "block_size": 8, "num_kv_blocks": 64, "kv_cache_dtype": "int8"}
     with Cluster(model="tiny-llama", prefill={}, decode={}, **options) as cluster:
         outputs = cluster.generate(prompts, _greedy(4))
         per_token = model_shape(TINY_MODEL_PRESETS["tiny-llama"]).kv_bytes_per_token(4, "int8")

@@ -152,7 +152,9 @@ inline __m512 load16(const int8_t* p) {
 // An e4m3 code's exponent and mantissa bits moved to a float32's places make a float32 2^120
 // times smaller (the exponent biases: 127 against 7), which a multiply puts right; subnormal
 // codes become float32 subnormals, exact too (the process does not flush them: see cpu_kernel.py).
-// A table lookup by gather took 5x as long.
+// Widened by a gather from the 256-entry table, once per query head, a decode step over fp8 took
+// 12.3 ms where bfloat16 took 1.6 (8 sequences of 1,024 tokens, 32 heads over 8 KV heads of 128,
+// 2 threads); this way, once per KV head, 2.2 ms.
 inline __m512 load16(const fp8* p) {
   const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m512i magnitude = _mm512_slli_epi32(_mm512_and_si512(codes, _mm512_set1_epi32(0x7f)), 20);
