@@ -46,7 +46,8 @@ def _complete_over_http(server: BackgroundServer, prompt: list[int], max_tokens:
         return int(response.headers[SERVER_HEADER]), answer["choices"][0]["token_ids"]
 
 
-@pytest.mark.parametrize("api_servers", [2, 3])
+# Three servers are a slow scenario: two run the same paths (each server its own process and ports).
+@pytest.mark.parametrize("api_servers", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_api_server_serves_greedy_equal_to_transformers(ray_cluster, reference_model, api_servers):
     prompts = random_prompts([5 + i % 7 for i in range(12 * api_servers)], 1024, seed=api_servers)
     with _server(ray_cluster, api_servers) as server:

@@ -520,6 +520,7 @@ def test_cancellation_at_every_stage_frees_blocks_within_a_second(ray_cluster):
     asyncio.run(scenario())
 
 
+@pytest.mark.slow  # a second replacement runs the first's path again: a slow scenario
 def test_a_replacement_killed_in_turn_is_replaced_again(ray_cluster, llama):
     """The decode instance is killed while requests decode, then its replacement is killed as well
     under new requests: each kill re-runs what was in flight to its greedy output, a second
