@@ -11,9 +11,10 @@ from conftest import random_prompts, reference_greedy
 
 from distserve import AsyncCluster, SamplingParams
 from distserve.core.config import CacheConfig
-from distserve.kv_transfer.channel import KVTransfer, message_spans, message_tokens, staging_bytes
+from distserve.kv_transfer.channel import KVTransfer
 from distserve.kv_transfer.plan import KVCacheShape, KVLayout, plan_transfer, rank_layout, transfer_rounds
 from distserve.kv_transfer.shared_memory import shared_zeros
+from distserve.kv_transfer.transports.group import message_spans, message_tokens, staging_bytes
 from distserve.model_executor import kv_cache
 from distserve.model_executor.kv_cache import determine_num_blocks
 from distserve.parallel.ranks import ParallelRank
