@@ -4,6 +4,7 @@ once it is gone, in process and across a cluster whose prefill instance is repla
 import asyncio
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,9 +12,12 @@ from conftest import random_prompts, reference_greedy
 
 from distserve import AsyncCluster, SamplingParams
 from distserve.core.config import CacheConfig
-from distserve.kv_transfer.channel import KVTransfer, message_spans, message_tokens, staging_bytes
+from distserve.kv_transfer.channel import KVTransfer
 from distserve.kv_transfer.plan import KVCacheShape, KVLayout, plan_transfer, rank_layout, transfer_rounds
 from distserve.kv_transfer.shared_memory import shared_zeros
+from distserve.kv_transfer.transport import KVTransport, part
+from distserve.kv_transfer.transports import TRANSPORTS
+from distserve.kv_transfer.transports.group import message_spans, message_tokens, staging_bytes
 from distserve.model_executor import kv_cache
 from distserve.model_executor.kv_cache import determine_num_blocks
 from distserve.parallel.ranks import ParallelRank
@@ -45,7 +49,12 @@ def _end(seed: int | None, chunk_tokens: int, shared: bool = False, dtype: torch
     """A rank's end: its cache zeros or drawn from ``seed``, in shared memory if ``shared``."""
     shape = (LAYERS, 2, SLOTS, HEADS, DIM)
     generator = None if seed is None else torch.Generator().manual_seed(seed)
-    tensor = torch.zeros(shape, dtype=dtype) if seed is None else torch.randn(shape, generator=generator).to(dtype)
+    if seed is None:
+        tensor = torch.zeros(shape, dtype=dtype)
+    elif dtype == torch.int8:  # an 8-bit cache's codes and scale bytes: any byte
+        tensor = torch.randint(-128, 128, shape, generator=generator, dtype=dtype)
+    else:
+        tensor = torch.randn(shape, generator=generator).to(dtype)
     file = None
     if shared:
         drawn, (tensor, file) = tensor, shared_zeros(shape, tensor.dtype)
@@ -98,11 +107,11 @@ def test_messages_send_long_runs_alone_and_pack_short_ones():
     assert message_spans([], [], 64) == []
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
 def test_a_source_in_shared_memory_is_read_in_place_in_its_own_process(dtype):
     """Source and destination in one process (as the local path of CUDA IPC): the destination
     takes the source's tensor itself, with no staging buffers; a plain source is read over gloo.
-    Every value arrives bit for bit, float32 or bfloat16."""
+    Every value arrives bit for bit, float32, bfloat16 or an 8-bit cache's bytes."""
     decode = _end(None, chunk_tokens=16, dtype=dtype)
     src_slots, dst_slots = [7, 8, 9, 30], [1, 2, 40, 41]  # a run of 2, then two runs of 1 packed
     for shared, transport in ((True, "shm"), (False, "gloo")):
@@ -116,6 +125,69 @@ def test_a_source_in_shared_memory_is_read_in_place_in_its_own_process(dtype):
         )
         assert torch.equal(decode.kv_tensor[:, :, dst_slots], prefill.kv_tensor[:, :, src_slots])
         assert decode.peers()["staging_bytes"] == (0 if shared else staging_bytes(HEADS, DIM, dtype, 16))
+
+
+@dataclass
+class _StoreLink:
+    store: object
+    transfers: int = 0  # both ends count the transfers on the channel alike: the key of the next
+
+
+class _StoreTransport(KVTransport[_StoreLink]):
+    """A transport as a new one (NIXL, Mooncake) is written: a subclass and an entry in TRANSPORTS.
+    Its KV goes as one value in the channel's store; it declines channels to "far" instances, which
+    both ends see alike, so they agree without a word."""
+
+    name = "store"
+    closed: list[_StoreLink] = []
+
+    def connect(self, channel, is_source, store):
+        return None if "far" in channel else _StoreLink(store)
+
+    def send(self, link, slots, layers, heads, dst_slots):
+        data = part(self.kv.tensor, self.kv.layout, layers, heads)[:, :, slots].contiguous()
+        link.store.set(f"kv/{link.transfers}", data.view(torch.uint8).numpy().tobytes())
+        link.transfers += 1
+        return data.numel() * data.element_size()
+
+    def recv(self, link, slots, layers, heads, src_slots):
+        raw = link.store.get(f"kv/{link.transfers}")
+        link.transfers += 1
+        view = part(self.kv.tensor, self.kv.layout, layers, heads)
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(view.dtype)
+        view[:, :, slots] = data.view(len(layers), 2, len(slots), len(heads), view.shape[4])
+        return len(raw)
+
+    def probe(self, link, buffer, send, message_bytes):
+        raise NotImplementedError
+
+    def close(self, link):
+        self.closed.append(link)
+
+
+def test_a_transport_registered_first_serves_the_channels_it_connects_and_the_next_one_the_rest(monkeypatch):
+    monkeypatch.setitem(TRANSPORTS, "cpu", (_StoreTransport, *TRANSPORTS["cpu"]))
+    monkeypatch.setattr(_StoreTransport, "closed", [])
+    decode = _end(None, chunk_tokens=16)
+    src_slots, dst_slots = [7, 8, 9, 30, 31], [1, 2, 40, 41, 50]
+    for name, transport in (("near", "store"), ("far", "gloo")):
+        prefill, channel = _end(5, chunk_tokens=16), f"prefill-{name}.0>decode.0"
+        address = prefill.store_address()
+        _both((prefill.connect, channel, True, address), (decode.connect, channel, False, address))
+        assert prefill.transport(channel) == decode.transport(channel) == transport
+        heads = range(1, HEADS)  # a part of the heads, as tensor-parallel degrees that differ move
+        for _ in range(2):  # a second transfer on the channel too
+            sent, received = _both(
+                (prefill.send, channel, src_slots, range(LAYERS), heads, dst_slots),
+                (decode.recv, channel, dst_slots, range(LAYERS), heads, src_slots),
+            )
+            assert sent.num_bytes == received.num_bytes == LAYERS * 2 * len(src_slots) * len(heads) * DIM * 4
+            assert sent.digest == received.digest != ""  # not in place: checked by default
+        assert torch.equal(decode.kv_tensor[:, :, dst_slots, 1:], prefill.kv_tensor[:, :, src_slots, 1:])
+        assert not decode.kv_tensor[:, :, :, 0].any()  # the heads not moved stay as they were
+        decode.kv_tensor.zero_()
+        assert decode.drop_peer(f"prefill-{name}") == [channel]
+    assert [link.transfers for link in _StoreTransport.closed] == [2]  # the store's link, closed when dropped
 
 
 def test_transfer_rounds_never_ask_a_rank_for_two_parts_at_once():
