@@ -79,7 +79,8 @@ def make_rank(args: argparse.Namespace, seed: int, shared: bool) -> KVTransfer:
     generator = torch.Generator(device).manual_seed(seed)
     for layer in cache:  # a layer at a time: one draw of the whole cache would pass 2**31 elements
         layer.normal_(generator=generator)
-    return KVTransfer(cache, layout, chunk_tokens=args.chunk_tokens, shared=file)
+    # Checked: the pull is timed with its digest, as ``kv_transfer_checksum: on`` runs it in place.
+    return KVTransfer(cache, layout, chunk_tokens=args.chunk_tokens, shared=file, checksum="on")
 
 
 def source(args: argparse.Namespace, addresses: Queue, results: Queue, done: Event) -> None:
@@ -108,8 +109,9 @@ def median_seconds(call: Callable[[], object], repeats: int) -> float:
 
 def torch_pull(transfer: KVTransfer, dst_slots: list[int], src_slots: list[int]) -> None:
     """The pull of ``recv`` with torch's per-layer copy in place of the kernel: every layer and head."""
-    src_cache = transfer._group(CHANNEL).tensor
-    with transfer._copying():
+    transport, peer = transfer._link(CHANNEL)
+    src_cache = peer.tensor
+    with transport._copying():
         index = torch.tensor(dst_slots, dtype=torch.long, device=transfer.device)
         src_index = torch.tensor(src_slots, dtype=torch.long, device=transfer.device)
         copy_slots(transfer.kv_tensor, index, src_cache, src_index, transfer.chunk_tokens, kernel=False)
@@ -138,15 +140,15 @@ def destination(args: argparse.Namespace, addresses: Queue, results: Queue) -> N
             dst_slots = token_slots(rng.sample(range(args.num_blocks), num_blocks), tokens, args.block_size)
             num_bytes = transfer.recv(CHANNEL, dst_slots, layers, heads, src_slots).num_bytes
             # A check of what arrived, first and last layer: the source's cache is mapped here.
-            src_cache = transfer._group(CHANNEL).tensor
+            src_cache = transfer._link(CHANNEL)[1].tensor
             for layer in (0, args.num_layers - 1):
                 if not torch.equal(transfer.kv_tensor[layer][:, dst_slots], src_cache[layer][:, src_slots]):
                     raise RuntimeError(f"layer {layer} of a {tokens}-token pull differs from the source")
             pull_once = partial(transfer.recv, CHANNEL, dst_slots, layers, heads, src_slots)
             pull = median_seconds(pull_once, args.repeats)
-            transfer.checksum = False
+            transfer.checksum = "off"
             unchecked = median_seconds(pull_once, args.repeats)
-            transfer.checksum = True
+            transfer.checksum = "on"
             source_digest = median_seconds(partial(kv_digest, src_cache, src_slots), args.repeats)
             fallback = median_seconds(partial(torch_pull, transfer, dst_slots, src_slots), args.repeats)
             raw = median_seconds(partial(transfer.recv_probe, CHANNEL, num_bytes), args.repeats)
