@@ -85,6 +85,28 @@ def assert_engine_idle(engine) -> None:
 IN_USE_FIELDS = ("num_waiting", "num_running", "num_held", "num_pending")
 
 
+class IndexTierClient:
+    """A prefix tier client over a real index in this process, answering as ``TierClient`` does from
+    its node's store: a block manager's tier connector runs on it without Ray."""
+
+    def __init__(self, capacity: int) -> None:
+        from distserve.kv_tier.index import TierIndex
+
+        self.index = TierIndex(capacity)
+        self.full = False  # no slot to lease: steps save nothing, as when every entry is pinned
+
+    def lookup(self, keys: list) -> list[int]:
+        return self.index.lookup("engine", keys)
+
+    def plan(self, loads: list, saves: list) -> tuple[list, list]:
+        slots = [] if self.full else self.index.lease("engine", len(saves))
+        return [(block, slot) for _, slot, block in loads], [(b, slot, key) for (key, b), slot in zip(saves, slots)]
+
+    def settle(self, loads: list, saved: list) -> None:
+        self.index.commit("engine", [(slot, key) for _, slot, key in saved])
+        self.index.release("engine", [key[0] for key, _, _ in loads])
+
+
 def in_use(infos) -> list[str]:
     """What instances still hold, a line per instance (none: nothing). The strictest condition, for
     every test: each block free, nothing queued, running, held for decode or arriving, no failure.

@@ -5,11 +5,18 @@ history on 2 prefill + 1 decode instances; outputs equal to transformers' greedy
 import asyncio
 
 import torch
-from conftest import assert_engine_idle, random_prompts, reference_greedy, wait_nothing_in_use_async
+from conftest import (
+    IndexTierClient,
+    assert_engine_idle,
+    random_prompts,
+    reference_greedy,
+    wait_nothing_in_use_async,
+)
 
 from distserve import AsyncCluster, SamplingParams
 from distserve.core.config import EngineConfig
 from distserve.core.sequence import Sequence
+from distserve.kv_connector.tier import TierConnector
 from distserve.kv_tier.index import TierIndex
 from distserve.scheduling.block_manager import BlockManager
 
@@ -62,36 +69,29 @@ def test_a_holder_that_is_forgotten_leaves_no_pin_or_lease():
     assert index.lease("w", 2) == [1, 0]  # the freed lease, then 1 evicted
 
 
-class IndexTier:
-    """The block manager's tier: a real index, slots as it answers them."""
-
-    def __init__(self, capacity: int) -> None:
-        self.index = TierIndex(capacity)
-
-    def lookup(self, keys):
-        return self.index.lookup("engine", keys)
-
-
 def test_the_block_manager_loads_what_the_tier_holds_and_saves_what_it_computes():
     bm = BlockManager(num_blocks=16, block_size=4)
-    bm.tier = tier = IndexTier(capacity=8)
+    client = IndexTierClient(capacity=8)
+    bm.tier = tier = TierConnector(bm, client)
     first = Sequence(list(range(10, 27)), SamplingParams())  # 17 tokens: 4 full blocks
     bm.allocate(first)
-    loads, saves = bm.take_tier_work()
-    assert loads == [] and [block for _, block in saves] == first.block_table[:4]
-    assert all(bm.blocks[b].ref_count == 2 for _, b in saves)  # kept until the step is done
-    tier.index.commit("engine", list(zip(tier.index.lease("engine", 4), [key for key, _ in saves])))
-    bm.saved(saves)
+    meta = tier.build_connector_meta()
+    assert meta.loads == [] and meta.saves == list(zip(first.block_table[:4], [0, 1, 2, 3]))
+    assert all(bm.blocks[b].ref_count == 2 for b, _ in meta.saves)  # kept until the step is done
+    tier.update_connector_output(meta, 0.0)  # the store commits them, the references go
+    assert len(client.index) == 4 and all(bm.blocks[b].ref_count == 1 for b in first.block_table)
     bm.free(first)
     bm.set_prefix_caching(False)  # forget this instance's own cache: only the tier holds the prefix
     bm.set_prefix_caching(True)
     second = Sequence(list(range(10, 23)) + [99, 98], SamplingParams())  # 3 blocks shared, a 4th not full
     bm.allocate(second)
-    loads, saves = bm.take_tier_work()
-    assert [(slot, block) for _, slot, block in loads] == list(zip([0, 1, 2], second.block_table[:3]))
+    meta = tier.build_connector_meta()
+    assert meta.loads == list(zip(second.block_table[:3], [0, 1, 2]))
     assert second.num_computed_tokens == second.num_cached_tokens == 12 and bm.tier_hit_tokens == 12
-    assert saves == []  # nothing full is computed here
-    bm.saved(saves)
+    assert meta.saves == []  # nothing full is computed here
+    assert client.index.num_pinned == 3  # until the step that reads them is done
+    tier.update_connector_output(meta, 0.0)
+    assert client.index.num_pinned == 0 and tier.build_connector_meta() is None
     bm.free(second)
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -156,6 +156,7 @@ def test_blocks_one_engine_saves_another_reads_greedy_equal(ray_cluster, referen
         assert engines["b"].block_manager.tier_hit_tokens == 56 and engines["b"].tier.loaded_blocks == 7
         for engine in engines.values():
             assert_engine_idle(engine)
+            assert engine.stats.totals["tier"] > 0  # the copies' phase of the steps
         assert _stores_idle(ray_cluster, stores.values())
         ray_cluster.kill(store)  # a cache: the engines go on without it
         third = random_prompts([30], 1024, seed=3)[0]

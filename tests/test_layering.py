@@ -15,6 +15,7 @@ LAYERS = [
     ["scheduling", "parallel"],  # who runs and which blocks it holds; ranks, groups, sharding
     ["kv_transfer"],  # how KV crosses between instances
     ["kv_tier"],  # the shared prefix tier: a store of KV blocks per node
+    ["kv_connector"],  # what a step moves into and out of the KV cache: swap, the prefix tier
     ["model_executor"],  # the model on one rank: loading, KV cache, attention, runner, sampler, worker
     ["engine"],  # one instance's engine, its roles and executor
     ["cluster"],  # instances as Ray actors, orchestrator, routing, failover, Cluster API

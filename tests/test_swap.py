@@ -94,6 +94,8 @@ def _check_swapped(llm: LLM) -> None:
     assert swap.num_swap_outs > 0 and swap.num_swap_ins == swap.num_swap_outs
     assert llm.engine.scheduler.num_preemptions == swap.num_swap_outs + swap.num_recomputes
     assert swap.num_free_blocks == swap.num_blocks and swap.blocks_copied > 0
+    # What the choice learns the copies' time from is the steps' swap phase.
+    assert swap.copy_seconds == pytest.approx(llm.engine.stats.totals["swap"]) and swap.copy_seconds > 0
     assert_engine_idle(llm.engine)
 
 

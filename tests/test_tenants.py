@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from conftest import random_prompts, wait_nothing_in_use
+from conftest import IndexTierClient, random_prompts, wait_nothing_in_use
 from transformers import AutoTokenizer
 
 from distserve import LLM, SamplingParams
@@ -32,7 +32,7 @@ from distserve.entrypoints.grpc_server import sampling_params_from_proto
 from distserve.entrypoints.openai_protocol import parse_chat, parse_completion
 from distserve.entrypoints.server import BackgroundServer
 from distserve.entrypoints.server_config import ADMIN_KEY_ENV, API_KEY_ENV, ServerConfig
-from distserve.kv_tier.index import TierIndex
+from distserve.kv_connector.tier import TierConnector
 from distserve.model_executor.model_loader import default_sampling_params, resolve_model
 from distserve.model_executor.tiny_models import ensure_tiny_model
 from distserve.scheduling.block_manager import BlockManager
@@ -147,20 +147,20 @@ def test_fields_a_request_leaves_out_take_the_models_defaults_on_each_path(token
 
 def test_salted_prompts_share_no_block_in_the_instance_cache_or_the_tier():
     bm = BlockManager(num_blocks=32, block_size=4)
-    tier = TierIndex(capacity=16)
-    bm.tier = SimpleNamespace(lookup=lambda keys: tier.lookup("engine", keys))
+    client = IndexTierClient(capacity=16)
+    bm.tier = tier = TierConnector(bm, client)
     tokens = list(range(10, 27))  # 17 tokens: 4 full blocks may come from a cache
 
     def run(salt: str | None, save: bool = False) -> tuple[int, int]:
         """(prompt tokens found cached, of them from the tier) of a request; ``save``: its blocks join the tier."""
         seq = Sequence(tokens, SamplingParams(cache_salt=salt))
         bm.allocate(seq)
-        loads, saves = bm.take_tier_work()
-        if save:
-            tier.commit("engine", list(zip(tier.lease("engine", len(saves)), [key for key, _ in saves])))
-        bm.saved(saves)
+        client.full = not save
+        meta = tier.build_connector_meta()  # None: nothing to load or save
+        if meta is not None:
+            tier.update_connector_output(meta, 0.0)
         bm.free(seq)
-        return seq.num_cached_tokens, len(loads) * 4
+        return seq.num_cached_tokens, 4 * len(meta.loads) if meta is not None else 0
 
     assert run("tenant-a", save=True) == (0, 0)
     assert run("tenant-b") == run(None) == (0, 0)  # A's blocks are in both caches, under A's salt

@@ -27,6 +27,9 @@ from distserve.engine.input_processor import InputProcessor
 from distserve.engine.kv_hold import KVHold
 from distserve.engine.prefill_role import PrefillRole
 from distserve.engine.role import ColocatedRole, InstanceRole, RoleContext
+from distserve.kv_connector.base import KVConnectorScheduler
+from distserve.kv_connector.swap import SwapConnector
+from distserve.kv_connector.tier import TierConnector
 from distserve.kv_transfer.plan import KVSource
 from distserve.model_executor.model_loader import default_sampling_params, eos_token_ids, load_tokenizer, resolve_model
 from distserve.model_executor.model_runner import BatchInput, SeqInput
@@ -98,6 +101,9 @@ class LLMEngine:
         if self.executor.num_swap_blocks:
             swap = SwapSpace(self.executor.num_swap_blocks, self.block_manager, self.step_time)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.step_time, swap=swap)
+        # What each step moves into and out of the KV cache, in the order of their loads: swap's
+        # copies out first (a block they free may be allocated, and loaded into, in the same step).
+        self.kv_connectors: list[KVConnectorScheduler] = [SwapConnector(swap)] if swap is not None else []
         scheduler = config.scheduler
         self.kv_hold = KVHold(scheduler.kv_hold_timeout, max(1, int(scheduler.kv_hold_fraction * num_blocks)))
         self._set_role(scheduler.role)
@@ -159,7 +165,9 @@ class LLMEngine:
     def attach_tier(self, client: TierClient) -> None:
         """Use the node's prefix tier (``client``'s store): look prompts up there, save blocks there."""
         self.executor.attach_tier(client.geometry, client.shared)
-        self.tier = self.block_manager.tier = client
+        self.tier = client
+        self.block_manager.tier = connector = TierConnector(self.block_manager, client)
+        self.kv_connectors.append(connector)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -367,8 +375,7 @@ class LLMEngine:
         timer = StepTimer()
         batch = self.scheduler.schedule() if self.role.may_schedule() else ScheduledBatch([], is_prefill=True)
         timer.lap("schedule")
-        if not batch.seqs:
-            self.block_manager.saved(self.block_manager.take_tier_work()[1])  # nothing ran: nothing to save
+        if not batch.seqs:  # what the connectors have to move waits for a step that runs
             return []
         model_input, output = self._execute(batch, timer)
         deltas = self._update(batch, model_input, output)
@@ -383,13 +390,8 @@ class LLMEngine:
         """Run ``batch`` on the executor and note when its sequences ran."""
         model_input = BatchInput.from_sequences(batch.is_prefill, batch.seqs, batch.num_decode, batch.num_new_tokens)
         model_input.block_copies, self.block_manager.pending_copies = self.block_manager.pending_copies, []
-        swap = self.scheduler.swap
-        if swap is not None:
-            model_input.swaps = [(copy.out, copy.pairs) for copy in swap.take_pending()]
-        loads, saves = self.block_manager.take_tier_work()
-        if loads or saves:
-            model_input.tier_loads, tier_saves = self.tier.plan(loads, saves)
-            model_input.tier_saves = [(block, slot) for block, slot, _ in tier_saves]
+        moves = [(c, meta) for c in self.kv_connectors if (meta := c.build_connector_meta()) is not None]
+        model_input.kv_connectors = [meta for _, meta in moves]
         faults = self._constrain(batch.seqs, model_input.seqs)
         started = time.time()
         self.executing = (time.monotonic(), model_input.num_tokens)
@@ -399,9 +401,8 @@ class LLMEngine:
             self.executing = None
         timer.lap("execute")
         output.faults = {**faults, **output.faults}
-        if loads or saves:
-            self.tier.settle(loads, tier_saves)
-            self.block_manager.saved(saves)
+        for connector, meta in moves:  # the copies' time on the driver rank: swap's cost per block
+            connector.update_connector_output(meta, output.seconds.get(meta.connector, 0.0))
         ended = time.time()
         step = (started, ended, len(batch.seqs))
         for seq in batch.seqs:
@@ -415,8 +416,6 @@ class LLMEngine:
         # Split the executor's time into the driver rank's phases and the rest (calls, transfers).
         timer.seconds["dispatch"] = timer.seconds.pop("execute") - sum(output.seconds.values())
         timer.seconds.update(output.seconds)
-        if model_input.swaps and swap is not None:
-            swap.observe(sum(len(pairs) for _, pairs in model_input.swaps), output.seconds.get("swap", 0.0))
         return model_input, output
 
     def _update(self, batch: ScheduledBatch, model_input: BatchInput, output: ModelOutput) -> list[RequestDelta]:

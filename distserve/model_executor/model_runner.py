@@ -11,6 +11,7 @@ import torch
 
 from distserve.core.sampling_params import SamplingParams
 from distserve.core.sequence import Sequence
+from distserve.kv_connector.base import KVConnectorMetadata
 from distserve.model_executor.attention import (
     AttentionMetadata,
     DecodePlan,
@@ -101,13 +102,9 @@ class BatchInput:
     # Blocks to copy (source, destination) before the forward pass: a sample's first write into a
     # block it shared with its siblings (``BlockManager.append_slot``).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # KV copies to and from the host pool before those, in order: (out, [(device block, host
-    # block), ...]) each, out to the pool or back in (``SwapSpace``).
-    swaps: list[tuple[bool, list[tuple[int, int]]]] = field(default_factory=list)
-    # (block, tier slot) pairs: KV copied in from the node's prefix tier before the forward pass,
-    # and out to it after the forward pass (blocks this step computed, or earlier ones).
-    tier_loads: list[tuple[int, int]] = field(default_factory=list)
-    tier_saves: list[tuple[int, int]] = field(default_factory=list)
+    # What each KV connector with work this step loads before those copies and saves after the
+    # forward pass (swap, the prefix tier), in the order of their loads.
+    kv_connectors: list[KVConnectorMetadata] = field(default_factory=list)
 
     @classmethod
     def from_sequences(

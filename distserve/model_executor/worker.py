@@ -22,6 +22,9 @@ from distserve.core.errors import RequestFault
 from distserve.core.kv_cache_dtype import check_kv_cache_dtype
 from distserve.core.outputs import TokenLogprobs
 from distserve.core.step_metrics import StepTimer
+from distserve.kv_connector.base import KVConnectorWorker
+from distserve.kv_connector.swap import SwapConnectorWorker, SwapMetadata
+from distserve.kv_connector.tier import TierConnectorWorker, TierMetadata
 from distserve.kv_transfer.channel import KVTransfer
 from distserve.kv_transfer.plan import KVCacheShape, rank_layout
 from distserve.model_executor.attention import resolve_attention_backend
@@ -79,7 +82,8 @@ class Worker:
         self.rank = ParallelRank(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, rank)
         self.device = resolve_device(config.model.device)
         self._store: dist.TCPStore | None = None
-        self.tier_pool: torch.Tensor | None = None  # this rank's view of the node's prefix tier pool
+        # Connectors' worker halves, by the name their steps' metadata carries.
+        self.kv_connectors: dict[str, KVConnectorWorker] = {SwapMetadata.connector: SwapConnectorWorker()}
         if self.device.type == "cpu":
             # Ray pins actors to one thread. One batch is in flight at a time, so only the TP ranks
             # of one stage compute at once: unbound, they share the machine's cores.
@@ -186,22 +190,9 @@ class Worker:
             self.decode_graphs.capture()
 
     def attach_tier(self, geometry: KVCacheShape, shared: SharedFile) -> None:
-        """Map the node's prefix tier pool, this rank's layers and heads of it. OSError where it
-        cannot be mapped (not this machine's), ValueError where its blocks are not this model's."""
-
-        def blocks(shape: KVCacheShape) -> tuple:
-            return shape.block_size, shape.head_dim, shape.storage_dtype, shape.cache_dtype
-
-        if blocks(geometry) != blocks(self.kv_shape):
-            raise ValueError(f"the tier holds blocks of {geometry}, this rank's are {self.kv_shape}")
-        layers, heads = self.kv_layout.layers, self.kv_layout.kv_heads
-        pool = shared.open()
-        # Map every page now: each first touch of a page of the pool is a fault in this process, and
-        # a step saving 16 blocks (8 MiB) to pages not yet touched took 5 ms, most of it faults.
-        # Reading is enough on shared memory (and writing would race with the other processes).
-        flat = pool.view(-1)
-        flat[:: max(1, 4096 // flat.element_size())].sum()
-        self.tier_pool = pool[layers.start : layers.stop, :, :, heads.start : heads.stop]
+        """Map the node's prefix tier pool, this rank's layers and heads of it (``TierConnectorWorker.attach``)."""
+        tier = TierConnectorWorker.attach(geometry, shared, self.kv_shape, self.kv_layout)
+        self.kv_connectors[TierMetadata.connector] = tier
 
     def kv(self, method: str, *args):
         """A KV transfer call (``KVTransfer.<method>``); it runs beside the steps, on another thread."""
@@ -210,14 +201,11 @@ class Worker:
     def execute_model(self, batch: BatchInput) -> ModelOutput | None:
         """Run this rank's part of one step; the driver rank returns the sampled tokens."""
         timer = StepTimer()
-        for out, pairs in batch.swaps:  # before the copies on write: one may fill a block swapped out
-            self.kv_cache.swap(out, pairs)
-        if batch.swaps:
-            timer.lap("swap")
-        self.kv_cache.copy_blocks(batch.block_copies)
-        if batch.tier_loads:
-            self.kv_cache.copy_host(self.tier_pool, False, batch.tier_loads)
-            timer.lap("tier")
+        moves = [(self.kv_connectors[meta.connector], meta) for meta in batch.kv_connectors]
+        for connector, meta in moves:  # each connector's time is its phase of the step
+            connector.start_load_kv(self.kv_cache, meta)
+            timer.lap(meta.connector)
+        self.kv_cache.copy_blocks(batch.block_copies)  # after the loads: one may fill a block swapped out
         graphs = self.decode_graphs
         if graphs is not None and not batch.is_prefill and graphs.fits(len(batch.seqs)):
             out = graphs.run(batch.seqs)
@@ -226,13 +214,12 @@ class Worker:
         if self.device.type == "cuda" and out is not None and self.rank.is_driver:
             torch.cuda.synchronize(self.device)  # so the forward's time is not booked to sampling
         timer.lap("forward")
-        if batch.swaps and self.device.type == "cuda":  # the copies ran on the device before the forward pass
-            copies = self.kv_cache.swap_seconds()
-            timer.seconds["swap"] += copies
-            timer.seconds["forward"] = max(0.0, timer.seconds["forward"] - copies)
-        if batch.tier_saves:  # every rank's part, before the step's answer says they are there
-            self.kv_cache.copy_host(self.tier_pool, True, batch.tier_saves)
-            timer.lap("tier")
+        for connector, meta in moves:
+            if copies := connector.get_finished(self.kv_cache):  # ran on the device before the forward pass
+                timer.seconds[meta.connector] += copies
+                timer.seconds["forward"] = max(0.0, timer.seconds["forward"] - copies)
+            connector.wait_for_save(self.kv_cache, meta)  # every rank's part, before the answer says it is there
+            timer.lap(meta.connector)
         if out is None or not self.rank.is_driver:
             return None
         sampled = sample_step(self.sampler, out, batch)  # a request's fault there is its own

@@ -16,11 +16,11 @@ The samples of one request share their prompt's blocks (``fork``); the first of 
 token into a shared block gets a copy of it (copy on write): the copies a step needs wait in
 ``pending_copies`` for the workers to make before its forward pass.
 
-With a second tier (``tier``: the node's shared prefix tier), a prompt's blocks past its cached
-prefix are looked up there too; those found are copied in before the step's forward pass
-(``tier_loads``) and count as cached. Every block computed here joins the tier after the step that
-computes it (``tier_saves``), holding a reference until then, so that it is not reused before the
-copy.
+With a second tier (``tier``: the scheduler half of the node's shared prefix tier's connector,
+``kv_connector/tier.py``), a prompt's blocks past its cached prefix are looked up there too; those
+found are copied in before the step's forward pass and count as cached. Every block computed here
+is saved to the tier after the step that computes it, holding a reference until then (``saved``),
+so that it is not reused before the copy.
 """
 
 from __future__ import annotations
@@ -34,9 +34,15 @@ from distserve.core.sequence import Sequence
 TierKey = tuple[int, tuple[int, ...]]  # (block hash, the block's tokens)
 
 
-class TierLookup(Protocol):
-    def lookup(self, keys: list[TierKey]) -> list[int]:
-        """The tier slots of the longest leading run of ``keys`` it holds, kept until the step is done."""
+class PrefixTier(Protocol):
+    """Where a prompt's blocks past this pool's cached prefix may come from, and where blocks
+    computed here go (``kv_connector/base.py`` says what each call means)."""
+
+    def get_num_new_matched_tokens(self, seq: Sequence, keys: list[TierKey]) -> int: ...
+
+    def update_state_after_alloc(self, seq: Sequence, block_ids: list[int]) -> None: ...
+
+    def save_block(self, key: TierKey, block_id: int) -> None: ...
 
 
 def chain_hash(parent: int, tokens: list[int]) -> int:
@@ -79,9 +85,7 @@ class BlockManager:
         self.prefix_cache_hit_tokens = 0
         self.pending_copies: list[tuple[int, int]] = []  # (source block, destination block)
         self.num_copied_blocks = 0  # copies on write so far
-        self.tier: TierLookup | None = None
-        self.tier_loads: list[tuple[TierKey, int, int]] = []  # (key, tier slot, block) to copy in
-        self.tier_saves: list[tuple[TierKey, int]] = []  # (key, block) to copy out; the block referenced
+        self.tier: PrefixTier | None = None
         self.tier_hit_tokens = 0
 
     @property
@@ -182,24 +186,24 @@ class BlockManager:
                 del self._free_back[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
-        tier_slots = self._tier_prefix(seq, len(hits)) if share_cached else []
+        found = self._tier_prefix(seq, len(hits)) if share_cached else 0
         num_full = seq.num_tokens // self.block_size
         # In ascending ids: blocks freed together come back tail first, and sorted they are runs of
         # consecutive slots again, which a KV transfer moves whole instead of gathering them.
         fresh = sorted(self._take_free_block() for _ in range(len(hits), seq.num_blocks(self.block_size)))
         for i, block_id in enumerate(fresh, start=len(hits)):
             seq.block_table.append(block_id)
-            if i < len(hits) + len(tier_slots):  # its KV comes from the tier before the forward pass
+            if i < len(hits) + found:  # its KV comes from the tier before the forward pass
                 self._register(seq, i, block_id, save=False)
-                key = (seq.block_hashes[i], tuple(seq.block_tokens(i, self.block_size)))
-                self.tier_loads.append((key, tier_slots[i - len(hits)], block_id))
             elif register and i < num_full:
                 self._register(seq, i, block_id)
-        seq.num_cached_tokens = seq.num_computed_tokens = (len(hits) + len(tier_slots)) * self.block_size
+        if found:
+            self.tier.update_state_after_alloc(seq, fresh[:found])
+        seq.num_cached_tokens = seq.num_computed_tokens = (len(hits) + found) * self.block_size
         if share_cached:  # tokens to compute, less those found; not KV copied in whole
             self.prefix_cache_queried_tokens += seq.num_tokens
             self.prefix_cache_hit_tokens += seq.num_cached_tokens
-            self.tier_hit_tokens += len(tier_slots) * self.block_size
+            self.tier_hit_tokens += found * self.block_size
 
     def allocate_shared(self, seqs: list[Sequence], tables: list[list[int]]) -> dict[int, int]:
         """Give ``seqs`` blocks whose KV is to be copied in whole, one block for each distinct entry of
@@ -218,14 +222,13 @@ class BlockManager:
                 self._used[block].ref_count += 1
         return {block: key for key, block in device.items()}
 
-    def _tier_prefix(self, seq: Sequence, start: int) -> list[int]:
-        """Tier slots of the blocks of ``seq`` that follow its ``start`` cached ones, as far as the
-        tier holds them."""
+    def _tier_prefix(self, seq: Sequence, start: int) -> int:
+        """How many of the blocks of ``seq`` that follow its ``start`` cached ones the tier holds."""
         end = self._shareable_blocks(seq)
         if self.tier is None or start >= end:
-            return []
+            return 0
         keys = [(self._block_hash(seq, i), tuple(seq.block_tokens(i, self.block_size))) for i in range(start, end)]
-        return self.tier.lookup(keys)
+        return self.tier.get_num_new_matched_tokens(seq, keys) // self.block_size
 
     def register_computed(self, seq: Sequence, from_token: int, save: bool = True) -> None:
         """Enter ``seq``'s full blocks whose KV is computed, from the one holding ``from_token`` on,
@@ -306,15 +309,9 @@ class BlockManager:
             else:
                 self._free_back[block_id] = None
 
-    def take_tier_work(self) -> tuple[list[tuple[TierKey, int, int]], list[tuple[TierKey, int]]]:
-        """The step's copies from the tier and to it; ``saved`` once the step is done."""
-        work = self.tier_loads, self.tier_saves
-        self.tier_loads, self.tier_saves = [], []
-        return work
-
-    def saved(self, saves: list[tuple[TierKey, int]]) -> None:
-        """The step that copied ``saves`` out to the tier is done: their blocks' references go."""
-        for _, block_id in saves:
+    def saved(self, block_ids: list[int]) -> None:
+        """The step that copied these blocks out to the tier is done: the references held for it go."""
+        for block_id in block_ids:
             self._unref(block_id)
 
     def _take_free_block(self) -> int:
@@ -346,4 +343,4 @@ class BlockManager:
         self.hash_to_block_id[block.hash] = block_id
         if save and self.tier is not None:
             block.ref_count += 1
-            self.tier_saves.append(((block.hash, block.token_ids), block_id))
+            self.tier.save_block((block.hash, block.token_ids), block_id)
