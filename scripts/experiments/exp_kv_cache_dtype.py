@@ -27,8 +27,10 @@ The tiny models are random weights (there is no model hub here): the tests' own 
    per-block scale can do, as if a block were requantized each time a token joins it), and
    measured as their error against the exact K/V, the attention output's error against exact
    attention on the same inputs (layer by layer, the exact output passed on), and the forced
-   logprobs with every layer's K/V rounded (as the C++ kernel reads them). For scale, the same
-   for K/V rounded to bfloat16, what a bfloat16 cache does to them.
+   logprobs with every layer's K/V rounded (as the C++ kernel reads them); and transformers'
+   greedy outputs of the prompts of 2 with K/V so rounded at every step (a partial block's scale
+   from its tokens so far), against its exact greedy outputs. For scale, the same for K/V rounded
+   to bfloat16, what a bfloat16 cache does to them.
 """
 
 from __future__ import annotations
@@ -120,10 +122,15 @@ def greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[li
     return [(list(o.output_token_ids), [lp.logprob for lp in o.logprobs]) for o in outs]
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two outputs differ, or None where they are equal."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
 def compare_greedy(ref: list, test: list) -> Greedy:
     equal, first_diffs, diffs = 0, [], []
     for (ref_ids, ref_lp), (ids, lp) in zip(ref, test):
-        part = next((i for i, (a, b) in enumerate(zip(ref_ids, ids)) if a != b), None)
+        part = first_difference(ref_ids, ids)
         if part is None:
             equal += 1
         else:
@@ -225,7 +232,18 @@ class Rounding:
         return (rounded if self.propagate else exact), None
 
 
-def scale_runs(args: argparse.Namespace, model: Path, seqs: list[list[int]], rounding: Rounding) -> list[str]:
+def hf_greedy(hf, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens of each prompt (one at a time: no padding), EOS ignored."""
+    found = []
+    for prompt in prompts:
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+        found.append(out[0, len(prompt) :].tolist())
+    return found
+
+
+def scale_runs(
+    args: argparse.Namespace, model: Path, seqs: list[list[int]], prompts: list[list[int]], rounding: Rounding
+) -> list[str]:
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="kv_rounding").eval()
     ids = torch.tensor(seqs)
     targets = ids[:, 1:, None]
@@ -233,6 +251,7 @@ def scale_runs(args: argparse.Namespace, model: Path, seqs: list[list[int]], rou
     with torch.inference_mode():
         rounding.propagate = False
         exact = hf(ids).logits.float().log_softmax(-1)[:, :-1]
+        exact_greedy = hf_greedy(hf, prompts, args.max_tokens)
         for cache_dtype, scale, fn in roundings(args.cache_dtypes):
             rounding.round, rounding.errors = fn, {"k": [], "v": [], "out": []}
             rounding.propagate = False
@@ -242,10 +261,15 @@ def scale_runs(args: argparse.Namespace, model: Path, seqs: list[list[int]], rou
             got = hf(ids).logits.float().log_softmax(-1)[:, :-1]
             diff = (got.gather(-1, targets) - exact.gather(-1, targets)).abs()
             agree = (got.argmax(-1) == exact.argmax(-1)).float().mean().item()
+            parts = [first_difference(a, b) for a, b in zip(exact_greedy, hf_greedy(hf, prompts, args.max_tokens))]
+            differ = [p for p in parts if p is not None]
+            where = f"{statistics.median(differ):.0f} / {min(differ)}" if differ else "-"
             rows.append(
                 f"| {cache_dtype} | {scale} | {errors['k']:.4f} | {errors['v']:.4f} | {errors['out']:.4f} "
-                f"| {diff.max().item():.4f} | {diff.mean().item():.5f} | {agree:.2%} |"
+                f"| {diff.max().item():.4f} | {diff.mean().item():.5f} | {agree:.2%} "
+                f"| {len(parts) - len(differ)}/{len(parts)} | {where} |"
             )
+    rounding.propagate = False
     return rows
 
 
@@ -276,7 +300,7 @@ def main() -> None:
             llm = LLM(str(model), dtype="float32", attention_backend=args.backend, block_size=BLOCK_SIZE)
             seqs = continued(llm, forced_prompts, args.forced_len)
             llm.shutdown()
-            scale_tables[family] = scale_runs(args, model, seqs, rounding)
+            scale_tables[family] = scale_runs(args, model, seqs, prompts, rounding)
     print("\nteacher-forced logprobs (rows past the first chunk) and greedy outputs, against the unquantized cache\n")
     print(
         "| family | dtype | backend | KV | forced max abs diff | mean | top token same | positions "
@@ -288,8 +312,8 @@ def main() -> None:
             print(f"| {family} | {dtype} | {backend} {row}")
     print("\nper-token against per-block scales (transformers' forward, float32, the forced sequences)\n")
     print("| family | KV | scale | K rel err | V rel err | attention out rel err | logprob max diff | mean "
-          "| top token same |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| top token same | greedy equal | first diff median / min |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for family, rows in scale_tables.items():
         for row in rows:
             print(f"| {family} {row}")
