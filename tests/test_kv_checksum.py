@@ -19,7 +19,7 @@ def test_slot_runs_cut_where_slots_stop_being_consecutive():
     assert slot_runs([5, 6, 7, 20, 21, 3]) == [(5, 3), (20, 2), (3, 1)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])  # int8: an 8-bit cache's codes
 def test_the_digest_changes_with_any_byte_slot_layer_or_side(dtype):
     cache = torch.randn(3, 2, 64, 4, 8).to(dtype)
     slots = [*range(8, 24), 40, 41, 50]
