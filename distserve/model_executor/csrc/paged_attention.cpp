@@ -277,7 +277,8 @@ inline void prefetch_part(const Element* block, int64_t elements, int64_t part, 
 
 // The rows first..last of a block's KV head in an 8-bit cache (row t at head + t * row), widened
 // and times their scales, into out[t][dim]: a decoding token's query heads that share a KV head
-// read these, so each code is widened once, not once per query head. On this project's 2-core
+// read these, so each code is widened once, not once per query head (without grouped heads the
+// codes are read in place: the copy would only add a pass). On this project's 2-core
 // Zen 4 a decode step's attention is bound by arithmetic, not memory, even in bfloat16: reading
 // half the bytes, int8 took 1.05-1.35x bfloat16's time (8 sequences of 1,024 and 4,096 tokens, 32
 // query heads over 8 KV heads of 128, 2 threads), and 0.55-0.7x that of a float32 cache.
@@ -339,7 +340,7 @@ void attend_token(const Element* query, Element* out, const Cache* k_cache, cons
       const Element* raw = query + h * shape.q_head_stride;
       const Cache* kh = k_block + (h / group) * stride;
       float* s = scores + h * block_size;
-      if constexpr (kScaled<Cache>) {  // the KV head's keys widened and scaled once, for its group
+      if (kScaled<Cache> && group > 1) {  // the KV head's keys widened and scaled once, for its group
         if (h % group == 0) scaled_rows(kh, row, first, last, dim, rows);
         key_scores<DIM>(qh, raw, rows, dim, first, last, shape.scale, dim, s);
       } else {
@@ -368,7 +369,7 @@ void attend_token(const Element* query, Element* out, const Cache* k_cache, cons
     }
     for (int64_t h = 0; h < heads; ++h) {  // weighted values
       const Cache* vh = v_block + (h / group) * stride;
-      if constexpr (kScaled<Cache>) {
+      if (kScaled<Cache> && group > 1) {
         if (h % group == 0) scaled_rows(vh, row, first, last, dim, rows);
         add_weighted_values<DIM>(acc + h * dim, scores + h * block_size, rows, dim, first, last, dim);
       } else {
