@@ -35,6 +35,7 @@ from pathlib import Path
 
 import ray
 import torch
+from bench_migration import write_model_dir
 from transformers.utils import logging as hf_logging
 
 from distserve import LLM, Cluster, SamplingParams
@@ -43,7 +44,6 @@ from distserve.core.kv_cache_dtype import is_quantized
 from distserve.kv_transfer.plan import KVCacheShape
 from distserve.model_executor.kv_quant import quantize_kv
 from distserve.model_executor.model_runner import BatchInput, SeqInput
-from distserve.model_executor.tiny_models import write_llama_shape
 
 BLOCK_SIZE = 16
 HEAD_DIM = 128
@@ -73,18 +73,6 @@ def parse_args() -> argparse.Namespace:
     args.contexts = [int(n) for n in args.contexts.split(",")]
     args.handover_lens = [int(n) for n in args.handover_lens.split(",")]
     return args
-
-
-def write_model(root: Path, args: argparse.Namespace) -> Path:
-    return write_llama_shape(
-        root / "bench-kv-dtype-llama",
-        hidden_size=args.hidden_size,
-        intermediate_size=args.hidden_size * 2,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.hidden_size // HEAD_DIM,
-        num_key_value_heads=args.num_kv_heads,
-        max_position_embeddings=max(args.contexts + args.handover_lens) + 1024,
-    )
 
 
 def label(dtype: str, cache_dtype: str) -> str:
@@ -252,7 +240,8 @@ def main() -> None:
           f"KV cache dtypes {', '.join(args.cache_dtypes)}")  # fmt: skip
     pool_table(args)
     with tempfile.TemporaryDirectory() as scratch:
-        model = write_model(Path(scratch), args)
+        max_positions = max(args.contexts + args.handover_lens) + 1024
+        model = write_model_dir(Path(scratch), args, "bench-kv-dtype-llama", max_positions)
         if not args.skip_steps:
             step_table(model, args)
         if not args.skip_handover:

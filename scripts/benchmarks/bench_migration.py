@@ -91,16 +91,19 @@ class Row:
     share: float  # migration / request latency
 
 
-def write_model_dir(root: Path, args: argparse.Namespace) -> Path:
-    """config.json and a tokenizer, no weights: the engine draws dummy weights from the shapes."""
+def write_model_dir(
+    root: Path, args: argparse.Namespace, name: str = "bench-migration-llama", max_positions: int = 8192 + 1024
+) -> Path:
+    """config.json and a tokenizer, no weights: the engine draws dummy weights from the shapes
+    (``args``: hidden size, layers and KV heads; heads of 128)."""
     return write_llama_shape(
-        root / "bench-migration-llama",
+        root / name,
         hidden_size=args.hidden_size,
         intermediate_size=args.hidden_size * 2,
         num_hidden_layers=args.num_layers,
         num_attention_heads=args.hidden_size // 128,
         num_key_value_heads=args.num_kv_heads,
-        max_position_embeddings=8192 + 1024,
+        max_position_embeddings=max_positions,
     )
 
 
